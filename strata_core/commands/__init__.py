@@ -1,0 +1,1 @@
+"""One module per `strata` sub-command; each has `register(subparsers)`."""

@@ -1,0 +1,143 @@
+"""The 'cpu' backend: numpy on the host, the reference every other backend is checked against."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .. import API_VERSION, __version__
+from ..backend_api import Backend, PinnedBudget, PinnedBuffer, ProbeResult
+from ..facts import DeviceInfo, PlatformDefaults
+from ..hookspecs import hookimpl
+from ..hostinfo import probe_host
+from ..kernels.reference import ReferenceKernels
+
+NAME = "cpu"
+
+
+def probe() -> ProbeResult:
+    """Always available: the host itself is the device."""
+    host = probe_host()
+    dev = DeviceInfo(backend=NAME, vendor="none", name=host.cpu.name, arch="host",
+                     vram_total_bytes=host.ram_total_bytes, vram_free_bytes=host.ram_available_bytes,
+                     driver_model="host", unified_memory=True)
+    return ProbeResult(available=True, reason="numpy on the host", devices=(dev,), score=10,
+                       version=f"numpy {np.__version__}")
+
+
+class HostMemory:
+    """DeviceMemory whose 'device' is host RAM: arrays are numpy arrays, copies are synchronous."""
+
+    def alloc(self, shape, dtype):
+        """A numpy array, or None when the host has no room."""
+        try:
+            return np.empty(shape, dtype=dtype)
+        except MemoryError:
+            return None
+
+    def free(self, arr):
+        """Nothing to do: numpy frees on the last reference."""
+
+    def upload(self, dst, src, stream=None):
+        """Copy into dst."""
+        np.copyto(dst, np.asarray(src).reshape(dst.shape), casting="same_kind")
+
+    def download(self, src, stream=None):
+        """A host copy of src."""
+        return np.array(src, copy=True)
+
+    def to_device(self, src):
+        """A copy of src."""
+        return np.array(src, copy=True)
+
+    def new_stream(self):
+        """Streams are nominal on the host."""
+        return None
+
+    def new_event(self):
+        """Events are nominal on the host."""
+        return None
+
+    def record(self, event, stream):
+        """Nothing to record: work is synchronous."""
+
+    def wait(self, stream, event):
+        """Nothing to wait for: work is synchronous."""
+
+    def synchronize(self, stream=None):
+        """Nothing to wait for: work is synchronous."""
+
+    def mem_info(self):
+        """(available, total) host RAM."""
+        h = probe_host()
+        return h.ram_available_bytes, h.ram_total_bytes
+
+
+class HostPinnedAllocator:
+    """Host memory the budget accounts for; the cpu backend has nothing to page-lock for a copy engine."""
+
+    kind = "numpy"
+
+    def __init__(self, budget: PinnedBudget):
+        self.budget = budget
+
+    def alloc(self, nbytes, from_floor=False):
+        """A budgeted numpy buffer, or None when the budget or the host says no."""
+        if not self.budget.take(nbytes, from_floor=from_floor):
+            return None
+        try:
+            return PinnedBuffer(array=np.empty(int(nbytes), dtype=np.uint8), nbytes=int(nbytes), kind="alloc",
+                                from_floor=from_floor)
+        except MemoryError:
+            self.budget.give(nbytes)
+            return None
+
+    def register(self, array, from_floor=False):
+        """Account for existing memory in the budget, or None when it does not fit."""
+        nbytes = int(array.nbytes)
+        if not self.budget.take(nbytes, from_floor=from_floor):
+            return None
+        return PinnedBuffer(array=array.reshape(-1).view(np.uint8), nbytes=nbytes, kind="register",
+                            from_floor=from_floor)
+
+    def free(self, buf):
+        """Give the buffer's bytes back (idempotent)."""
+        if not buf.freed:
+            buf.freed = True
+            self.budget.give(buf.nbytes)
+
+
+BACKEND = Backend(name=NAME, vendor="none", probe=probe, version=__version__, api_version=API_VERSION,
+                  install_hint="", description="numpy on the host (the reference)")
+
+
+@hookimpl
+def strata_backends():
+    """The cpu backend."""
+    return [BACKEND]
+
+
+@hookimpl
+def strata_platform_defaults(device, host):
+    """Host defaults: no VRAM reserve beyond the OS's, chunk ceiling 4096, the share is moot (all of it is CPU)."""
+    if device.backend != NAME:
+        return None
+    return PlatformDefaults(chunk_ceiling_tokens=4096, vram_reserve_mib=1024, cpu_share_default=False,
+                            cpu_share_reason="the device is the CPU", source="cpu backend")
+
+
+@hookimpl
+def strata_pinned_allocator(device, budget):
+    """Budgeted numpy buffers."""
+    return HostPinnedAllocator(budget) if device.backend == NAME else None
+
+
+@hookimpl
+def strata_device_memory(device):
+    """Host memory as device memory."""
+    return HostMemory() if device.backend == NAME else None
+
+
+@hookimpl
+def strata_kernels(device):
+    """The numpy reference kernels."""
+    return ReferenceKernels() if device.backend == NAME else None

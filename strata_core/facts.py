@@ -1,0 +1,259 @@
+"""Frozen facts about a machine: the device, the host and a backend's platform defaults, with JSON in and out."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any, Callable
+
+from .errors import BadInput
+
+GIB = 1 << 30
+MIB = 1 << 20
+
+#: Which vendor each in-tree backend name stands for (a third-party backend reports its own).
+VENDOR_OF_BACKEND = {
+    "cpu": "none",
+    "sim": "sim",
+    "cuda": "nvidia",
+    "rocm": "amd",
+    "sycl": "intel",
+    "opencl": "opencl",
+}
+
+
+def _require(d: dict, key: str, where: str) -> Any:
+    """Return d[key] or raise BadInput naming the missing field."""
+    if not isinstance(d, dict):
+        raise BadInput(f"{where}: expected an object, got {type(d).__name__}")
+    if key not in d:
+        raise BadInput(f"{where}: missing field '{key}'")
+    return d[key]
+
+
+@dataclass(frozen=True)
+class CpuInfo:
+    """The host CPU as the planner needs it: a name, a core count and ISA flags."""
+
+    name: str = "unknown"
+    cores: int = 1
+    flags: tuple[str, ...] = ()
+
+    def has(self, flag: str) -> bool:
+        """True if the CPU reports this ISA flag."""
+        return flag.lower() in self.flags
+
+    @classmethod
+    def from_json(cls, d: dict, where: str = "cpu") -> "CpuInfo":
+        """Build from the JSON object of a profile."""
+        if d is None:
+            return cls()
+        return cls(
+            name=str(d.get("name", "unknown")),
+            cores=int(d.get("cores", 1)),
+            flags=tuple(str(f).lower() for f in d.get("flags", ())),
+        )
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    """One accelerator as its backend reports it. Bytes are ints; driver_model is 'linux', 'wddm', 'tcc', 'wsl2', 'host'."""
+
+    backend: str
+    name: str
+    vram_total_bytes: int
+    vram_free_bytes: int
+    vendor: str = ""
+    arch: str = ""
+    driver_model: str = "linux"
+    drives_display: bool = False
+    index: int = 0
+    unified_memory: bool = False
+
+    def to_json(self) -> dict:
+        """The DeviceInfo JSON of profiles and plans."""
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, d: dict, backend: str | None = None, where: str = "device") -> "DeviceInfo":
+        """Build from JSON; `backend` fills the field when the object (as in a scenario) does not carry it."""
+        be = d.get("backend", backend) if isinstance(d, dict) else backend
+        if not be:
+            raise BadInput(f"{where}: missing field 'backend'")
+        try:
+            return cls(
+                backend=str(be),
+                name=str(_require(d, "name", where)),
+                vram_total_bytes=int(_require(d, "vram_total_bytes", where)),
+                vram_free_bytes=int(_require(d, "vram_free_bytes", where)),
+                vendor=str(d.get("vendor") or VENDOR_OF_BACKEND.get(str(be), str(be))),
+                arch=str(d.get("arch", "")),
+                driver_model=str(d.get("driver_model", "linux")).lower(),
+                drives_display=bool(d.get("drives_display", False)),
+                index=int(d.get("index", 0)),
+                unified_memory=bool(d.get("unified_memory", False)),
+            )
+        except (TypeError, ValueError) as e:
+            raise BadInput(f"{where}: {e}") from None
+
+    @property
+    def is_wddm(self) -> bool:
+        """True under Windows' WDDM driver model (also WSL2), where page-locked memory is capped."""
+        return self.driver_model in ("wddm", "wsl2")
+
+
+@dataclass(frozen=True)
+class HostInfo:
+    """The host: OS, RAM in bytes, the page-locked limit if known, and the CPU."""
+
+    os: str
+    ram_total_bytes: int
+    ram_available_bytes: int
+    pinnable_bytes: int | None = None
+    cpu: CpuInfo = field(default_factory=CpuInfo)
+
+    def to_json(self) -> dict:
+        """The HostInfo JSON of profiles and plans."""
+        d = asdict(self)
+        d["cpu"]["flags"] = list(self.cpu.flags)
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict, where: str = "host") -> "HostInfo":
+        """Build from JSON, naming the missing field on bad input."""
+        try:
+            pin = d.get("pinnable_bytes") if isinstance(d, dict) else None
+            return cls(
+                os=str(_require(d, "os", where)).lower(),
+                ram_total_bytes=int(_require(d, "ram_total_bytes", where)),
+                ram_available_bytes=int(_require(d, "ram_available_bytes", where)),
+                pinnable_bytes=None if pin is None else int(pin),
+                cpu=CpuInfo.from_json(d.get("cpu"), where=f"{where}.cpu"),
+            )
+        except (TypeError, ValueError) as e:
+            raise BadInput(f"{where}: {e}") from None
+
+
+RingPolicy = Callable[[int, int, float], int]
+"""(chunk_tokens, slot_bytes, pinned_fraction) -> ring slots the prompt path streams misses through."""
+
+
+def seed_ring_policy(chunk_tokens: int, slot_bytes: int, pinned_fraction: float,
+                     small_chunk_tokens: int = 4096, fixed_ring_slots: int = 384,
+                     ring_budget_bytes: int = 392 * MIB, min_ring_slots: int = 64) -> int:
+    """The engine's rule from the seeds: a fixed, larger ring at or below the small-chunk limit, a byte-budget ring above.
+
+    Pageable experts (pinned_fraction < 1) copy slower, so the byte-budget ring deepens in proportion to keep the
+    copy engine fed; the fixed ring already is deep. The two branches are why loan(c) is not monotonic in c.
+    """
+    if chunk_tokens <= small_chunk_tokens:
+        return fixed_ring_slots
+    depth = 1.0 + max(0.0, 1.0 - pinned_fraction)
+    return max(min_ring_slots, int(ring_budget_bytes * depth) // max(1, slot_bytes))
+
+
+@dataclass(frozen=True)
+class PlatformDefaults:
+    """A backend's platform rules for one device. Each field is a default of ours; settings and site plugins override."""
+
+    #: Largest prompt chunk the auto choice may take, in tokens (larger chunks read prompts faster, borrow more).
+    chunk_ceiling_tokens: int = 8192
+    #: Chunks are multiples of this many tokens (kernel tiles and the engine's scan step).
+    chunk_grid_tokens: int = 256
+    #: At or below this chunk the ring policy gives the fixed, larger ring (the seed's "small" limit).
+    small_chunk_tokens: int = 4096
+    #: Prompts shorter than this are read without streaming misses through the ring.
+    stream_min_tokens: int = 1024
+    #: (chunk_tokens, slot_bytes, pinned_fraction) -> ring slots.
+    ring_policy: RingPolicy = seed_ring_policy
+    #: Expert-cache slots the prompt path must always leave to decode.
+    min_keep_slots: int = 128
+    #: Largest fraction of the expert cache the prompt path may borrow.
+    lend_fraction: float = 0.9
+    #: VRAM kept free for the driver, the display and fragmentation, in MiB.
+    vram_reserve_mib: int = 700
+    #: Bytes a device context and its libraries take before any allocation of ours.
+    context_overhead_bytes: int = 0
+    #: Fixed device workspace (activations, router, logits) in bytes per prompt token of the chunk.
+    workspace_bytes_per_token: int = 16 * 1024
+    #: Does the prompt path also hold its lent experts in host RAM (as resident mode does)?
+    host_borrow: bool = False
+    #: Host RAM kept free beside resident experts, in bytes.
+    resident_headroom_bytes: int = 2 * GIB
+    #: Page-locked memory cap of the driver model (WDDM), in bytes; None when there is none.
+    pin_cap_bytes: int | None = None
+    #: Page-locked memory kept out of the arena for runtime allocations (CPU share, staging), in bytes.
+    pin_floor_bytes: int = 512 * MIB
+    #: Host RAM never page-locked, so the OS keeps room to work, in bytes.
+    pin_reserve_bytes: int = 4 * GIB
+    #: Is the CPU share on when the setting is 'auto'?
+    cpu_share_default: bool = True
+    #: Why cpu_share_default is what it is (one line for the plan).
+    cpu_share_reason: str = "the platform default"
+    #: Fraction of the reported free VRAM trusted (drivers that over-report free memory get < 1.0).
+    free_vram_trust: float = 1.0
+    #: Where these defaults came from, for the plan's decisions.
+    source: str = "core"
+
+    def to_json(self) -> dict:
+        """JSON of the scalar fields (the ring policy is named, not serialized)."""
+        out = {}
+        for f in fields(self):
+            v = getattr(self, f.name)
+            out[f.name] = getattr(v, "__name__", repr(v)) if callable(v) else v
+        return out
+
+    def ring_slots(self, chunk_tokens: int, slot_bytes: int, pinned_fraction: float) -> int:
+        """Ring slots for a chunk, from the policy."""
+        return int(self.ring_policy(chunk_tokens, slot_bytes, pinned_fraction))
+
+
+@dataclass(frozen=True)
+class Profile:
+    """A machine as JSON (`strata.profile/1`): the backend name, its device and the host."""
+
+    backend: str
+    device: DeviceInfo
+    host: HostInfo
+
+    SCHEMA = "strata.profile/1"
+
+    def to_json(self) -> dict:
+        """The `strata.profile/1` object."""
+        return {"schema": self.SCHEMA, "backend": self.backend,
+                "device": self.device.to_json(), "host": self.host.to_json()}
+
+    @classmethod
+    def from_json(cls, d: dict, where: str = "profile") -> "Profile":
+        """Build from a profile object (or a scenario's `profile` block)."""
+        backend = str(_require(d, "backend", where))
+        return cls(
+            backend=backend,
+            device=DeviceInfo.from_json(_require(d, "device", where), backend=backend, where=f"{where}.device"),
+            host=HostInfo.from_json(_require(d, "host", where), where=f"{where}.host"),
+        )
+
+
+def load_json_file(path: str | Path) -> dict:
+    """Read a JSON object from a file, or raise BadInput naming the file (and line) on any problem."""
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except OSError as e:
+        raise BadInput(f"{p}: cannot read ({e.strerror or e})") from None
+    try:
+        d = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise BadInput(f"{p}: not valid JSON (line {e.lineno}, column {e.colno}: {e.msg})") from None
+    if not isinstance(d, dict):
+        raise BadInput(f"{p}: expected a JSON object at the top level")
+    return d
+
+
+def load_profile(path: str | Path) -> Profile:
+    """Load a `strata.profile/1` file, or the profile block of a `strata.scenario/1` file."""
+    d = load_json_file(path)
+    if d.get("schema", "").startswith("strata.scenario"):
+        d = _require(d, "profile", str(path))
+    return Profile.from_json(d, where=str(path))

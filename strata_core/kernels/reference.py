@@ -1,0 +1,176 @@
+"""The numpy reference kernels: the contract of `KernelSet`, shapes and dtypes included, and the oracle.
+
+Layouts (S expert slots, H hidden, F expert FFN width, T tokens, N routed rows, G groups):
+- f16 experts:  w_gate_up [S, 2F, H] f16 (rows 0..F-1 gate, F..2F-1 up), w_down [S, H, F] f16.
+- Q8_0 experts: the same matrices as ggml's Q8_0: blocks of 32 along the last axis, int8 quants `*_q` and one
+  f16 scale per block `*_d` ([.., C/32]); value = q * d.
+- activations are f32; expert outputs are f32.
+SwiGLU: y = (silu(x Wg^T) * (x Wu^T)) Wd^T.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+QK8_0 = 32  # ggml's Q8_0 block length
+
+
+@dataclass
+class ExpertPool:
+    """Expert weights held in S slots of one memory (device or host), in one of two dtypes ('f16' or 'q8_0')."""
+
+    dtype: str
+    arrays: dict[str, Any]
+
+    @property
+    def slots(self) -> int:
+        """How many expert slots the pool holds."""
+        key = "w_gate_up" if self.dtype == "f16" else "gate_up_q"
+        return int(self.arrays[key].shape[0])
+
+    @staticmethod
+    def slot_bytes(dtype: str, hidden: int, ffn: int) -> int:
+        """Bytes of one expert slot in this dtype."""
+        n = 3 * hidden * ffn
+        if dtype == "f16":
+            return 2 * n
+        if dtype == "q8_0":
+            return n + 2 * (n // QK8_0)
+        raise ValueError(f"unknown expert dtype {dtype!r}")
+
+    @staticmethod
+    def array_specs(dtype: str, slots: int, hidden: int, ffn: int) -> dict[str, tuple[tuple[int, ...], Any]]:
+        """name -> (shape, numpy dtype) of every array a pool of this dtype holds."""
+        if dtype == "f16":
+            return {"w_gate_up": ((slots, 2 * ffn, hidden), np.float16),
+                    "w_down": ((slots, hidden, ffn), np.float16)}
+        if dtype == "q8_0":
+            return {"gate_up_q": ((slots, 2 * ffn, hidden), np.int8),
+                    "gate_up_d": ((slots, 2 * ffn, hidden // QK8_0), np.float16),
+                    "down_q": ((slots, hidden, ffn), np.int8),
+                    "down_d": ((slots, hidden, ffn // QK8_0), np.float16)}
+        raise ValueError(f"unknown expert dtype {dtype!r}")
+
+
+def quantize_q8_0(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """[.., C] float -> (q int8 [.., C], d f16 [.., C/32]) as ggml's Q8_0 does (d = amax / 127, round to nearest)."""
+    w = np.asarray(w, dtype=np.float32)
+    if w.shape[-1] % QK8_0:
+        raise ValueError(f"Q8_0 needs the last axis to be a multiple of {QK8_0}, got {w.shape[-1]}")
+    b = w.reshape(*w.shape[:-1], w.shape[-1] // QK8_0, QK8_0)
+    d = np.abs(b).max(axis=-1) / 127.0
+    inv = np.divide(1.0, d, out=np.zeros_like(d), where=d > 0)
+    q = np.rint(b * inv[..., None]).clip(-127, 127).astype(np.int8)
+    return q.reshape(w.shape), d.astype(np.float16)
+
+
+def dequantize_q8_0(qs: np.ndarray, d: np.ndarray) -> np.ndarray:
+    """Q8_0 (qs [.., C] int8, d [.., C/32] f16) -> [.., C] f16."""
+    b = qs.reshape(*qs.shape[:-1], qs.shape[-1] // QK8_0, QK8_0).astype(np.float32)
+    return (b * d.astype(np.float32)[..., None]).reshape(qs.shape).astype(np.float16)
+
+
+def route_topk(logits: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """[T,E] f32 -> (ids [T,k] int32 by descending logit, ties to the lower id; weights [T,k] f32 softmax over them)."""
+    logits = np.asarray(logits, dtype=np.float32)
+    order = np.argsort(-logits, axis=1, kind="stable")[:, :k]
+    top = np.take_along_axis(logits, order, axis=1)
+    e = np.exp(top - top[:, :1])
+    return order.astype(np.int32), (e / e.sum(axis=1, keepdims=True)).astype(np.float32)
+
+
+def gather(x: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """x [T,H], rows [N] int32 -> [N,H]."""
+    return np.ascontiguousarray(x[np.asarray(rows, dtype=np.int64)])
+
+
+def scatter_add(out: np.ndarray, rows: np.ndarray, y: np.ndarray, scale: np.ndarray) -> None:
+    """out[rows[i]] += scale[i] * y[i], in place (out [T,H] f32)."""
+    np.add.at(out, np.asarray(rows, dtype=np.int64), (y * scale[:, None]).astype(np.float32))
+
+
+def rmsnorm(x: np.ndarray, w: np.ndarray, eps: float = 1e-6) -> np.ndarray:
+    """[T,H] f32, w [H] -> x / rms(x) * w, f32."""
+    x = np.asarray(x, dtype=np.float32)
+    r = 1.0 / np.sqrt(np.mean(x * x, axis=1, keepdims=True) + eps)
+    return (x * r * np.asarray(w, dtype=np.float32)).astype(np.float32)
+
+
+def linear(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """x [T,H] f32, w [O,H] (f16 or f32) -> x @ w^T [T,O] f32."""
+    return (np.asarray(x, dtype=np.float32) @ np.asarray(w, dtype=np.float32).T).astype(np.float32)
+
+
+def _silu(v: np.ndarray) -> np.ndarray:
+    return v / (1.0 + np.exp(-v))
+
+
+def expert_matrices(pool: ExpertPool, slot: int) -> tuple[np.ndarray, np.ndarray]:
+    """(w_gate_up [2F,H], w_down [H,F]) of one slot as f32, dequantized where needed."""
+    a = pool.arrays
+    if pool.dtype == "f16":
+        return a["w_gate_up"][slot].astype(np.float32), a["w_down"][slot].astype(np.float32)
+    return (dequantize_q8_0(a["gate_up_q"][slot], a["gate_up_d"][slot]).astype(np.float32),
+            dequantize_q8_0(a["down_q"][slot], a["down_d"][slot]).astype(np.float32))
+
+
+def moe_grouped_ffn(x: np.ndarray, offsets: np.ndarray, slots: np.ndarray, pool: ExpertPool) -> np.ndarray:
+    """x [N,H] f32; rows offsets[g]:offsets[g+1] run the SwiGLU expert in slot slots[g] -> y [N,H] f32."""
+    x = np.asarray(x, dtype=np.float32)
+    y = np.zeros_like(x)
+    for g in range(len(slots)):
+        lo, hi = int(offsets[g]), int(offsets[g + 1])
+        if hi <= lo:
+            continue
+        w13, w2 = expert_matrices(pool, int(slots[g]))
+        f = w2.shape[1]
+        gu = x[lo:hi] @ w13.T
+        y[lo:hi] = (_silu(gu[:, :f]) * gu[:, f:]) @ w2.T
+    return y
+
+
+def relative_error(out: np.ndarray, ref: np.ndarray) -> float:
+    """||out - ref|| / ||ref|| in float64 (NaN anywhere gives inf)."""
+    out = np.asarray(out, dtype=np.float64)
+    ref = np.asarray(ref, dtype=np.float64)
+    if not np.all(np.isfinite(out)):
+        return float("inf")
+    den = np.linalg.norm(ref)
+    return float(np.linalg.norm(out - ref) / (den if den > 0 else 1.0))
+
+
+class ReferenceKernels:
+    """The numpy KernelSet: device arrays are numpy arrays. Used by the cpu and sim backends."""
+
+    name = "numpy-reference"
+
+    def route_topk(self, logits, k):
+        """See module docstring."""
+        return route_topk(logits, k)
+
+    def gather(self, x, rows):
+        """See module docstring."""
+        return gather(x, rows)
+
+    def scatter_add(self, out, rows, y, scale):
+        """See module docstring."""
+        scatter_add(out, rows, y, scale)
+
+    def moe_grouped_ffn(self, x, offsets, slots, weights):
+        """See module docstring."""
+        return moe_grouped_ffn(x, offsets, slots, weights)
+
+    def dequantize_q8_0(self, qs, d):
+        """See module docstring."""
+        return dequantize_q8_0(qs, d)
+
+    def rmsnorm(self, x, w, eps=1e-6):
+        """See module docstring."""
+        return rmsnorm(x, w, eps)
+
+    def linear(self, x, w):
+        """See module docstring."""
+        return linear(x, w)

@@ -1,0 +1,201 @@
+"""The plugin manager: entry points, allow and block lists, api versions, probing and backend resolution."""
+
+from __future__ import annotations
+
+import importlib.metadata as md
+from dataclasses import dataclass, field
+from types import ModuleType
+from typing import Any, Iterable
+
+import pluggy
+
+from . import API_VERSION, hookspecs
+from .backend_api import Backend, ProbeResult
+from .errors import BadInput, StrataError
+
+ENTRY_POINT_GROUPS = ("strata.backends", "strata.plugins")
+
+
+@dataclass(frozen=True)
+class BackendStatus:
+    """A discovered backend and what its probe said (or why it was never probed)."""
+
+    name: str
+    vendor: str
+    version: str
+    api_version: str
+    available: bool
+    reason: str
+    install_hint: str
+    score: int
+    devices: tuple = ()
+    plugin: str = ""
+
+    def to_json(self) -> dict:
+        """One entry of `strata.backends/1`."""
+        return {"name": self.name, "vendor": self.vendor, "version": self.version, "api_version": self.api_version,
+                "available": self.available, "reason": self.reason, "install_hint": self.install_hint,
+                "score": self.score, "devices": [d.to_json() for d in self.devices], "plugin": self.plugin}
+
+
+@dataclass
+class PluginHost:
+    """The loaded plugins and their backends. Build one with `load_plugins`."""
+
+    pm: pluggy.PluginManager
+    backends: dict[str, Backend] = field(default_factory=dict)
+    backend_plugin: dict[str, str] = field(default_factory=dict)
+    broken: list[BackendStatus] = field(default_factory=list)
+    notices: list[str] = field(default_factory=list)
+    _probes: dict[str, ProbeResult] = field(default_factory=dict)
+
+    @property
+    def hook(self):
+        """The pluggy hook relay."""
+        return self.pm.hook
+
+    def probe(self, name: str) -> ProbeResult:
+        """Probe one backend once (cached); a probe that raises becomes 'unavailable' with the error."""
+        if name not in self._probes:
+            b = self.backends[name]
+            try:
+                r = self.pm.hook.strata_probe(backend=b)
+                if r is None:
+                    r = b.probe()
+                if not isinstance(r, ProbeResult):
+                    r = ProbeResult.unavailable(f"probe returned {type(r).__name__}, not a ProbeResult")
+            except Exception as e:  # a plugin's probe must never break a command
+                r = ProbeResult.unavailable(f"probe raised {type(e).__name__}: {e}")
+            self._probes[name] = r
+        return self._probes[name]
+
+    def statuses(self) -> list[BackendStatus]:
+        """Every discovered backend with its probe result, then the plugins that could not load."""
+        out = []
+        for name, b in sorted(self.backends.items()):
+            r = self.probe(name)
+            out.append(BackendStatus(name=name, vendor=b.vendor, version=r.version or b.version,
+                                     api_version=b.api_version, available=r.available, reason=r.reason,
+                                     install_hint=b.install_hint if not r.available else "",
+                                     score=r.score if r.available else 0, devices=tuple(r.devices),
+                                     plugin=self.backend_plugin.get(name, "")))
+        return out + list(self.broken)
+
+    def resolve(self, requested: str = "auto") -> tuple[Backend, ProbeResult]:
+        """The backend to use: an explicit name (must be available) or, for 'auto', the highest probe score.
+
+        A tie at the top is an error asking the user to choose: selection never guesses.
+        """
+        if requested and requested != "auto":
+            if requested not in self.backends:
+                known = ", ".join(sorted(self.backends)) or "none"
+                why = next((s.reason for s in self.broken if s.name == requested), "")
+                raise BadInput(f"backend.name: unknown backend '{requested}' (installed: {known})"
+                               + (f"; {why}" if why else ""))
+            r = self.probe(requested)
+            if not r.available:
+                hint = self.backends[requested].install_hint
+                raise StrataError(f"backend '{requested}' is not available: {r.reason}"
+                                  + (f" (install: {hint})" if hint else ""))
+            return self.backends[requested], r
+        ranked = sorted(((self.probe(n).score, n) for n in self.backends if self.probe(n).available), reverse=True)
+        if not ranked:
+            raise StrataError("no backend is available; run `strata backends` to see why")
+        top = [n for s, n in ranked if s == ranked[0][0]]
+        if len(top) > 1:
+            raise BadInput(f"backend.name: backends {', '.join(sorted(top))} tie at score {ranked[0][0]}; "
+                           f"choose one with --backend or STRATA_BACKEND__NAME")
+        return self.backends[top[0]], self.probe(top[0])
+
+
+def _major(version: str) -> str:
+    return str(version).split(".", 1)[0]
+
+
+def _name_of(plugin: Any, fallback: str) -> str:
+    return getattr(plugin, "__name__", None) or fallback
+
+
+def new_plugin_manager() -> pluggy.PluginManager:
+    """A plugin manager that knows the strata hook contract."""
+    pm = pluggy.PluginManager("strata")
+    pm.add_hookspecs(hookspecs)
+    return pm
+
+
+def load_plugins(allow: Iterable[str] = (), block: Iterable[str] = (), autoload: bool = True,
+                 extra: Iterable[Any] = ()) -> PluginHost:
+    """Load plugins from the entry-point groups (when autoload) and `extra` objects, then collect their backends.
+
+    `allow`, when not empty, names the only entry points loaded; `block` names entry points never loaded. A plugin
+    that fails to import, or implements a hook that does not exist, is listed as broken with the error; it never
+    breaks a command.
+    """
+    allow, block = set(allow), set(block)
+    pm = new_plugin_manager()
+    host = PluginHost(pm=pm)
+    candidates: list[tuple[str, str, Any]] = []  # (name, group, loader)
+    if autoload:
+        for group in ENTRY_POINT_GROUPS:
+            for ep in md.entry_points(group=group):
+                if ep.name in block or (allow and ep.name not in allow):
+                    continue
+                candidates.append((ep.name, group, ep.load))
+    for obj in extra:
+        candidates.append((_name_of(obj, repr(obj)), "extra", lambda obj=obj: obj))
+    for name, group, loader in candidates:
+        if pm.has_plugin(name):
+            continue
+        try:
+            plugin = loader()
+        except Exception as e:
+            host.broken.append(_broken(name, f"plugin failed to import: {type(e).__name__}: {e}"))
+            continue
+        try:
+            pm.register(plugin, name=name)
+            pm.check_pending()
+        except pluggy.PluginValidationError as e:
+            _unregister(pm, name)
+            host.broken.append(_broken(name, f"plugin '{name}' rejected: {e}"))
+            continue
+        except Exception as e:
+            _unregister(pm, name)
+            host.broken.append(_broken(name, f"plugin '{name}' rejected: {type(e).__name__}: {e}"))
+            continue
+    for impl in pm.hook.strata_backends.get_hookimpls():
+        pname = pm.get_name(impl.plugin) or "?"
+        try:
+            provided = impl.function() or []
+        except Exception as e:
+            host.broken.append(_broken(pname, f"strata_backends raised {type(e).__name__}: {e}"))
+            continue
+        for b in provided:
+            if not isinstance(b, Backend):
+                host.broken.append(_broken(pname, f"plugin '{pname}' returned {type(b).__name__}, not a Backend"))
+            elif _major(b.api_version) != _major(API_VERSION):
+                host.broken.append(_broken(b.name, f"backend '{b.name}' (plugin '{pname}') speaks api "
+                                                   f"{b.api_version}; this core speaks {API_VERSION}", vendor=b.vendor,
+                                           api_version=b.api_version))
+            elif b.name in host.backends:
+                host.notices.append(f"backend '{b.name}' is provided twice; plugin '{pname}' ignored")
+            else:
+                host.backends[b.name] = b
+                host.backend_plugin[b.name] = pname
+    return host
+
+
+def _unregister(pm: pluggy.PluginManager, name: str) -> None:
+    plugin = pm.get_plugin(name)
+    if plugin is not None:
+        pm.unregister(plugin)
+
+
+def _broken(name: str, reason: str, vendor: str = "?", api_version: str = "?") -> BackendStatus:
+    return BackendStatus(name=name, vendor=vendor, version="", api_version=api_version, available=False,
+                         reason=reason, install_hint="", score=0, plugin=name)
+
+
+def load_from_settings(settings: Any, extra: Iterable[Any] = ()) -> PluginHost:
+    """Load plugins as the `plugins` settings group says (allow, block, autoload)."""
+    p = settings.plugins
+    return load_plugins(allow=p.allow, block=p.block, autoload=p.autoload, extra=extra)
