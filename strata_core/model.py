@@ -85,3 +85,63 @@ class ModelSpec:
         for k in ("prompt_bytes_per_token", "dense_bytes", "kv_bytes_per_token", "expert_ffn", "arena_bytes"):
             if getattr(self, k) < 0:
                 raise BadInput(f"{where}: '{k}' must not be negative")
+
+
+#: Hidden-sized f32 activation buffers the prompt path keeps per token of chunk: the residual stream, its normed
+#: copy, the attention output and the MoE accumulator.
+ACTIVATION_BUFFERS = 4
+F32_BYTES = 4
+
+#: KV element cost relative to f16, as (numerator, denominator) so the math stays in ints. int8 and q8_0 both carry
+#: one f16 scale per 32 values (ggml's block_q8_0: 34 bytes per 32 values).
+KV_DTYPE_RATIO = {"f32": (4, 2), "f16": (1, 1), "bf16": (1, 1), "q8_0": (34, 64), "int8": (34, 64)}
+
+
+def prompt_bytes_for(hidden: int, experts: int, top_k: int, expert_ffn: int) -> int:
+    """Device bytes the prompt path needs per token of chunk (the formula is in the body, term by term).
+
+    - ACTIVATION_BUFFERS x hidden f32 activations;
+    - the router: experts f32 logits, then top_k (int32 id, f32 weight) pairs;
+    - per routed row (top_k of them): the gathered input row and the expert's output row (hidden f32 each) and
+      the gate and up intermediates (2 x expert_ffn f32).
+    """
+    activations = ACTIVATION_BUFFERS * hidden * F32_BYTES
+    routing = experts * F32_BYTES + top_k * (4 + F32_BYTES)
+    routed_rows = top_k * (2 * hidden + 2 * expert_ffn) * F32_BYTES
+    return activations + routing + routed_rows
+
+
+def kv_bytes_per_token(spec: ModelSpec, dtype: str) -> int:
+    """KV bytes per token of context for a KV dtype; `spec.kv_bytes_per_token` is always counted at f16."""
+    try:
+        num, den = KV_DTYPE_RATIO[dtype.lower()]
+    except KeyError:
+        raise BadInput(f"kv.dtype: unknown KV dtype '{dtype}' (known: {', '.join(KV_DTYPE_RATIO)})") from None
+    return -(-spec.kv_bytes_per_token * num // den)
+
+
+def model_from_name(name: str, quant: str | None = None) -> ModelSpec:
+    """A preset by name ('Qwen3-30B-A3B' or 'Qwen3-30B-A3B@Q4_K'); see strata_core.presets."""
+    from .presets import model_from_name as _from_name
+    return _from_name(name, quant)
+
+
+def list_presets() -> tuple[str, ...]:
+    """The names of the built-in presets."""
+    from .presets import list_presets as _list
+    return _list()
+
+
+def model_from_gguf(path) -> ModelSpec:
+    """A ModelSpec read from a GGUF file; see strata_core.gguf_model."""
+    from .gguf_model import model_from_gguf as _from_gguf
+    return _from_gguf(path)
+
+
+def resolve_model(name_or_path: str, quant: str | None = None) -> ModelSpec:
+    """A GGUF file when the argument names one (ends in .gguf), else a preset."""
+    if str(name_or_path).lower().endswith(".gguf"):
+        if quant:
+            raise BadInput(f"--quant: a GGUF file carries its own quant; drop --quant {quant}")
+        return model_from_gguf(name_or_path)
+    return model_from_name(name_or_path, quant)
