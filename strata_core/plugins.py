@@ -12,6 +12,8 @@ import pluggy
 from . import API_VERSION, hookspecs
 from .backend_api import Backend, ProbeResult
 from .errors import BadInput, StrataError
+from .facts import VENDOR_OF_BACKEND, PlatformDefaults
+from .hostinfo import probe_host
 
 ENTRY_POINT_GROUPS = ("strata.backends", "strata.plugins")
 
@@ -55,31 +57,49 @@ class PluginHost:
         return self.pm.hook
 
     def probe(self, name: str) -> ProbeResult:
-        """Probe one backend once (cached); a probe that raises becomes 'unavailable' with the error."""
+        """Probe one backend once (cached); a probe that raises becomes 'unavailable' with the error and the plugin."""
         if name not in self._probes:
-            b = self.backends[name]
-            try:
-                r = self.pm.hook.strata_probe(backend=b)
-                if r is None:
-                    r = b.probe()
-                if not isinstance(r, ProbeResult):
-                    r = ProbeResult.unavailable(f"probe returned {type(r).__name__}, not a ProbeResult")
-            except Exception as e:  # a plugin's probe must never break a command
-                r = ProbeResult.unavailable(f"probe raised {type(e).__name__}: {e}")
-            self._probes[name] = r
+            self._probes[name] = self._probe_uncached(self.backends[name])
         return self._probes[name]
 
+    def _probe_uncached(self, b: Backend) -> ProbeResult:
+        owner = self.backend_plugin.get(b.name, "?")
+        r = None
+        # Each strata_probe implementation is called on its own so that one plugin raising for a backend it does
+        # not own cannot make that backend unavailable; call order is pluggy's (reverse registration, tryfirst first).
+        for impl in reversed(self.pm.hook.strata_probe.get_hookimpls()):
+            pname = self.pm.get_name(impl.plugin) or "?"
+            try:
+                r = impl.function(backend=b)
+            except Exception as e:  # a plugin's probe must never break a command
+                if pname == owner:
+                    return ProbeResult.unavailable(f"probe raised {type(e).__name__}: {e}")
+                self.notices.append(f"plugin '{pname}' raised in strata_probe for '{b.name}': "
+                                    f"{type(e).__name__}: {e}; ignored")
+                r = None
+                continue
+            if r is not None:
+                break
+        if r is None:
+            try:
+                r = b.probe()
+            except Exception as e:
+                return ProbeResult.unavailable(f"probe raised {type(e).__name__}: {e}")
+        if not isinstance(r, ProbeResult):
+            return ProbeResult.unavailable(f"probe returned {type(r).__name__}, not a ProbeResult")
+        return r
+
     def statuses(self) -> list[BackendStatus]:
-        """Every discovered backend with its probe result, then the plugins that could not load."""
+        """Every discovered backend with its probe result, and the plugins that could not load, sorted by name."""
         out = []
-        for name, b in sorted(self.backends.items()):
+        for name, b in self.backends.items():
             r = self.probe(name)
             out.append(BackendStatus(name=name, vendor=b.vendor, version=r.version or b.version,
                                      api_version=b.api_version, available=r.available, reason=r.reason,
                                      install_hint=b.install_hint if not r.available else "",
                                      score=r.score if r.available else 0, devices=tuple(r.devices),
                                      plugin=self.backend_plugin.get(name, "")))
-        return out + list(self.broken)
+        return sorted(out + list(self.broken), key=lambda s: s.name)
 
     def resolve(self, requested: str = "auto") -> tuple[Backend, ProbeResult]:
         """The backend to use: an explicit name (must be available) or, for 'auto', the highest probe score.
@@ -88,15 +108,16 @@ class PluginHost:
         """
         if requested and requested != "auto":
             if requested not in self.backends:
-                known = ", ".join(sorted(self.backends)) or "none"
                 why = next((s.reason for s in self.broken if s.name == requested), "")
-                raise BadInput(f"backend.name: unknown backend '{requested}' (installed: {known})"
-                               + (f"; {why}" if why else ""))
+                if why:
+                    raise BadInput(f"backend.name: backend '{requested}' is not available: {why}")
+                known = ", ".join(sorted(self.backends)) or "none"
+                raise BadInput(f"backend.name: unknown backend '{requested}' (installed: {known})")
             r = self.probe(requested)
             if not r.available:
                 hint = self.backends[requested].install_hint
-                raise StrataError(f"backend '{requested}' is not available: {r.reason}"
-                                  + (f" (install: {hint})" if hint else ""))
+                raise BadInput(f"backend.name: backend '{requested}' is not available: {r.reason}"
+                               + (f" (install: {hint})" if hint else ""))
             return self.backends[requested], r
         ranked = sorted(((self.probe(n).score, n) for n in self.backends if self.probe(n).available), reverse=True)
         if not ranked:
@@ -104,8 +125,29 @@ class PluginHost:
         top = [n for s, n in ranked if s == ranked[0][0]]
         if len(top) > 1:
             raise BadInput(f"backend.name: backends {', '.join(sorted(top))} tie at score {ranked[0][0]}; "
-                           f"choose one with --backend or STRATA_BACKEND__NAME")
+                           f"choose one with --backend NAME or STRATA_BACKEND__NAME")
         return self.backends[top[0]], self.probe(top[0])
+
+    def selection(self, requested: str = "auto") -> tuple[str | None, str]:
+        """(backend name, '') that `resolve` picks, or (None, why not): never raises."""
+        try:
+            return self.resolve(requested)[0].name, ""
+        except StrataError as e:
+            return None, str(e)
+
+    def device_and_defaults(self, requested: str = "auto", device_index: int = 0):
+        """(backend, device, host, PlatformDefaults) of the resolved backend; raises like `resolve`."""
+        b, r = self.resolve(requested)
+        if not r.devices:
+            raise StrataError(f"backend '{b.name}' reports no device")
+        matching = [d for d in r.devices if d.index == device_index]
+        if not matching and device_index >= len(r.devices):
+            raise BadInput(f"backend.device: backend '{b.name}' has {len(r.devices)} device(s); "
+                           f"allowed: 0..{len(r.devices) - 1}")
+        device = matching[0] if matching else r.devices[device_index]
+        host = self.pm.hook.strata_host_info() or probe_host()
+        defaults = self.pm.hook.strata_platform_defaults(device=device, host=host) or PlatformDefaults()
+        return b, device, host, defaults
 
 
 def _major(version: str) -> str:
@@ -166,6 +208,7 @@ def load_plugins(allow: Iterable[str] = (), block: Iterable[str] = (), autoload:
         pname = pm.get_name(impl.plugin) or "?"
         try:
             provided = impl.function() or []
+            provided = [provided] if isinstance(provided, Backend) else list(provided)
         except Exception as e:
             host.broken.append(_broken(pname, f"strata_backends raised {type(e).__name__}: {e}"))
             continue
@@ -190,8 +233,8 @@ def _unregister(pm: pluggy.PluginManager, name: str) -> None:
         pm.unregister(plugin)
 
 
-def _broken(name: str, reason: str, vendor: str = "?", api_version: str = "?") -> BackendStatus:
-    return BackendStatus(name=name, vendor=vendor, version="", api_version=api_version, available=False,
+def _broken(name: str, reason: str, vendor: str = "", api_version: str = "?") -> BackendStatus:
+    return BackendStatus(name=name, vendor=vendor or VENDOR_OF_BACKEND.get(name, "?"), version="", api_version=api_version, available=False,
                          reason=reason, install_hint="", score=0, plugin=name)
 
 

@@ -723,8 +723,7 @@ def with_backend_defaults(loaded: LoadedSettings, defaults: Any, backend: str) -
         if raw is None:
             continue
         flat[key] = raw / unit if unit != 1 else raw
-        src = getattr(defaults, "source", "") or backend
-        origins[key] = Provenance("backend-default", f"{backend} backend ({src}: {attr})")
+        origins[key] = Provenance("backend-default", f"{backend} backend: PlatformDefaults.{attr}")
     for key, v in flat.items():
         group, leaf = key.split(".")
         values[group][leaf] = v

@@ -1,0 +1,58 @@
+"""`strata backends`: every discovered backend, whether it is available here, and why not."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from rich.console import Console
+from rich.table import Table
+
+from ..plugins import load_from_settings
+from ..settings import add_settings_arguments, settings_from_args
+
+SCHEMA = "strata.backends/1"
+
+
+def register(subparsers) -> None:
+    """Add the `backends` sub-command."""
+    p = subparsers.add_parser("backends", help="list installed backends, whether they are available, and why not",
+                              description="List every backend the plugins provide, with its probe result.")
+    p.add_argument("--json", action="store_true", help=f"print one {SCHEMA} object")
+    add_settings_arguments(p)
+    p.set_defaults(func=run)
+
+
+def backends_report(settings) -> dict:
+    """The `strata.backends/1` object for these settings (plugins loaded as the `plugins` group says)."""
+    host = load_from_settings(settings)
+    selected, why_not = host.selection(settings.backend.name)
+    return {"schema": SCHEMA, "selected": selected, "selection_error": why_not or None,
+            "backends": [s.to_json() for s in host.statuses()], "notices": list(host.notices)}
+
+
+def run(args: argparse.Namespace) -> int:
+    """Print the backends as JSON or as a table."""
+    loaded = settings_from_args(args)
+    report = backends_report(loaded.settings)
+    report["notices"] = list(loaded.notices) + report["notices"]
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return 0
+    console = Console()
+    table = Table(title="Strata backends")
+    for col in ("name", "vendor", "version", "available", "score", "devices", "reason"):
+        table.add_column(col, overflow="fold")
+    for b in report["backends"]:
+        devices = ", ".join(d["name"] for d in b["devices"]) or "-"
+        reason = b["reason"] + (f" (install: {b['install_hint']})" if b["install_hint"] else "")
+        table.add_row(b["name"], b["vendor"], b["version"] or "-", "yes" if b["available"] else "no",
+                      str(b["score"]), devices, reason)
+    console.print(table)
+    if report["selected"]:
+        console.print(f"selected: [bold]{report['selected']}[/bold]")
+    else:
+        console.print(f"selected: none ({report['selection_error']})", markup=False)
+    for n in report["notices"]:
+        console.print(f"note: {n}", markup=False)
+    return 0

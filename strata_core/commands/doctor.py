@@ -1,0 +1,69 @@
+"""`strata doctor`: the host, the backends, the settings' notices and what would be selected, in one report."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+
+from rich.console import Console
+
+from .. import API_VERSION, __version__
+from ..hostinfo import probe_host
+from ..plugins import load_from_settings
+from ..settings import add_settings_arguments, settings_from_args
+
+SCHEMA = "strata.doctor/1"
+
+
+def register(subparsers) -> None:
+    """Add the `doctor` sub-command."""
+    p = subparsers.add_parser("doctor", help="check this machine: host, backends, settings, selection",
+                              description="Report the host, every backend, settings notices and the selection.")
+    p.add_argument("--json", action="store_true", help=f"print one {SCHEMA} object")
+    add_settings_arguments(p)
+    p.set_defaults(func=run)
+
+
+def doctor_report(loaded) -> dict:
+    """The `strata.doctor/1` object."""
+    plugins = load_from_settings(loaded.settings)
+    statuses = plugins.statuses()
+    selected, why_not = plugins.selection(loaded.settings.backend.name)
+    try:
+        host = plugins.hook.strata_host_info() or probe_host()
+    except Exception as e:  # a plugin refining host facts must not break the doctor
+        plugins.notices.append(f"strata_host_info raised {type(e).__name__}: {e}; using the core's reading")
+        host = probe_host()
+    return {"schema": SCHEMA, "strata_version": __version__, "api_version": API_VERSION,
+            "python": platform.python_version(), "platform": sys.platform, "host": host.to_json(),
+            "backends": [s.to_json() for s in statuses], "selected": selected, "selection_error": why_not or None,
+            "settings_notices": list(loaded.notices), "plugin_notices": list(plugins.notices),
+            "ok": selected is not None}
+
+
+def run(args: argparse.Namespace) -> int:
+    """Print the report as JSON or as text."""
+    report = doctor_report(settings_from_args(args))
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return 0
+    c = Console()
+    h = report["host"]
+    c.print(f"strata-core {report['strata_version']} (hook api {report['api_version']}), "
+            f"Python {report['python']} on {report['platform']}", markup=False)
+    c.print(f"host: {h['os']}, {h['ram_available_bytes'] / 2**30:.1f} of {h['ram_total_bytes'] / 2**30:.1f} GiB RAM "
+            f"available, CPU {h['cpu']['name']} ({h['cpu']['cores']} cores, {' '.join(h['cpu']['flags']) or 'no flags'})",
+            markup=False)
+    for b in report["backends"]:
+        mark = "ok " if b["available"] else "-- "
+        c.print(f"  {mark}{b['name']:<8} {b['reason']}" + (f" (install: {b['install_hint']})" if b["install_hint"] else ""),
+                markup=False)
+    if report["selected"]:
+        c.print(f"selected backend: {report['selected']}", markup=False)
+    else:
+        c.print(f"selected backend: none ({report['selection_error']})", markup=False)
+    for n in report["settings_notices"] + report["plugin_notices"]:
+        c.print(f"note: {n}", markup=False)
+    return 0
