@@ -144,13 +144,13 @@ def seed_ring_policy(chunk_tokens: int, slot_bytes: int, pinned_fraction: float,
                      ring_budget_bytes: int = 392 * MIB, min_ring_slots: int = 64) -> int:
     """The engine's rule from the seeds: a fixed, larger ring at or below the small-chunk limit, a byte-budget ring above.
 
-    Pageable experts (pinned_fraction < 1) copy slower, so the byte-budget ring deepens in proportion to keep the
-    copy engine fed; the fixed ring already is deep. The two branches are why loan(c) is not monotonic in c.
+    With no page-locked experts at all (pinned_fraction 0) copies run at pageable speed, several times slower, so a
+    deep byte-budget ring would only hold idle bytes: it is halved. The two branches are why loan(c) is not monotonic.
     """
     if chunk_tokens <= small_chunk_tokens:
         return fixed_ring_slots
-    depth = 1.0 + max(0.0, 1.0 - pinned_fraction)
-    return max(min_ring_slots, int(ring_budget_bytes * depth) // max(1, slot_bytes))
+    budget = ring_budget_bytes if pinned_fraction > 0 else ring_budget_bytes // 2
+    return max(min_ring_slots, budget // max(1, slot_bytes))
 
 
 @dataclass(frozen=True)
@@ -170,17 +170,15 @@ class PlatformDefaults:
     #: Expert-cache slots the prompt path must always leave to decode.
     min_keep_slots: int = 128
     #: Largest fraction of the expert cache the prompt path may borrow.
-    lend_fraction: float = 0.9
+    lend_fraction: float = 0.95
     #: VRAM kept free for the driver, the display and fragmentation, in MiB.
     vram_reserve_mib: int = 700
     #: Bytes a device context and its libraries take before any allocation of ours.
     context_overhead_bytes: int = 0
-    #: Fixed device workspace (activations, router, logits) in bytes per prompt token of the chunk.
-    workspace_bytes_per_token: int = 16 * 1024
     #: Does the prompt path also hold its lent experts in host RAM (as resident mode does)?
     host_borrow: bool = False
-    #: Host RAM kept free beside resident experts, in bytes.
-    resident_headroom_bytes: int = 2 * GIB
+    #: Host RAM kept free beside resident experts, in bytes (seed #2090 swapped with 3.4 GiB left: 4 GiB is the floor).
+    resident_headroom_bytes: int = 4 * GIB
     #: Page-locked memory cap of the driver model (WDDM), in bytes; None when there is none.
     pin_cap_bytes: int | None = None
     #: Page-locked memory kept out of the arena for runtime allocations (CPU share, staging), in bytes.

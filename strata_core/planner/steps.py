@@ -1,0 +1,328 @@
+"""The four planning steps of DESIGN.md as pure functions: facts + model + settings + defaults -> Plan.
+
+Each step records a Decision (what, value, why, source). Nothing here allocates or reads the machine.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from ..errors import PlanRefused
+from ..facts import GIB, MIB, DeviceInfo, HostInfo, PlatformDefaults
+from ..model import ModelSpec
+from .draft import PlanDraft
+from .invariants import check_all
+from .plan import (CachePlan, CpuSharePlan, Decision, HostPlan, LoanModel, LoanRow, PinnedPlan, Plan, PromptPlan,
+                   VramPlan)
+
+#: KV bytes per element relative to f16 (ModelSpec.kv_bytes_per_token is given at f16).
+KV_DTYPE_SCALE = {"f16": 1.0, "bf16": 1.0, "f32": 2.0, "int8": 0.5, "q8_0": 34 / 64}
+
+
+def _mib(n: int | float) -> str:
+    return f"{n / MIB:,.0f} MiB"
+
+
+@dataclass
+class _Ledger:
+    decisions: list[Decision] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+
+    def note(self, what: str, value: Any, why: str, source: str) -> Any:
+        self.decisions.append(Decision(what=what, value=value, why=why, source=source))
+        return value
+
+
+def _pick(setting: Any, default: Any, key: str, backend_source: str) -> tuple[Any, str]:
+    """A setting when it is set, else the backend's default, with the source to record."""
+    return (setting, f"setting {key}") if setting is not None else (default, backend_source)
+
+
+def initial_knobs(device: DeviceInfo, settings: Any, defaults: PlatformDefaults) -> dict[str, Any]:
+    """The tightenable inputs as settings and platform defaults give them."""
+    mode, cap = settings.prefill.chunk_request()
+    ec = settings.memory.expert_cache
+    reserve_mib = settings.memory.vram_reserve_mib
+    headroom_gib = settings.memory.resident_headroom_gib
+    return {
+        "prompt.chunk_cap_tokens": cap if mode == "auto" else None,
+        "expert_cache.slots_cap": None if ec == "auto" else int(ec),
+        "prompt.lend_fraction": settings.prefill.lend_fraction or defaults.lend_fraction,
+        "vram.reserve_bytes": (reserve_mib if reserve_mib is not None else defaults.vram_reserve_mib) * MIB,
+        "host_memory.headroom_bytes": int(headroom_gib * GIB) if headroom_gib is not None
+        else defaults.resident_headroom_bytes,
+        "cpu_share.enabled": None,
+    }
+
+
+def _grid_chunks(grid: int, upto: int) -> list[int]:
+    return list(range(grid, upto + 1, grid))
+
+
+def _max_loan_upto(loans: LoanModel, grid: int, chunk: int) -> tuple[int, list[LoanRow]]:
+    rows = [loans.loan(c) for c in _grid_chunks(grid, chunk)]
+    if chunk % grid:
+        rows.append(loans.loan(chunk))
+    return max((r.loan_slots for r in rows), default=0), rows
+
+
+def _pinned_step(device: DeviceInfo, host: HostInfo, model: ModelSpec, settings: Any, defaults: PlatformDefaults,
+                 led: _Ledger, bsrc: str) -> tuple[int, int | None, int, int, bool]:
+    """Step 4 (its chunk-independent part): the page-locked limit, the cap, the floor and the arena."""
+    p = settings.pinning
+    pinnable = host.pinnable_bytes if host.pinnable_bytes is not None else host.ram_available_bytes
+    cap = defaults.pin_cap_bytes
+    cap_src = bsrc
+    if device.is_wddm and p.wddm_pin_cap_gib is not None:
+        cap, cap_src = int(p.wddm_pin_cap_gib * GIB), "setting pinning.wddm_pin_cap_gib"
+    reserve, rsrc = _pick(None if p.pin_reserve_gib is None else int(p.pin_reserve_gib * GIB),
+                          defaults.pin_reserve_bytes, "pinning.pin_reserve_gib", bsrc)
+    limit = max(0, min(pinnable, cap if cap is not None else pinnable, host.ram_available_bytes - reserve))
+    led.note("pinned.limit_bytes", limit,
+             f"min(pinnable {_mib(pinnable)}, cap {'none' if cap is None else _mib(cap)}, "
+             f"available {_mib(host.ram_available_bytes)} - reserve {_mib(reserve)})",
+             cap_src if cap is not None and cap == limit else rsrc)
+    floor, fsrc = _pick(None if p.pin_floor_mib is None else p.pin_floor_mib * MIB, defaults.pin_floor_bytes,
+                        "pinning.pin_floor_mib", bsrc)
+    if not p.pin_guard:
+        floor, fsrc = 0, "setting pinning.pin_guard=false"
+    floor = min(floor, limit)
+    led.note("pinned.floor_bytes", floor, "page-locked memory kept out of the arena for runtime allocations "
+             "(CPU share, staging): a later allocation must never find every page taken (seed #1756)", fsrc)
+    wanted = model.host_arena_bytes
+    arena = min(wanted, limit - floor)
+    src = "core"
+    if p.arena_pin_gib is not None and p.arena_pin_gib * GIB < arena:
+        arena, src = int(p.arena_pin_gib * GIB), "setting pinning.arena_pin_gib"
+    exhausted = arena < wanted
+    led.note("pinned.arena_bytes", arena,
+             f"the expert arena ({_mib(wanted)}) pins at most limit - floor"
+             + ("; it cannot be pinned whole, so the pinned budget counts as exhausted for optional users"
+                if exhausted else ""), src)
+    if exhausted:
+        led.warnings.append(f"the expert arena ({_mib(wanted)}) cannot be page-locked whole: {_mib(arena)} pinned, "
+                            f"the rest is copied from pageable memory")
+    return limit, cap, floor, arena, exhausted
+
+
+def _cache_step(device: DeviceInfo, model: ModelSpec, settings: Any, defaults: PlatformDefaults, knobs: dict,
+                led: _Ledger, bsrc: str) -> tuple[int, int, int, int, int, int]:
+    """Step 1: VRAM -> (free, reserve, kv, workspace, usable, slots)."""
+    free = int(device.vram_free_bytes * defaults.free_vram_trust) - defaults.context_overhead_bytes
+    if defaults.free_vram_trust < 1.0:
+        led.note("vram.free_bytes", free, f"the driver's free figure trusted at {defaults.free_vram_trust:.0%} "
+                 "(drivers that spill into host memory over-report)", bsrc)
+    reserve = knobs["vram.reserve_bytes"]
+    led.note("vram.reserve_bytes", reserve, "kept free for the driver, the display and fragmentation",
+             "setting memory.vram_reserve_mib" if settings.memory.vram_reserve_mib is not None else bsrc)
+    kv_scale = KV_DTYPE_SCALE.get(settings.kv.dtype, 1.0)
+    cells = settings.kv.max_context
+    if settings.kv.resident_cells is not None:
+        cells = min(cells, settings.kv.resident_cells)
+    kv = int(model.kv_bytes_per_token * kv_scale) * cells
+    stream_min = settings.prefill.stream_min_tokens if settings.prefill.stream_min_tokens is not None \
+        else defaults.stream_min_tokens
+    workspace = stream_min * model.prompt_bytes_per_token
+    led.note("vram.workspace_bytes", workspace, f"owned buffers of prompts shorter than {stream_min} tokens and of "
+             "decode: never lent", "core")
+    usable = free - reserve - model.dense_bytes - kv - workspace
+    per_slot = model.slot_bytes
+    fit = max(0, usable // per_slot)
+    slots = min(fit, model.experts_total)
+    why = f"{_mib(usable)} usable / {per_slot} bytes a slot" + (", capped at every expert" if
+                                                                 fit > model.experts_total else "")
+    src = "core"
+    cap = knobs["expert_cache.slots_cap"]
+    if cap is not None and cap < slots:
+        slots, why, src = cap, "the expert_cache setting (or a site plugin)", "setting memory.expert_cache"
+    elif cap is not None and cap > fit:
+        need = (cap * per_slot - usable)
+        raise PlanRefused(f"memory.expert_cache={cap} slots need {_mib(cap * per_slot)} but only "
+                          f"{_mib(max(usable, 0))} is usable: short by {_mib(need)}; lower memory.expert_cache to "
+                          f"{fit} or memory.vram_reserve_mib")
+    led.note("expert_cache.slots", slots, why, src)
+    return free, reserve, kv, workspace, usable, slots
+
+
+def make_plan(device: DeviceInfo, host: HostInfo, model: ModelSpec, settings: Any, defaults: PlatformDefaults,
+              adjust: Callable[[PlanDraft], None] | None = None) -> Plan:
+    """Plan this model on this machine; every invariant is checked before the plan is returned.
+
+    `adjust` (site plugins) receives a draft with the first-pass plan and may tighten its knobs; the plan is then
+    computed again from the tightened knobs. Raises PlanRefused when no plan exists, with the shortfall.
+    """
+    knobs = initial_knobs(device, settings, defaults)
+    plan = _compute(device, host, model, settings, defaults, knobs, ())
+    if adjust is not None:
+        draft = PlanDraft(knobs=dict(knobs), plan=plan)
+        adjust(draft)
+        if draft.decisions:
+            plan = _compute(device, host, model, settings, defaults, draft.knobs, tuple(draft.decisions))
+    check_all(plan)
+    return plan
+
+
+def _compute(device: DeviceInfo, host: HostInfo, model: ModelSpec, settings: Any, defaults: PlatformDefaults,
+             knobs: dict, plugin_decisions: tuple[Decision, ...]) -> Plan:
+    led = _Ledger(decisions=list(plugin_decisions))
+    bsrc = f"backend {defaults.source}" if not defaults.source.startswith("backend") else defaults.source
+    model.validate()
+
+    # Step 4 first (its chunk-independent part): the ring's depth depends on how much of the arena is pinned.
+    limit, cap, floor, arena, exhausted = _pinned_step(device, host, model, settings, defaults, led, bsrc)
+    pinned_fraction = arena / model.host_arena_bytes if model.host_arena_bytes else 1.0
+
+    # Step 1: VRAM and the expert cache.
+    free, reserve, kv, workspace, usable, slots = _cache_step(device, model, settings, defaults, knobs, led, bsrc)
+    if usable <= 0 or slots < model.top_k:
+        short = model.top_k * model.slot_bytes - usable
+        raise PlanRefused(f"{device.name}: {_mib(max(free, 0))} free VRAM leaves {_mib(max(usable, 0))} after the "
+                          f"reserve ({_mib(reserve)}), dense weights, KV and workspace: short by {_mib(short)} for "
+                          f"even {model.top_k} expert slots; lower memory.vram_reserve_mib (now "
+                          f"{reserve // MIB}) or kv.max_context, or use a smaller model")
+
+    # Step 2: the prompt path. min_keep: decode keeps this many slots; a small cache keeps a quarter of itself.
+    grid = defaults.chunk_grid_tokens
+    min_keep = min(defaults.min_keep_slots, max(model.top_k, slots // 4))
+    lend_fraction = knobs["prompt.lend_fraction"]
+    lendable = max(0, min(int(lend_fraction * slots), slots - min_keep))
+    led.note("prompt.lendable_slots", lendable, f"min({lend_fraction:g} x {slots} slots, {slots} - {min_keep} "
+             "kept for decode)", bsrc)
+    loans = LoanModel(prompt_bytes_per_token=model.prompt_bytes_per_token, slot_bytes=model.slot_bytes,
+                      pinned_fraction=pinned_fraction, defaults=defaults)
+    ceiling = defaults.chunk_ceiling_tokens
+    led.note("prompt.ceiling", ceiling, "the platform's largest auto chunk", bsrc)
+    mode, _ = settings.prefill.chunk_request()
+    cap_tokens = knobs["prompt.chunk_cap_tokens"]
+    ceiling_eff = ceiling if cap_tokens is None else min(ceiling, cap_tokens)
+    ceiling_eff = max(grid, (min(ceiling_eff, settings.kv.max_context) // grid) * grid)
+    owned = False
+    if mode == "fixed":
+        chunk = settings.prefill.chunk_request()[1]
+        if cap_tokens is not None and chunk > cap_tokens:
+            chunk = led.note("prompt.chunk", cap_tokens, "capped by a site plugin", "plugin")
+        source = "setting"
+        while chunk > 1 and _max_loan_upto(loans, grid, chunk)[0] > lendable:
+            led.note("prompt.chunk", chunk // 2, f"a chunk of {chunk} tokens needs a loan larger than the "
+                     f"{lendable} slots that can be lent: halved", "core")
+            chunk //= 2
+            source = "setting, halved"
+        if _max_loan_upto(loans, grid, chunk)[0] > lendable:
+            chunk, owned = 0, True
+    else:
+        chunk, running = 0, 0
+        for c in _grid_chunks(grid, ceiling_eff):
+            running = max(running, loans.loan(c).loan_slots)
+            if running > lendable:
+                break
+            chunk = c
+        source = "auto" if cap_tokens is None else f"auto (capped at {cap_tokens})"
+        if chunk == 0:
+            owned = True
+    owned_bytes = 0
+    if owned:
+        chunk, slots, owned_bytes = _owned_buffers(model, loans, grid, ceiling_eff, usable, min_keep, led)
+        lendable = 0
+        source = "owned buffers"
+    else:
+        led.note("prompt.chunk", chunk, f"the largest chunk whose loan, and every smaller chunk's, fits the "
+                 f"{lendable} lendable slots (loan(c) is not monotonic: the maximum over the grid counts)",
+                 "setting prefill.chunk" if mode == "fixed" else "core")
+
+    # Step 3: host RAM. Resident experts + the prompt path's host borrow + pinned KV + headroom <= available.
+    headroom = knobs["host_memory.headroom_bytes"]
+    resident_experts = (model.experts_total - slots) if settings.memory.resident_experts else 0
+    kv_scale = KV_DTYPE_SCALE.get(settings.kv.dtype, 1.0)
+    kv_pinned = 0
+    if settings.kv.resident_cells is not None and settings.kv.resident_cells < settings.kv.max_context:
+        kv_pinned = int(model.kv_bytes_per_token * kv_scale) * (settings.kv.max_context - settings.kv.resident_cells)
+
+    def borrow(c: int) -> int:
+        if not defaults.host_borrow or owned or c <= 0:
+            return 0
+        return _max_loan_upto(loans, grid, c)[0] * model.slot_bytes
+
+    avail = host.ram_available_bytes
+    while (chunk > grid and resident_experts * model.slot_bytes + borrow(chunk) + kv_pinned + headroom > avail):
+        new = max(grid, ((chunk // 2) // grid) * grid)
+        led.note("prompt.chunk", new, f"resident experts ({_mib(resident_experts * model.slot_bytes)}) + the prompt "
+                 f"path's host borrow at {chunk} tokens ({_mib(borrow(chunk))}) + headroom do not fit the "
+                 f"{_mib(avail)} of available RAM: stepped down (seed #2090, gfx12)", "core")
+        chunk = new
+        source = f"{source}, stepped down for host RAM"
+    if resident_experts * model.slot_bytes + borrow(chunk) + kv_pinned + headroom > avail:
+        room = max(0, avail - borrow(chunk) - kv_pinned - headroom)
+        keep = min(resident_experts, room // model.slot_bytes)
+        led.warnings.append(f"only {keep} of {resident_experts} experts can stay resident in host RAM "
+                            f"({_mib(avail)} available); the hottest are kept, the rest are read from storage")
+        led.note("host_memory.resident_experts", keep, "the hottest experts that fit beside the borrow and headroom",
+                 "core")
+        resident_experts = keep
+        if borrow(chunk) + kv_pinned + headroom > avail:
+            short = borrow(chunk) + kv_pinned + headroom - avail
+            raise PlanRefused(f"host RAM: the prompt path's borrow, pinned KV and headroom need "
+                              f"{_mib(borrow(chunk) + kv_pinned + headroom)} but {_mib(avail)} is available: short "
+                              f"by {_mib(short)}; lower memory.resident_headroom_gib or kv.resident_cells")
+
+    # Step 4 (the chunk-dependent part): the CPU share's buffer comes out of the pinned floor, sized once.
+    share_setting = settings.prefill.cpu_share
+    max_share_chunk = max(0, min(chunk, settings.prefill.cpu_share_max_tokens - 1)) if chunk else 0
+    share_bytes = max_share_chunk * model.hidden * 4
+    if knobs["cpu_share.enabled"] is False:
+        enabled, reason = False, "a site plugin turned it off"
+    elif share_setting == "off":
+        enabled, reason = False, "prefill.cpu_share=off"
+    elif share_setting == "auto" and not defaults.cpu_share_default:
+        enabled, reason = False, f"auto: {defaults.cpu_share_reason}"
+    elif max_share_chunk == 0:
+        enabled, reason = False, "no chunk is small enough to arm it"
+    elif share_bytes > floor:
+        enabled, reason = False, (f"its buffer ({_mib(share_bytes)}) does not fit the kept page-locked floor "
+                                  f"({_mib(floor)})")
+    else:
+        enabled = True
+        reason = (f"on ({share_setting}); its {_mib(share_bytes)} buffer comes from the kept page-locked floor"
+                  + (" (the arena could not be pinned whole)" if exhausted else ""))
+    if not enabled:
+        share_bytes = 0
+    led.note("cpu_share.enabled", enabled, reason, "setting prefill.cpu_share" if share_setting != "auto" else bsrc)
+
+    _, rows = _max_loan_upto(loans, grid, chunk) if not owned else (0, [])
+    cache_bytes = slots * model.slot_bytes
+    left = free - reserve - model.dense_bytes - kv - workspace - cache_bytes - owned_bytes
+    return Plan(
+        backend=device.backend, device=device, host=host, model=model, settings=settings, defaults=defaults,
+        vram=VramPlan(free_bytes=free, reserve_bytes=reserve, dense_bytes=model.dense_bytes, kv_bytes=kv,
+                      workspace_bytes=workspace, expert_cache_bytes=cache_bytes, owned_prompt_bytes=owned_bytes,
+                      left_bytes=left),
+        expert_cache=CachePlan(slots=slots, slot_bytes=model.slot_bytes),
+        prompt=PromptPlan(chunk=chunk, chunk_source=source, ceiling=ceiling, min_keep_slots=min_keep,
+                          lendable_slots=lendable, owned_buffers=owned, grid_tokens=grid,
+                          stream_min_tokens=(settings.prefill.stream_min_tokens
+                                             if settings.prefill.stream_min_tokens is not None
+                                             else defaults.stream_min_tokens),
+                          loans=tuple(rows)),
+        host_memory=HostPlan(available_bytes=avail, headroom_bytes=headroom,
+                             resident_bytes=resident_experts * model.slot_bytes, resident_experts=resident_experts,
+                             borrow_bytes=borrow(chunk), kv_pinned_bytes=kv_pinned),
+        pinned=PinnedPlan(limit_bytes=limit, cap_bytes=cap, arena_bytes=arena, arena_wanted_bytes=model.host_arena_bytes,
+                          floor_bytes=floor, cpu_share_bytes=share_bytes, exhausted=exhausted),
+        cpu_share=CpuSharePlan(enabled=enabled, max_chunk=max_share_chunk if enabled else 0, reason=reason),
+        loan_model=loans, decisions=tuple(led.decisions), warnings=tuple(led.warnings),
+    )
+
+
+def _owned_buffers(model: ModelSpec, loans: LoanModel, grid: int, ceiling: int, usable: int, min_keep: int,
+                   led: _Ledger) -> tuple[int, int, int]:
+    """No chunk can be lent: give the prompt path its own buffers at the largest chunk that still leaves a cache."""
+    for c in reversed(_grid_chunks(grid, ceiling)):
+        need = loans.loan(c).loan_slots * model.slot_bytes
+        slots = min(model.experts_total, max(0, (usable - need) // model.slot_bytes))
+        if slots >= max(min_keep, model.top_k):
+            led.note("prompt.chunk", c, f"no chunk can be lent from a cache this small: the prompt path owns "
+                     f"{_mib(need)} of buffers and the cache shrinks to {slots} slots", "core")
+            return c, slots, need
+    need = loans.loan(grid).loan_slots * model.slot_bytes + max(min_keep, model.top_k) * model.slot_bytes
+    raise PlanRefused(f"the prompt path cannot be lent a chunk and owned buffers for {grid} tokens do not fit: "
+                      f"short by {_mib(need - usable)}; lower memory.vram_reserve_mib or kv.max_context")
