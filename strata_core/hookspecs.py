@@ -23,6 +23,15 @@ def strata_backends():
     """
 
 
+@hookspec
+def strata_configure(settings):
+    """Called by `plugins.load_from_settings` after loading, before any probe: a plugin may read its own settings group.
+
+    `settings` is the loaded `StrataSettings`. Returns nothing. A plugin keeps what it read until the next call;
+    a bad value in its group raises BadInput (the command exits 2).
+    """
+
+
 @hookspec(firstresult=True)
 def strata_probe(backend):
     """Called by `strata backends`, backend selection and `strata doctor`: return a `ProbeResult` for `backend`.

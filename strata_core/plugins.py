@@ -239,6 +239,8 @@ def _broken(name: str, reason: str, vendor: str = "", api_version: str = "?") ->
 
 
 def load_from_settings(settings: Any, extra: Iterable[Any] = ()) -> PluginHost:
-    """Load plugins as the `plugins` settings group says (allow, block, autoload)."""
+    """Load plugins as the `plugins` settings group says (allow, block, autoload), then let them read their settings."""
     p = settings.plugins
-    return load_plugins(allow=p.allow, block=p.block, autoload=p.autoload, extra=extra)
+    host = load_plugins(allow=p.allow, block=p.block, autoload=p.autoload, extra=extra)
+    host.pm.hook.strata_configure(settings=settings)  # before any probe, so probes see each plugin's settings
+    return host
