@@ -1,0 +1,294 @@
+"""The foundation commands end to end: backends, config show/table, doctor; exit codes and one-line errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import textwrap
+import uuid
+from pathlib import Path
+
+import pytest
+
+from strata_core import API_VERSION, cli
+from strata_core.settings import FIELDS, LEGACY_VARIABLES, embed_table, settings_table_markdown
+
+ROOT = Path(__file__).resolve().parents[2]
+IN_TREE = ("cpu", "sim", "cuda", "rocm", "sycl")
+
+
+def run_json(capsys, argv) -> dict:
+    """Run `strata ARGV` in-process; return its one JSON object (and check exit 0)."""
+    rc = cli.main(argv)
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    obj = json.loads(out)
+    assert isinstance(obj, dict) and "schema" in obj
+    return obj
+
+
+def strata(args, cwd, env=None) -> subprocess.CompletedProcess:
+    """Run `strata ARGS` in a subprocess with no STRATA_* variable but those in `env`."""
+    base = {k: v for k, v in os.environ.items() if not k.upper().startswith("STRATA_")}
+    return subprocess.run([sys.executable, "-m", "strata_core.cli", *args], cwd=cwd, env={**base, **(env or {})},
+                          capture_output=True, text=True, timeout=120)
+
+
+# ------------------------------------------------------------------ strata backends
+
+
+def test_backends_json_lists_every_in_tree_backend(clean_strata_env, capsys):
+    report = run_json(capsys, ["backends", "--json"])
+    assert report["schema"] == "strata.backends/1"
+    by_name = {b["name"]: b for b in report["backends"]}
+    assert set(IN_TREE) <= set(by_name)
+    for b in report["backends"]:
+        assert set(b) >= {"name", "vendor", "version", "api_version", "available", "reason", "install_hint",
+                          "score", "devices"}
+        assert b["reason"], f"{b['name']} gives no reason"
+        assert b["available"] == bool(b["devices"]), f"{b['name']}: available iff it found a device"
+    assert by_name["cpu"]["available"] and by_name["sim"]["available"]
+    assert by_name["cpu"]["api_version"] == API_VERSION
+    assert [by_name[n]["vendor"] for n in ("cuda", "rocm", "sycl")] == ["nvidia", "amd", "intel"]
+    assert report["selected"] == max((b for b in report["backends"] if b["available"]),
+                                     key=lambda b: b["score"])["name"]
+
+
+def test_backends_selected_is_null_with_the_reason_when_resolution_fails(clean_strata_env, capsys):
+    report = run_json(capsys, ["backends", "--json", "--backend", "no-such-backend"])
+    assert report["selected"] is None and "no-such-backend" in report["selection_error"]
+
+
+def test_backends_respects_the_block_list(clean_strata_env, capsys, monkeypatch):
+    monkeypatch.setenv("STRATA_PLUGINS__BLOCK", "sim")
+    names = {b["name"] for b in run_json(capsys, ["backends", "--json"])["backends"]}
+    assert "sim" not in names and "cpu" in names
+
+
+def test_backends_table_for_people(clean_strata_env, capsys):
+    assert cli.main(["backends"]) == 0
+    out = capsys.readouterr().out
+    for name in IN_TREE:
+        assert name in out
+    assert "selected:" in out
+
+
+@pytest.fixture
+def installed_backend_distribution(tmp_path):
+    """A distribution built in tmp_path that registers a backend through the entry point, pip-installed for the test."""
+    tag = uuid.uuid4().hex[:8]
+    dist, module, backend = f"strata-ep-test-{tag}", f"strata_ep_test_{tag}", f"eptest{tag}"
+    src = tmp_path / "dist"
+    src.mkdir()
+    (src / "pyproject.toml").write_text(textwrap.dedent(f"""
+        [build-system]
+        requires = ["setuptools>=61"]
+        build-backend = "setuptools.build_meta"
+
+        [project]
+        name = "{dist}"
+        version = "0.0.1"
+
+        [project.entry-points."strata.backends"]
+        {backend} = "{module}"
+
+        [tool.setuptools]
+        py-modules = ["{module}"]
+    """))
+    (src / f"{module}.py").write_text(textwrap.dedent(f'''
+        """A third-party backend, written as an outside distribution would."""
+        from strata_core.backend_api import Backend, ProbeResult
+        from strata_core.facts import DeviceInfo
+        from strata_core.hookspecs import hookimpl
+
+
+        def probe():
+            """One small device; a low score so it never wins 'auto' over the cpu backend."""
+            dev = DeviceInfo(backend="{backend}", vendor="acme", name="Acme test card",
+                             vram_total_bytes=1 << 30, vram_free_bytes=1 << 29)
+            return ProbeResult(available=True, reason="acme runtime found", devices=(dev,), score=1, version="9.9")
+
+
+        @hookimpl
+        def strata_backends():
+            """The test backend."""
+            return [Backend(name="{backend}", vendor="acme", probe=probe, version="0.0.1")]
+    '''))
+    pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q"]
+    subprocess.run([*pip, "install", "--no-deps", "--no-build-isolation", str(src)], check=True, cwd=tmp_path,
+                   capture_output=True, timeout=300)
+    try:
+        yield backend
+    finally:
+        subprocess.run([*pip, "uninstall", "-y", dist], check=False, capture_output=True, timeout=300)
+
+
+def test_backend_from_an_installed_distribution_shows_up(installed_backend_distribution, tmp_path):
+    name = installed_backend_distribution
+    r = strata(["backends", "--json"], cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    listed = {b["name"]: b for b in json.loads(r.stdout)["backends"]}
+    assert name in listed
+    b = listed[name]
+    assert b["available"] and b["vendor"] == "acme" and b["reason"] == "acme runtime found"
+    assert b["devices"][0]["name"] == "Acme test card"
+    chosen = strata(["backends", "--json", "--backend", name], cwd=tmp_path)
+    assert json.loads(chosen.stdout)["selected"] == name
+
+
+# ------------------------------------------------------------------ strata config show
+
+
+def test_legacy_cpu_share_off_shows_in_config_show(clean_strata_env, capsys, monkeypatch):
+    monkeypatch.setenv("STRATA_PREFILL_CPU_SHARE", "0")
+    report = run_json(capsys, ["config", "show", "--json", "--origin"])
+    assert report["schema"] == "strata.config/1"
+    share = report["values"]["prefill.cpu_share"]
+    assert share == {"value": "off", "source": "legacy-env", "origin": "STRATA_PREFILL_CPU_SHARE"}
+    assert any("STRATA_PREFILL_CPU_SHARE" in n and "prefill.cpu_share" in n for n in report["notices"])
+
+
+def test_config_show_lists_every_key_with_a_known_source(clean_strata_env, capsys):
+    (clean_strata_env / "strata.toml").write_text('[kv]\ndtype = "int8"\n')
+    report = run_json(capsys, ["config", "show", "--json", "--set", "prefill.chunk=2048"])
+    assert set(report["values"]) == set(FIELDS)
+    assert {v["source"] for v in report["values"].values()} <= {"flag", "env", "legacy-env", "toml",
+                                                                 "backend-default", "default"}
+    assert report["values"]["kv.dtype"] == {"value": "int8", "source": "toml", "origin": "strata.toml line 2"}
+    assert report["values"]["prefill.chunk"]["source"] == "flag"
+
+
+def test_config_show_fills_unset_values_from_the_selected_backend(clean_strata_env, capsys):
+    report = run_json(capsys, ["config", "show", "--json", "--backend", "cpu", "--set", "prefill.lend_fraction=0.5"])
+    assert report["backend"] == "cpu"
+    reserve = report["values"]["memory.vram_reserve_mib"]
+    assert reserve["source"] == "backend-default" and "cpu" in reserve["origin"] and isinstance(reserve["value"], int)
+    assert report["values"]["prefill.lend_fraction"] == {"value": 0.5, "source": "flag",
+                                                         "origin": "--set prefill.lend_fraction"}
+
+
+def test_config_show_without_a_backend_keeps_defaults_and_says_why(clean_strata_env, capsys):
+    report = run_json(capsys, ["config", "show", "--json", "--backend", "nope"])
+    assert report["backend"] is None
+    assert report["values"]["memory.vram_reserve_mib"] == {"value": None, "source": "default", "origin": "core"}
+    assert any("backend defaults not shown" in n and "nope" in n for n in report["notices"])
+
+
+def test_config_show_origin_table(clean_strata_env, capsys, monkeypatch):
+    monkeypatch.setenv("STRATA_PIN_GUARD", "0")
+    assert cli.main(["config", "show", "--origin"]) == 0
+    out = capsys.readouterr().out
+    assert "legacy-env" in out and "pinning.pin_guard" in out
+
+
+# ------------------------------------------------------------------ bad input: exit 2, one line, no traceback
+
+
+BAD_INPUTS = [
+    pytest.param({"STRATA_PREFILL__CHUNK": "big"}, None, [], ["prefill.chunk", "env STRATA_PREFILL__CHUNK", "allowed"],
+                 id="env"),
+    pytest.param({"STRATA_PREFILL_LEND_PCT": "250"}, None, [],
+                 ["prefill.lend_fraction", "legacy env STRATA_PREFILL_LEND_PCT", "allowed"], id="legacy-env"),
+    pytest.param({}, '[memory]\nvram_reserve_mib = "lots"\n', [],
+                 ["memory.vram_reserve_mib", "strata.toml line 2", "allowed"], id="toml"),
+    pytest.param({}, None, ["--set", "kv.dtype=int4"], ["kv.dtype", "flag --set kv.dtype", "'int8'"], id="flag"),
+    pytest.param({}, None, ["--set", "prefill.chunk"], ["--set", "KEY=VALUE"], id="flag-format"),
+    pytest.param({}, '[prefill]\nchunk = "auto"\n[kv\n', [], ["strata.toml", "not valid TOML", "line 3"],
+                 id="malformed-toml"),
+    pytest.param({}, '[prefill]\nchunk = 4096\nchunks = 1\n', [], ["strata.toml line 3", "unknown setting 'prefill.chunks'"],
+                 id="unknown-toml-key"),
+    pytest.param({}, None, ["--config", "missing.toml"], ["--config missing.toml"], id="missing-config"),
+]
+
+
+@pytest.mark.parametrize("command", [["config", "show", "--json"], ["backends", "--json"], ["doctor", "--json"]],
+                         ids=lambda c: c[0])
+@pytest.mark.parametrize("env,toml,flags,fragments", BAD_INPUTS)
+def test_bad_input_exits_2_with_one_line(tmp_path, command, env, toml, flags, fragments):
+    if toml is not None:
+        (tmp_path / "strata.toml").write_text(toml)
+    r = strata([*command, *flags], cwd=tmp_path, env=env)
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    assert r.stdout == ""
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in r.stderr, r.stderr
+    for f in fragments:
+        assert f in lines[0]
+
+
+# ------------------------------------------------------------------ strata config table and the README
+
+
+def test_readme_settings_table_is_in_sync_with_the_generator():
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    assert embed_table(readme) == readme, "run `strata config table --write README.md`"
+    assert settings_table_markdown() in readme
+
+
+def test_generated_table_names_every_key_and_legacy_variable():
+    table = settings_table_markdown()
+    for f in FIELDS.values():
+        assert f"`{f.key}`" in table and f"`{f.env_name}`" in table
+    for lv in LEGACY_VARIABLES:
+        assert re.search(rf"\| `{lv.name}` \| `{re.escape(lv.key)}` \|", table)
+
+
+def test_config_table_check_and_write(tmp_path, capsys):
+    doc = tmp_path / "DOC.md"
+    doc.write_text("# Doc\n\n<!-- settings-table:begin (generated by `strata config table`; do not edit by hand) -->\n"
+                   "stale\n<!-- settings-table:end -->\n\ntail\n")
+    assert cli.main(["config", "table", "--check", str(doc)]) == 1
+    assert "out of date" in capsys.readouterr().err
+    assert cli.main(["config", "table", "--write", str(doc)]) == 0
+    assert cli.main(["config", "table", "--check", str(doc)]) == 0
+    text = doc.read_text()
+    assert "stale" not in text and text.endswith("\n\ntail\n") and "`prefill.chunk`" in text
+
+
+def test_config_table_on_a_file_without_markers_is_bad_input(tmp_path, capsys):
+    doc = tmp_path / "DOC.md"
+    doc.write_text("# nothing here\n")
+    assert cli.main(["config", "table", "--check", str(doc)]) == 2
+    assert "markers" in capsys.readouterr().err
+
+
+def test_config_table_json(capsys):
+    report = run_json(capsys, ["config", "table", "--json"])
+    assert report["schema"] == "strata.config-table/1"
+    assert [r["key"] for r in report["settings"]] == list(FIELDS)
+    assert [r["name"] for r in report["legacy"]] == [lv.name for lv in LEGACY_VARIABLES]
+
+
+def test_readme_quick_start_has_exactly_two_setup_commands():
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    quick = readme.split("## Quick start", 1)[1].split("\n## ", 1)[0]
+    blocks = re.findall(r"```bash\n(.*?)```", quick, flags=re.S)
+    assert len(blocks) == 2 and all(len(b.strip().splitlines()) == 1 for b in blocks)
+    main_job, tests = (b.strip() for b in blocks)
+    assert main_job.endswith("strata run") and "pip install -e ." in main_job
+    assert tests.endswith("pytest")
+    install_spec = re.search(r"pip install -e '([^']+)'", tests).group(1)
+    assert f"pip install --quiet -e '{install_spec}'" in (ROOT / ".ci" / "run").read_text()
+
+
+# ------------------------------------------------------------------ strata doctor
+
+
+def test_doctor_json(clean_strata_env, capsys, monkeypatch):
+    monkeypatch.setenv("STRATA_TRACE", "1")
+    monkeypatch.setenv("STRATA_ARENA_PIN_GIB", "12")
+    report = run_json(capsys, ["doctor", "--json"])
+    assert report["schema"] == "strata.doctor/1"
+    assert report["host"]["ram_total_bytes"] > 0
+    assert set(IN_TREE) <= {b["name"] for b in report["backends"]}
+    assert report["selected"] in {b["name"] for b in report["backends"] if b["available"]}
+    assert any("STRATA_ARENA_PIN_GIB" in n and "pinning.arena_pin_gib" in n for n in report["settings_notices"])
+
+
+def test_doctor_text(clean_strata_env, capsys):
+    assert cli.main(["doctor"]) == 0
+    out = capsys.readouterr().out
+    assert "selected backend:" in out and "host:" in out
