@@ -242,5 +242,14 @@ def load_from_settings(settings: Any, extra: Iterable[Any] = ()) -> PluginHost:
     """Load plugins as the `plugins` settings group says (allow, block, autoload), then let them read their settings."""
     p = settings.plugins
     host = load_plugins(allow=p.allow, block=p.block, autoload=p.autoload, extra=extra)
-    host.pm.hook.strata_configure(settings=settings)  # before any probe, so probes see each plugin's settings
+    # Before any probe, so probes see each plugin's settings. Each implementation runs on its own: a bad value is the
+    # user's (BadInput, exit 2), any other error is the plugin's and must not break the command.
+    for impl in reversed(host.pm.hook.strata_configure.get_hookimpls()):
+        try:
+            impl.function(settings=settings)
+        except BadInput:
+            raise
+        except Exception as e:
+            host.notices.append(f"plugin '{host.pm.get_name(impl.plugin)}' raised in strata_configure: "
+                                f"{type(e).__name__}: {e}; its settings were not applied")
     return host

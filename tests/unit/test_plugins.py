@@ -291,3 +291,27 @@ def test_platform_defaults_fall_back_to_the_core():
     host = load_plugins(autoload=False, extra=[plugin("a", backend("a"))])
     b, dev, _, defaults = host.device_and_defaults("a")
     assert b.name == "a" and dev.backend == "a" and defaults == PlatformDefaults()
+
+
+# ------------------------------------------------------------------ strata_configure
+
+
+def test_configure_hook_sees_the_settings_before_probes(tmp_path):
+    seen = []
+    b = backend("conf", probe=lambda: ProbeResult(available=bool(seen), reason=f"seen {seen}",
+                                                  devices=(device("conf"),) if seen else (), score=1))
+    s = load_settings(env={"STRATA_TRACE": "1"}, cwd=tmp_path).settings
+    host = load_from_settings(s, extra=[plugin("conf", b, strata_configure=lambda settings: seen.append(settings.trace))])
+    assert host.probe("conf").available and seen == [True]
+
+
+def test_configure_hook_bad_input_propagates_other_errors_become_notices(tmp_path):
+    s = load_settings(env={}, cwd=tmp_path).settings
+    def strict(settings):
+        raise BadInput("sim.profile: 'x' from flag is not allowed")
+    with pytest.raises(BadInput, match="sim.profile"):
+        load_from_settings(s, extra=[plugin("strict", strata_configure=strict)])
+    host = load_from_settings(s, extra=[plugin("sloppy", backend("sloppy"), strata_configure=lambda settings: 1 / 0),
+                                        plugin("fine", backend("fine"))])
+    assert host.probe("fine").available
+    assert any("sloppy" in n and "ZeroDivisionError" in n for n in host.notices)
