@@ -1,0 +1,206 @@
+"""SYCL memory: device arrays in USM device memory, streams as in-order queues, and pinned host memory as USM host."""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import numpy as np
+
+from strata_core.backend_api import PinnedBudget, PinnedBuffer
+
+from .runtime import Session
+
+
+class UsmArray:
+    """A device array: its shape, dtype and the USM device allocation (dpctl MemoryUSMDevice) that holds it."""
+
+    __slots__ = ("shape", "dtype", "mem", "nbytes", "release", "__weakref__")
+
+    def __init__(self, shape: tuple[int, ...], dtype: Any, mem: Any):
+        self.shape = tuple(int(s) for s in shape)
+        self.dtype = np.dtype(dtype)
+        self.mem = mem
+        self.nbytes = int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+        self.release = None  # a weakref.finalize giving the bytes back to the session's count, set by alloc
+
+    @property
+    def size(self) -> int:
+        """Number of elements."""
+        return int(np.prod(self.shape, dtype=np.int64))
+
+    @property
+    def ndim(self) -> int:
+        """Number of dimensions."""
+        return len(self.shape)
+
+    def __len__(self) -> int:
+        return self.shape[0] if self.shape else 0
+
+    def __repr__(self) -> str:
+        return f"UsmArray(shape={self.shape}, dtype={self.dtype.name})"
+
+
+class SyclEvent:
+    """An event slot: `record` fills it with the barrier event of a queue; None until then."""
+
+    __slots__ = ("event",)
+
+    def __init__(self) -> None:
+        self.event = None
+
+    def query_done(self) -> bool:
+        """True when the recorded work has completed (or nothing was recorded)."""
+        if self.event is None:
+            return True
+        return self.event.execution_status.name == "complete"
+
+
+def _is_usm_host(a: np.ndarray) -> bool:
+    """True when a numpy array views USM host memory (a buffer from UsmPinnedAllocator): copies may then be async."""
+    base = a
+    while base is not None:
+        if type(base).__name__ == "MemoryUSMHost":
+            return True
+        base = getattr(base, "base", None) if not isinstance(base, memoryview) else base.obj
+    return False
+
+
+def _uncount(session: Session, nbytes: int) -> None:
+    with session.lock:
+        session.allocated_bytes -= nbytes
+
+
+class SyclDeviceMemory:
+    """DeviceMemory of one SYCL device: USM device allocations, in-order queues as streams, barrier events."""
+
+    def __init__(self, session: Session):
+        self.session = session
+        self._dm = session.dpctl.memory
+
+    def _queue(self, stream: Any) -> Any:
+        return self.session.queue if stream is None else stream
+
+    def alloc(self, shape, dtype):
+        """A UsmArray, or None when the device has no room (never raises for lack of memory)."""
+        shape = tuple(int(s) for s in (shape if isinstance(shape, (tuple, list)) else (shape,)))
+        nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+        dev = self.session.device
+        # A CPU device's allocations are lazily backed by host pages, so an over-large request would only fail
+        # later, at first touch; the device's own limits are checked up front instead.
+        if nbytes > dev.max_mem_alloc_size or self.session.allocated_bytes + nbytes > dev.global_mem_size:
+            return None
+        try:
+            mem = self._dm.MemoryUSMDevice(max(nbytes, 1), queue=self.session.queue)
+        except (self._dm.USMAllocationError, MemoryError):
+            return None
+        with self.session.lock:
+            self.session.allocated_bytes += nbytes
+        arr = UsmArray(shape, dtype, mem)
+        # Arrays dropped without free() (kernel temporaries, outputs a caller let go) still leave the count.
+        arr.release = weakref.finalize(arr, _uncount, self.session, nbytes)
+        return arr
+
+    def free(self, arr):
+        """Release a device array once every queue of the device is done with it (idempotent)."""
+        if arr.mem is None:
+            return
+        self.session.wait_all()
+        arr.mem = None
+        if arr.release is not None:
+            arr.release()
+
+    def upload(self, dst, src, stream=None):
+        """Copy host -> device; asynchronous on `stream` when `src` is USM host memory, else complete on return."""
+        host = np.asarray(src)
+        if host.size != dst.size:
+            raise ValueError(f"upload: {host.size} elements into a device array of {dst.size}")
+        if host.dtype != dst.dtype or not host.flags.c_contiguous:
+            host = np.ascontiguousarray(host, dtype=dst.dtype)
+        if dst.nbytes == 0:
+            return
+        q = self._queue(stream)
+        if _is_usm_host(host):
+            q.memcpy_async(dst.mem, host, dst.nbytes)
+        else:
+            q.memcpy(dst.mem, host, dst.nbytes)
+
+    def download(self, src, stream=None):
+        """Copy device -> host after the stream's earlier work, and return the host array."""
+        out = np.empty(src.shape, dtype=src.dtype)
+        if src.nbytes:
+            self._queue(stream).memcpy(out, src.mem, src.nbytes)
+        return out
+
+    def to_device(self, src):
+        """Allocate and fill a device array from host data (synchronous); MemoryError when the device has no room."""
+        host = np.ascontiguousarray(src)
+        arr = self.alloc(host.shape, host.dtype)
+        if arr is None:
+            raise MemoryError(f"sycl: no room for {host.nbytes} bytes on {self.session.device.name}")
+        self.upload(arr, host)
+        return arr
+
+    def new_stream(self):
+        """A new in-order queue on the device's context."""
+        return self.session.new_queue()
+
+    def new_event(self):
+        """A new, unrecorded event."""
+        return SyclEvent()
+
+    def record(self, event, stream):
+        """Record on `stream`: the event completes when the stream's work submitted so far has."""
+        event.event = self._queue(stream).submit_barrier()
+
+    def wait(self, stream, event):
+        """Make `stream`'s later work wait for `event` (a no-op for an unrecorded event)."""
+        if event.event is not None:
+            self._queue(stream).submit_barrier([event.event])
+
+    def synchronize(self, stream=None):
+        """Block until `stream` is idle, or every queue of the device when None."""
+        if stream is None:
+            self.session.wait_all()
+        else:
+            stream.wait()
+
+    def mem_info(self):
+        """(free_bytes, total_bytes): the device's total less what this process allocated (dpctl reports no free)."""
+        total = int(self.session.device.global_mem_size)
+        return max(0, total - self.session.allocated_bytes), total
+
+
+class UsmPinnedAllocator:
+    """Pinned host memory as SYCL USM host allocations (page-locked by the runtime), charged to a PinnedBudget."""
+
+    kind = "usm-host"
+
+    def __init__(self, session: Session, budget: PinnedBudget):
+        self.session = session
+        self.budget = budget
+
+    def alloc(self, nbytes, from_floor=False):
+        """USM host memory of nbytes through the budget, or None when the budget or the runtime says no."""
+        nbytes = int(nbytes)
+        if nbytes <= 0 or not self.budget.take(nbytes, from_floor=from_floor):
+            return None
+        try:
+            mem = self.session.dpctl.memory.MemoryUSMHost(nbytes, queue=self.session.queue)
+            view = np.frombuffer(mem, dtype=np.uint8)
+        except Exception:  # an allocator must not raise: any runtime refusal is 'no memory'
+            self.budget.give(nbytes)
+            return None
+        return PinnedBuffer(array=view, nbytes=nbytes, kind="alloc", handle=mem, from_floor=from_floor)
+
+    def register(self, array, from_floor=False):
+        """None: dpctl cannot page-lock existing memory in place, so callers fall back to alloc or pageable copies."""
+        return None
+
+    def free(self, buf):
+        """Release the USM host memory and give its bytes back (idempotent)."""
+        if buf.freed:
+            return
+        buf.freed = True
+        buf.handle = None
+        self.budget.give(buf.nbytes)

@@ -1,0 +1,114 @@
+"""The dpctl side of the SYCL backend: the vendor runtime's environment, lazy import, devices and per-device sessions.
+
+A session is one SYCL context on one device with its default in-order queue; device memory, pinned host memory and
+kernels of a device all come from its session, so a USM pointer made by one is valid in the others.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata as md
+import os
+import sys
+import threading
+import weakref
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+#: File names of the Intel OpenCL CPU runtime that the [sycl] extra (intel-opencl-rt) installs.
+_INTEL_OCL_NAMES = ("libintelocl.so", "intelocl64.dll")
+
+_lock = threading.Lock()
+_sessions: dict[str, "Session"] = {}
+
+
+def find_intel_opencl_runtime() -> Path | None:
+    """The Intel OpenCL CPU runtime library installed by the intel-opencl-rt package, or None when it is absent."""
+    try:
+        for f in md.files("intel-opencl-rt") or ():
+            if f.name in _INTEL_OCL_NAMES:
+                p = Path(f.locate())
+                if p.is_file():
+                    return p
+    except md.PackageNotFoundError:
+        pass
+    for d in (Path(sys.prefix) / "lib", Path(sys.prefix) / "Library" / "bin"):
+        for n in _INTEL_OCL_NAMES:
+            if (d / n).is_file():
+                return d / n
+    return None
+
+
+def _prepare_runtime_env() -> None:
+    """Point the OpenCL ICD loader at the runtime the [sycl] extra installed, before dpctl loads it.
+
+    This is the one place the backend touches the environment, and it only writes: a user who installs the extra
+    sets nothing by hand, so the loader must learn where intel-opencl-rt put its library. OCL_ICD_FILENAMES (and not
+    the vendors directory) is used because it makes the loader see that runtime alone: an ICD such as PoCL, if the
+    system registers one, aborts SYCL's OpenCL adapter. A value the user did set is left as it is.
+    """
+    lib = find_intel_opencl_runtime()
+    if lib is not None:
+        os.environ.setdefault("OCL_ICD_FILENAMES", str(lib))
+
+
+def load_dpctl() -> ModuleType:
+    """Import dpctl (and its memory and program modules) after preparing the runtime; ImportError when absent."""
+    _prepare_runtime_env()
+    import dpctl
+    import dpctl.memory  # noqa: F401  (submodules used through the package)
+    import dpctl.program  # noqa: F401
+    return dpctl
+
+
+def usable_devices(dpctl: ModuleType) -> list[Any]:
+    """The SYCL devices our kernels can run on, GPUs first: those of the OpenCL backend (the kernels are OpenCL C)."""
+    devs = [d for d in dpctl.get_devices() if d.backend.name == "opencl"]
+    rank = {"gpu": 0, "accelerator": 1, "cpu": 2}
+    return sorted(devs, key=lambda d: (rank.get(d.device_type.name, 3), d.filter_string))
+
+
+def all_device_names(dpctl: ModuleType) -> list[str]:
+    """Every SYCL device as 'backend:type name', for the reason when none is usable."""
+    return [f"{d.backend.name}:{d.device_type.name} {d.name}" for d in dpctl.get_devices()]
+
+
+@dataclass
+class Session:
+    """One device's SYCL context, its default in-order queue, the queues made since, and the bytes allocated."""
+
+    dpctl: ModuleType
+    device: Any
+    context: Any
+    queue: Any
+    allocated_bytes: int = 0
+    streams: "weakref.WeakSet[Any]" = field(default_factory=weakref.WeakSet)
+    program: Any = None
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def new_queue(self) -> Any:
+        """A new in-order queue on this session's context (a stream)."""
+        q = self.dpctl.SyclQueue(self.context, self.device, property="in_order")
+        self.streams.add(q)
+        return q
+
+    def wait_all(self) -> None:
+        """Block until every queue of the session is idle."""
+        self.queue.wait()
+        for q in list(self.streams):
+            q.wait()
+
+
+def session_for(filter_string: str) -> Session:
+    """The session of a device (created once per process), by its SYCL filter string."""
+    with _lock:
+        s = _sessions.get(filter_string)
+        if s is None:
+            dpctl = load_dpctl()
+            dev = dpctl.SyclDevice(filter_string)
+            ctx = dpctl.SyclContext(dev)
+            q = dpctl.SyclQueue(ctx, dev, property="in_order")
+            s = Session(dpctl=dpctl, device=dev, context=ctx, queue=q)
+            _sessions[filter_string] = s
+        return s

@@ -1,0 +1,381 @@
+/*
+ * Strata Core's OpenCL C kernels: the one source the SYCL backend (through dpctl.program) and the OpenCL plugin
+ * (through pyopencl) both build. The contract, shapes and dtypes included, is strata_core/kernels/reference.py.
+ *
+ * Conventions shared by every host that launches these kernels:
+ * - dimension 0 of the global range walks the contiguous (last) axis of the output, dimension 1 the rows;
+ *   global sizes may be rounded up, so every kernel guards its indices;
+ * - sizes are passed as int, scalars as float; half data is read with vload_half and written with vstore_half_rte,
+ *   so cl_khr_fp16 is not needed (the PoCL CPU device, for one, lacks it);
+ * - Q8_0: blocks of QK8_0 int8 quants along the last axis with one half scale per block, value = q * d.
+ */
+
+/* Contraction to fma would make the f32 kernels round differently from the numpy oracle (scatter_add is meant to
+ * match it bit for bit), so products and sums are rounded separately, as numpy does. */
+#pragma OPENCL FP_CONTRACT OFF
+
+#define QK8_0 32
+#define LINEAR_TILE 16
+
+inline float silu_f32(const float v)
+{
+    return v / (1.0f + exp(-v));
+}
+
+/* ------------------------------------------------------------------------------------------------ fills */
+
+__kernel void fill_i32(__global int* out, const int n, const int value)
+{
+    const int i = get_global_id(0);
+    if (i < n)
+        out[i] = value;
+}
+
+/* ------------------------------------------------------------------------------------------------ routing */
+
+/* One work-item per token. The j-th pick is the best logit strictly after the (j-1)-th in the order
+ * (value descending, id ascending), so ties go to the lower id without any scratch memory. */
+__kernel void route_topk(__global const float* logits, const int T, const int E, const int K,
+                         __global int* ids, __global float* weights)
+{
+    const int t = get_global_id(0);
+    if (t >= T)
+        return;
+    __global const float* row = logits + (size_t)t * E;
+    __global int* out_ids = ids + (size_t)t * K;
+    __global float* out_w = weights + (size_t)t * K;
+    float prev_v = INFINITY;
+    int prev_i = -1;
+    for (int j = 0; j < K; ++j) {
+        int best = -1;
+        float best_v = -INFINITY;
+        for (int e = 0; e < E; ++e) {
+            const float v = row[e];
+            const bool after = (v < prev_v) || (v == prev_v && e > prev_i);
+            if (after && (best < 0 || v > best_v)) {
+                best = e;
+                best_v = v;
+            }
+        }
+        out_ids[j] = best;
+        out_w[j] = best_v;
+        prev_v = best_v;
+        prev_i = best;
+    }
+    const float top = out_w[0];
+    float sum = 0.0f;
+    for (int j = 0; j < K; ++j) {
+        const float e = exp(out_w[j] - top);
+        out_w[j] = e;
+        sum += e;
+    }
+    for (int j = 0; j < K; ++j)
+        out_w[j] = out_w[j] / sum;
+}
+
+/* ------------------------------------------------------------------------------------------------ gather */
+
+/* Row gather by element size (4 bytes: f32/i32, 2 bytes: f16), so one kernel serves every dtype of that size.
+ * A row index outside [0, T) yields zeros rather than a read out of bounds. */
+__kernel void gather_b4(__global const uint* x, __global const int* rows, const int N, const int H, const int T,
+                        __global uint* out)
+{
+    const int h = get_global_id(0), i = get_global_id(1);
+    if (h >= H || i >= N)
+        return;
+    const int r = rows[i];
+    out[(size_t)i * H + h] = (r >= 0 && r < T) ? x[(size_t)r * H + h] : 0u;
+}
+
+__kernel void gather_b2(__global const ushort* x, __global const int* rows, const int N, const int H, const int T,
+                        __global ushort* out)
+{
+    const int h = get_global_id(0), i = get_global_id(1);
+    if (h >= H || i >= N)
+        return;
+    const int r = rows[i];
+    out[(size_t)i * H + h] = (r >= 0 && r < T) ? x[(size_t)r * H + h] : (ushort)0;
+}
+
+/* ------------------------------------------------------------------------------------------------ scatter_add */
+
+/* scatter_add is deterministic: float atomics would add a token's contributions in whatever order the work-items
+ * ran, so the same inputs could give different bits. Instead the host runs five passes:
+ *   fill_i32(counts, 0), fill_i32(cursor, 0)
+ *   scatter_count   counts[t] = how many i have rows[i] == t                 (integer atomics: exact)
+ *   scatter_scan    starts[t] = exclusive prefix sum of counts, starts[T] = total
+ *   scatter_fill    idx[starts[t] ...] = the i of token t, in arbitrary order
+ *   scatter_sort    sort each token's i ascending (lists are short: a token appears once per routed expert)
+ *   scatter_apply   out[t,h] += scale[i] * y[i,h] over the token's i in ascending order, as numpy's add.at does. */
+
+__kernel void scatter_count(__global const int* rows, const int N, const int T, __global int* counts)
+{
+    const int i = get_global_id(0);
+    if (i >= N)
+        return;
+    const int r = rows[i];
+    if (r >= 0 && r < T)
+        atomic_inc(&counts[r]);
+}
+
+/* A single work-item: T is a prompt chunk at most, and this pass is negligible beside the others. */
+__kernel void scatter_scan(__global const int* counts, const int T, __global int* starts)
+{
+    if (get_global_id(0) != 0)
+        return;
+    int acc = 0;
+    for (int t = 0; t < T; ++t) {
+        starts[t] = acc;
+        acc += counts[t];
+    }
+    starts[T] = acc;
+}
+
+__kernel void scatter_fill(__global const int* rows, const int N, const int T, __global const int* starts,
+                           __global int* cursor, __global int* idx)
+{
+    const int i = get_global_id(0);
+    if (i >= N)
+        return;
+    const int r = rows[i];
+    if (r >= 0 && r < T)
+        idx[starts[r] + atomic_inc(&cursor[r])] = i;
+}
+
+__kernel void scatter_sort(__global const int* starts, const int T, __global int* idx)
+{
+    const int t = get_global_id(0);
+    if (t >= T)
+        return;
+    const int lo = starts[t], hi = starts[t + 1];
+    for (int a = lo + 1; a < hi; ++a) {
+        const int v = idx[a];
+        int b = a - 1;
+        while (b >= lo && idx[b] > v) {
+            idx[b + 1] = idx[b];
+            --b;
+        }
+        idx[b + 1] = v;
+    }
+}
+
+__kernel void scatter_apply(__global float* out, const int T, const int H, __global const int* starts,
+                            __global const int* idx, __global const float* y, __global const float* scale)
+{
+    const int h = get_global_id(0), t = get_global_id(1);
+    if (h >= H || t >= T)
+        return;
+    float acc = out[(size_t)t * H + h];
+    for (int j = starts[t]; j < starts[t + 1]; ++j) {
+        const int i = idx[j];
+        const float p = y[(size_t)i * H + h] * scale[i];
+        acc = acc + p;
+    }
+    out[(size_t)t * H + h] = acc;
+}
+
+/* ------------------------------------------------------------------------------------------------ Q8_0 */
+
+/* qs [R*C] int8, d [R*C/QK8_0] half -> out [R*C] half, rounded to nearest even like numpy's astype(float16). */
+__kernel void dequantize_q8_0(__global const char* qs, __global const half* d, const int total, __global half* out)
+{
+    const int i = get_global_id(0);
+    if (i >= total)
+        return;
+    const float v = (float)qs[i] * vload_half(i / QK8_0, d);
+    vstore_half_rte(v, i, out);
+}
+
+/* ------------------------------------------------------------------------------------------------ grouped MoE FFN */
+
+/* The group of row n: the last g with offsets[g] <= n, if n < offsets[g + 1]; -1 for a row in no group
+ * (its output is zero, as in the reference). Offsets are non-decreasing, so empty groups are skipped. */
+inline int group_of_row(__global const int* offsets, const int G, const int n)
+{
+    int lo = 0, hi = G - 1, g = -1;
+    while (lo <= hi) {
+        const int mid = (lo + hi) / 2;
+        if (offsets[mid] <= n) {
+            g = mid;
+            lo = mid + 1;
+        } else {
+            hi = mid - 1;
+        }
+    }
+    if (g < 0 || n >= offsets[g + 1])
+        return -1;
+    return g;
+}
+
+/* The expert slot row n runs, or -1 for a row in no group or a slot outside [0, S) (its output is zero). */
+inline int slot_of_row(__global const int* offsets, __global const int* slots, const int G, const int S, const int n)
+{
+    const int g = group_of_row(offsets, G, n);
+    if (g < 0)
+        return -1;
+    const int s = slots[g];
+    return (s >= 0 && s < S) ? s : -1;
+}
+
+/* Phase 1, f16 weights: act[n,f] = silu(x[n] . Wg[f]) * (x[n] . Wu[f]) with Wg = rows 0..F-1 and Wu = rows F..2F-1
+ * of w_gate_up[slot]. */
+__kernel void ffn_gate_up_f16(__global const float* x, __global const int* offsets, __global const int* slots,
+                              const int G, const int S, const int N, const int H, const int F,
+                              __global const half* w_gate_up, __global float* act)
+{
+    const int f = get_global_id(0), n = get_global_id(1);
+    if (f >= F || n >= N)
+        return;
+    const int sl = slot_of_row(offsets, slots, G, S, n);
+    if (sl < 0) {
+        act[(size_t)n * F + f] = 0.0f;
+        return;
+    }
+    const size_t s = (size_t)sl;
+    __global const half* wg = w_gate_up + (s * 2 * F + f) * (size_t)H;
+    __global const half* wu = w_gate_up + (s * 2 * F + F + f) * (size_t)H;
+    __global const float* xr = x + (size_t)n * H;
+    float a = 0.0f, b = 0.0f;
+    for (int h = 0; h < H; ++h) {
+        const float xv = xr[h];
+        a += xv * vload_half(h, wg);
+        b += xv * vload_half(h, wu);
+    }
+    act[(size_t)n * F + f] = silu_f32(a) * b;
+}
+
+/* Phase 2, f16 weights: y[n,h] = act[n] . Wd[h] with Wd = w_down[slot] [H, F]. */
+__kernel void ffn_down_f16(__global const float* act, __global const int* offsets, __global const int* slots,
+                           const int G, const int S, const int N, const int H, const int F,
+                           __global const half* w_down, __global float* y)
+{
+    const int h = get_global_id(0), n = get_global_id(1);
+    if (h >= H || n >= N)
+        return;
+    const int sl = slot_of_row(offsets, slots, G, S, n);
+    if (sl < 0) {
+        y[(size_t)n * H + h] = 0.0f;
+        return;
+    }
+    const size_t s = (size_t)sl;
+    __global const half* wd = w_down + (s * H + h) * (size_t)F;
+    __global const float* ar = act + (size_t)n * F;
+    float acc = 0.0f;
+    for (int f = 0; f < F; ++f)
+        acc += ar[f] * vload_half(f, wd);
+    y[(size_t)n * H + h] = acc;
+}
+
+/* A Q8_0 row times an f32 vector: each block's integer-weighted sum is scaled once by its half scale (as ggml does);
+ * the oracle rounds every q*d to half first, a difference far inside the f16 tolerance. */
+inline float dot_q8_0(__global const char* q, __global const half* d, __global const float* v, const int len)
+{
+    float acc = 0.0f;
+    for (int b = 0; b < len / QK8_0; ++b) {
+        float part = 0.0f;
+        for (int j = 0; j < QK8_0; ++j)
+            part += (float)q[b * QK8_0 + j] * v[b * QK8_0 + j];
+        acc += part * vload_half(b, d);
+    }
+    return acc;
+}
+
+__kernel void ffn_gate_up_q8_0(__global const float* x, __global const int* offsets, __global const int* slots,
+                               const int G, const int S, const int N, const int H, const int F,
+                               __global const char* gate_up_q, __global const half* gate_up_d, __global float* act)
+{
+    const int f = get_global_id(0), n = get_global_id(1);
+    if (f >= F || n >= N)
+        return;
+    const int sl = slot_of_row(offsets, slots, G, S, n);
+    if (sl < 0) {
+        act[(size_t)n * F + f] = 0.0f;
+        return;
+    }
+    const size_t s = (size_t)sl;
+    const size_t row_g = s * 2 * F + f, row_u = s * 2 * F + F + f;
+    __global const float* xr = x + (size_t)n * H;
+    const float a = dot_q8_0(gate_up_q + row_g * H, gate_up_d + row_g * (H / QK8_0), xr, H);
+    const float b = dot_q8_0(gate_up_q + row_u * H, gate_up_d + row_u * (H / QK8_0), xr, H);
+    act[(size_t)n * F + f] = silu_f32(a) * b;
+}
+
+__kernel void ffn_down_q8_0(__global const float* act, __global const int* offsets, __global const int* slots,
+                            const int G, const int S, const int N, const int H, const int F,
+                            __global const char* down_q, __global const half* down_d, __global float* y)
+{
+    const int h = get_global_id(0), n = get_global_id(1);
+    if (h >= H || n >= N)
+        return;
+    const int sl = slot_of_row(offsets, slots, G, S, n);
+    if (sl < 0) {
+        y[(size_t)n * H + h] = 0.0f;
+        return;
+    }
+    const size_t row = (size_t)sl * H + h;
+    y[(size_t)n * H + h] = dot_q8_0(down_q + row * F, down_d + row * (F / QK8_0), act + (size_t)n * F, F);
+}
+
+/* ------------------------------------------------------------------------------------------------ rmsnorm */
+
+/* One work-group per row; the local size is a power of two (the host picks it) for the tree reduction. */
+#define DEFINE_RMSNORM(NAME, WTYPE, LOADW)                                                                          \
+    __kernel void NAME(__global const float* x, __global const WTYPE* w, const int T, const int H, const float eps, \
+                       __global float* out, __local float* scratch)                                                \
+    {                                                                                                               \
+        const int t = get_group_id(0), l = get_local_id(0), L = get_local_size(0);                                  \
+        if (t >= T)                                                                                                 \
+            return;                                                                                                 \
+        __global const float* xr = x + (size_t)t * H;                                                               \
+        float ss = 0.0f;                                                                                            \
+        for (int h = l; h < H; h += L)                                                                              \
+            ss += xr[h] * xr[h];                                                                                    \
+        scratch[l] = ss;                                                                                            \
+        barrier(CLK_LOCAL_MEM_FENCE);                                                                               \
+        for (int stride = L / 2; stride > 0; stride /= 2) {                                                         \
+            if (l < stride)                                                                                         \
+                scratch[l] += scratch[l + stride];                                                                  \
+            barrier(CLK_LOCAL_MEM_FENCE);                                                                           \
+        }                                                                                                           \
+        const float r = 1.0f / sqrt(scratch[0] / (float)H + eps);                                                   \
+        for (int h = l; h < H; h += L)                                                                              \
+            out[(size_t)t * H + h] = (xr[h] * r) * LOADW(w, h);                                                     \
+    }
+
+#define LOAD_F32(p, i) ((p)[i])
+#define LOAD_F16(p, i) vload_half((i), (p))
+
+DEFINE_RMSNORM(rmsnorm_w_f32, float, LOAD_F32)
+DEFINE_RMSNORM(rmsnorm_w_f16, half, LOAD_F16)
+
+/* ------------------------------------------------------------------------------------------------ linear */
+
+/* out [T,O] = x [T,H] . w [O,H]^T, tiled LINEAR_TILE x LINEAR_TILE through local memory: each work-group loads
+ * one tile of x rows and one tile of w rows per step (both contiguous along H), so every global element is read
+ * once per tile instead of once per output. The +1 column keeps the transposed read off one local bank. */
+#define DEFINE_LINEAR(NAME, WTYPE, LOADW)                                                                           \
+    __kernel __attribute__((reqd_work_group_size(LINEAR_TILE, LINEAR_TILE, 1)))                                     \
+    void NAME(__global const float* x, __global const WTYPE* w, const int T, const int H, const int O,            \
+              __global float* out)                                                                                  \
+    {                                                                                                               \
+        __local float xs[LINEAR_TILE][LINEAR_TILE + 1];                                                             \
+        __local float ws[LINEAR_TILE][LINEAR_TILE + 1];                                                             \
+        const int lo = get_local_id(0), lt = get_local_id(1);                                                       \
+        const int o0 = get_group_id(0) * LINEAR_TILE, t0 = get_group_id(1) * LINEAR_TILE;                           \
+        const int o = o0 + lo, t = t0 + lt;                                                                         \
+        float acc = 0.0f;                                                                                           \
+        for (int h0 = 0; h0 < H; h0 += LINEAR_TILE) {                                                               \
+            const int h = h0 + lo;                                                                                  \
+            xs[lt][lo] = (t < T && h < H) ? x[(size_t)t * H + h] : 0.0f;                                            \
+            ws[lt][lo] = (o0 + lt < O && h < H) ? LOADW(w, (size_t)(o0 + lt) * H + h) : 0.0f;                      \
+            barrier(CLK_LOCAL_MEM_FENCE);                                                                           \
+            for (int k = 0; k < LINEAR_TILE; ++k)                                                                   \
+                acc += xs[lt][k] * ws[lo][k];                                                                       \
+            barrier(CLK_LOCAL_MEM_FENCE);                                                                           \
+        }                                                                                                           \
+        if (o < O && t < T)                                                                                         \
+            out[(size_t)t * O + o] = acc;                                                                           \
+    }
+
+DEFINE_LINEAR(linear_w_f32, float, LOAD_F32)
+DEFINE_LINEAR(linear_w_f16, half, LOAD_F16)
