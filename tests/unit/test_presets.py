@@ -74,7 +74,8 @@ def test_kv_dtype_scales_the_f16_figure():
     s = model_from_name("Qwen3-30B-A3B")
     assert kv_bytes_per_token(s, "f16") == s.kv_bytes_per_token
     assert kv_bytes_per_token(s, "f32") == 2 * s.kv_bytes_per_token
-    assert kv_bytes_per_token(s, "int8") == s.kv_bytes_per_token // 64 * 34
+    assert kv_bytes_per_token(s, "int8") == s.kv_bytes_per_token // 2
+    assert kv_bytes_per_token(s, "q8_0") == s.kv_bytes_per_token // 64 * 34
     with pytest.raises(BadInput, match="kv.dtype"):
         kv_bytes_per_token(s, "fp4")
 

@@ -1,0 +1,167 @@
+"""`strata plan`: sources of the machine and model, settings precedence, outputs, and bad input as exit 2."""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from strata_core.cli import main
+from strata_core.commands.plan import loan_sample
+from strata_core.facts import MIB
+from strata_core.gguf_model import write_tiny_moe_gguf
+from strata_core.planner.plan import LoanRow
+
+SCENARIOS = (Path(__file__).resolve().parents[2] / ".." / "shared" / "scenarios").resolve()
+RESERVE700 = SCENARIOS / "seed2090-rtx4070ti-reserve700.json"
+needs_scenarios = pytest.mark.skipif(not RESERVE700.is_file(), reason=f"shared scenario {RESERVE700} is absent")
+
+
+def _run(capsys, *argv):
+    rc = main(["plan", *argv])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def _profile(tmp_path, **device_overrides):
+    """A strata.profile/1 file: an RTX 4070 Ti on a 64 GB Windows host (facts of the seed), edited as asked."""
+    device = {"name": "NVIDIA GeForce RTX 4070 Ti", "arch": "sm_89", "vram_total_bytes": 12877561856,
+              "vram_free_bytes": 11 * 1024 * MIB, "driver_model": "wddm", **device_overrides}
+    host = {"os": "windows", "ram_total_bytes": 64 * 1024 * MIB, "ram_available_bytes": 40 * 1024 * MIB,
+            "pinnable_bytes": None, "cpu": {"name": "x", "cores": 12, "flags": ["avx2"]}}
+    p = tmp_path / "profile.json"
+    p.write_text(json.dumps({"schema": "strata.profile/1", "backend": "cuda", "device": device, "host": host}))
+    return p
+
+
+def test_this_machine_with_the_default_model(capsys):
+    rc, out, err = _run(capsys, "--json")
+    assert rc == 0, err
+    d = json.loads(out)
+    assert d["schema"] == "strata.plan/1" and d["origin"] == "this machine"
+    assert d["expert_cache"]["slots"] >= 1 and d["prompt"]["chunk"] >= 1
+
+
+def test_profile_and_preset_with_quant(tmp_path, capsys):
+    rc, out, err = _run(capsys, "--profile", str(_profile(tmp_path)), "--model", "Qwen3-30B-A3B", "--quant", "IQ3_S",
+                        "--json")
+    assert rc == 0, err
+    d = json.loads(out)
+    assert d["model"]["name"] == "Qwen3-30B-A3B@IQ3_S" and d["backend"] == "cuda"
+    assert d["device"]["name"] == "NVIDIA GeForce RTX 4070 Ti"
+    assert d["vram"]["dense_bytes"] == d["model"]["dense_bytes"] > 0
+
+
+def test_gguf_model_is_planned_from_its_tensors(tmp_path, capsys):
+    g = write_tiny_moe_gguf(tmp_path / "m.gguf", layers=2, experts=8, top_k=2, hidden=64, ffn=64, vocab=32)
+    rc, out, err = _run(capsys, "--profile", str(_profile(tmp_path)), "--model", str(g), "--json")
+    assert rc == 0, err
+    d = json.loads(out)
+    assert d["model"]["source"] == f"gguf:{g}" and d["expert_cache"]["slot_bytes"] == 3 * 64 * 64 * 2
+    # 16 experts in all fit easily: the cache holds every one of them and no more
+    assert d["expert_cache"]["slots"] == 16
+
+
+@needs_scenarios
+def test_flags_beat_the_scenario_which_beats_the_environment(capsys, monkeypatch):
+    monkeypatch.setenv("STRATA_MEMORY__VRAM_RESERVE_MIB", "2000")
+    rc, out, err = _run(capsys, "--scenario", str(RESERVE700), "--json")
+    assert rc == 0, err
+    assert json.loads(out)["vram"]["reserve_bytes"] == 700 * MIB
+    rc, out, err = _run(capsys, "--scenario", str(RESERVE700), "--set", "memory.vram_reserve_mib=1000", "--json")
+    assert rc == 0, err
+    d = json.loads(out)
+    assert d["vram"]["reserve_bytes"] == 1000 * MIB
+    assert [r["prompt_tokens"] for r in d["requests"]] == [6000, 4000, 3080, 2000, 4000, 20000]
+
+
+@needs_scenarios
+def test_tables_and_explain_give_every_decision_and_its_reason(capsys):
+    rc, out, err = _run(capsys, "--scenario", str(RESERVE700), "--json")
+    decisions = json.loads(out)["decisions"]
+    rc, out, err = _run(capsys, "--scenario", str(RESERVE700), "--explain")
+    assert rc == 0, err
+    flat = "".join(out.split())
+    assert "VRAM" in out and "Prompt path" in out and "Decisions" in out
+    for dec in decisions:
+        assert "".join(dec["why"].split()) in flat
+
+
+@needs_scenarios
+def test_plot_writes_a_png(tmp_path, capsys):
+    pytest.importorskip("matplotlib", reason="the plot extra is not installed here")
+    png = tmp_path / "plan.png"
+    rc, out, err = _run(capsys, "--scenario", str(RESERVE700), "--plot", str(png))
+    assert rc == 0, err
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plot_without_matplotlib_says_how_to_install(tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    rc, out, err = _run(capsys, "--profile", str(_profile(tmp_path)), "--plot", str(tmp_path / "x.png"))
+    assert rc == 2
+    assert "pip install 'strata-core[plot]'" in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_machine_with_no_plan_exits_2_with_the_planners_line(tmp_path, capsys):
+    rc, out, err = _run(capsys, "--profile", str(_profile(tmp_path, vram_free_bytes=300 * MIB)),
+                        "--model", "Mixtral-8x7B", "--quant", "F16")
+    assert rc == 2 and out == ""
+    assert err.startswith("strata: error:") and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("text,needle", [
+    ("{not json", "not valid JSON"),
+    (json.dumps({"schema": "strata.profile/1", "backend": "cuda", "device": {"name": "x", "vram_total_bytes": 1},
+                 "host": {"os": "linux", "ram_total_bytes": 1, "ram_available_bytes": 1}}), "'vram_free_bytes'"),
+    (json.dumps({"schema": "strata.profile/1", "backend": "cuda",
+                 "device": {"name": "x", "vram_total_bytes": 1, "vram_free_bytes": 1}}), "'host'"),
+])
+def test_bad_profiles_exit_2_naming_file_and_field(tmp_path, capsys, text, needle):
+    p = tmp_path / "bad.json"
+    p.write_text(text)
+    rc, out, err = _run(capsys, "--profile", str(p), "--json")
+    assert rc == 2 and out == ""
+    assert str(p) in err and needle in err and len(err.strip().splitlines()) == 1
+
+
+@needs_scenarios
+def test_bad_scenario_exits_2_naming_file_and_field(tmp_path, capsys):
+    d = json.loads(RESERVE700.read_text())
+    del d["model"]["top_k"]
+    p = tmp_path / "s.json"
+    p.write_text(json.dumps(d))
+    rc, out, err = _run(capsys, "--scenario", str(p), "--json")
+    assert rc == 2 and str(p) in err and "'top_k'" in err
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--model", "No-Such-Model"], "unknown model"),
+    (["--quant", "Q4_K"], "--quant"),
+    (["--model", "missing.gguf"], "missing.gguf"),
+    (["--set", "prefill.chunk=lots"], "prefill.chunk"),
+])
+def test_bad_flags_exit_2(tmp_path, capsys, argv, needle):
+    rc, out, err = _run(capsys, "--profile", str(_profile(tmp_path)), *argv)
+    assert rc == 2 and needle in err
+
+
+def test_list_models(capsys):
+    rc, out, err = _run(capsys, "--list-models", "--json")
+    d = json.loads(out)
+    assert rc == 0 and d["schema"] == "strata.models/1" and "Mixtral-8x7B" in d["presets"]
+
+
+def _rows(loans):
+    return tuple(LoanRow(chunk=256 * (i + 1), ring_slots=0, buffer_slots=n, loan_slots=n) for i, n in enumerate(loans))
+
+
+def test_loan_sample_keeps_ends_peak_and_every_step_down():
+    loans = _rows(list(range(100, 140)) + [90] + list(range(91, 130)))
+    shown = loan_sample(loans, limit=10)
+    chunks = [r.chunk for r, _ in shown]
+    assert chunks[0] == loans[0].chunk and chunks[-1] == loans[-1].chunk
+    assert loans[39].chunk in chunks  # the peak (139)
+    downs = [r.chunk for r, down in shown if down]
+    assert downs == [loans[40].chunk] and loans[39].chunk in chunks
+    assert len(shown) < len(loans)
