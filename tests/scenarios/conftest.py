@@ -8,11 +8,11 @@ SCENARIO_DIR = (Path(__file__).resolve().parents[2] / ".." / "shared" / "scenari
 SCENARIO_FILES = sorted(SCENARIO_DIR.glob("*.json")) if SCENARIO_DIR.is_dir() else []
 
 
-def pytest_collection_modifyitems(config, items):
-    """Say why the replay tests are not run when the shared scenarios are not beside this checkout."""
-    if SCENARIO_FILES:
-        return
-    skip = pytest.mark.skip(reason=f"no scenario files: {SCENARIO_DIR} is absent or empty")
-    for item in items:
-        if "scenarios" in str(item.fspath):
-            item.add_marker(skip)
+def scenario_params(paths=None):
+    """pytest params of scenario files, or one skipped param saying why there are none."""
+    paths = SCENARIO_FILES if paths is None else paths
+    if paths:
+        return [pytest.param(p, id=p.stem) for p in paths]
+    why = (f"no scenario files: {SCENARIO_DIR} is absent or empty" if not SCENARIO_FILES
+           else "no scenario file of this kind in the shared scenarios")
+    return [pytest.param(None, marks=pytest.mark.skip(reason=why), id="none")]

@@ -7,10 +7,10 @@ import pytest
 from strata_core.errors import BadInput
 from strata_core.scenario import load_scenario
 
-from .conftest import SCENARIO_FILES
+from .conftest import SCENARIO_FILES, scenario_params
 
 
-@pytest.mark.parametrize("path", SCENARIO_FILES, ids=lambda p: p.stem)
+@pytest.mark.parametrize("path", scenario_params())
 def test_every_shared_scenario_loads(path):
     raw = json.loads(path.read_text())
     s = load_scenario(path)
@@ -29,7 +29,7 @@ def _write(tmp_path, d):
     return p
 
 
-@pytest.mark.parametrize("path", SCENARIO_FILES[:1], ids=lambda p: p.stem)
+@pytest.mark.parametrize("path", scenario_params(SCENARIO_FILES[:1]))
 @pytest.mark.parametrize("drop,needle", [
     (("profile", "host", "ram_available_bytes"), "profile.host: missing field 'ram_available_bytes'"),
     (("profile", "device", "vram_free_bytes"), "profile.device: missing field 'vram_free_bytes'"),
@@ -49,7 +49,7 @@ def test_missing_fields_are_named_with_the_file(tmp_path, path, drop, needle):
     assert str(p) in str(e.value) and needle in str(e.value)
 
 
-@pytest.mark.parametrize("path", SCENARIO_FILES[:1], ids=lambda p: p.stem)
+@pytest.mark.parametrize("path", scenario_params(SCENARIO_FILES[:1]))
 def test_bad_settings_and_requests_are_named(tmp_path, path):
     d = json.loads(path.read_text())
     d["settings"]["prefill"]["chunk"] = "huge"

@@ -10,7 +10,7 @@ from strata_core.commands.plan import build_plan, gather_inputs
 from strata_core.facts import GIB
 from strata_core.planner import check_all
 
-from .conftest import SCENARIO_FILES
+from .conftest import SCENARIO_FILES, scenario_params
 
 
 def _plan_json(path, capsys, *extra):
@@ -25,7 +25,7 @@ def _plan_object(path, *extra):
     return build_plan(gather_inputs(args))
 
 
-@pytest.mark.parametrize("path", SCENARIO_FILES, ids=lambda p: p.stem)
+@pytest.mark.parametrize("path", scenario_params())
 def test_plan_holds_every_invariant(path, capsys):
     d = _plan_json(path, capsys)
     assert d["schema"] == "strata.plan/1"
@@ -52,7 +52,7 @@ def test_plan_holds_every_invariant(path, capsys):
     assert pin["cpu_share_bytes"] <= pin["floor_bytes"] or not d["cpu_share"]["enabled"]
 
 
-@pytest.mark.parametrize("path", SCENARIO_FILES, ids=lambda p: p.stem)
+@pytest.mark.parametrize("path", scenario_params())
 def test_every_request_chunk_can_be_lent(path):
     plan = _plan_object(path)
     raw = json.loads(path.read_text())
@@ -69,7 +69,7 @@ def _by_device(name_part):
     return [p for p in SCENARIO_FILES if name_part in json.loads(p.read_text())["profile"]["device"]["name"]]
 
 
-@pytest.mark.parametrize("path", _by_device("4070 Ti"), ids=lambda p: p.stem)
+@pytest.mark.parametrize("path", scenario_params(_by_device("4070 Ti")))
 def test_4070ti_region_lent_for_the_auto_chunk_holds_every_smaller_chunk(path):
     plan = _plan_object(path)
     auto = plan.loan_for(plan.prompt.chunk).loan_slots
@@ -92,7 +92,7 @@ def _gfx12(low_ram: bool):
     return out
 
 
-@pytest.mark.parametrize("path", _gfx12(low_ram=True), ids=lambda p: p.stem)
+@pytest.mark.parametrize("path", scenario_params(_gfx12(low_ram=True)))
 def test_gfx12_with_30_gb_keeps_the_8192_chunk(path):
     plan = _plan_object(path)
     assert plan.prompt.chunk == 8192
@@ -100,12 +100,12 @@ def test_gfx12_with_30_gb_keeps_the_8192_chunk(path):
     assert h.resident_bytes + h.borrow_bytes + h.kv_pinned_bytes + h.headroom_bytes <= h.available_bytes
 
 
-@pytest.mark.parametrize("path", _gfx12(low_ram=False), ids=lambda p: p.stem)
+@pytest.mark.parametrize("path", scenario_params(_gfx12(low_ram=False)))
 def test_gfx12_with_64_gb_takes_the_16384_ceiling(path):
     assert _plan_object(path).prompt.chunk == 16384
 
 
-@pytest.mark.parametrize("path", _by_device("3090"), ids=lambda p: p.stem)
+@pytest.mark.parametrize("path", scenario_params(_by_device("3090")))
 def test_3090_cpu_share_comes_from_the_kept_floor_or_is_off_with_a_reason(path):
     plan = _plan_object(path)
     if plan.cpu_share.enabled:
