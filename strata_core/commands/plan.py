@@ -216,13 +216,15 @@ def print_plan(console: Console, plan, inputs: PlanInputs, report: dict) -> None
                     + (", own buffers" if p.owned_buffers else ""))
     for col in ("chunk", "ring", "buffers", "loan", "of lendable"):
         t.add_column(col, justify="right")
-    for row, down in loan_sample(p.loans):
+    sample = loan_sample(p.loans)
+    for row, down in sample:
         style = "yellow" if down else ("bold" if row.loan_slots == p.max_loan_slots else None)
         t.add_row(str(row.chunk), str(row.ring_slots), str(row.buffer_slots),
                   str(row.loan_slots) + (" (step down)" if down else ""),
                   f"{row.loan_slots / max(1, p.lendable_slots):.0%}", style=style)
-    t.caption = (f"{len(p.loans)} grid chunks up to {p.chunk}; max loan {p.max_loan_slots:,} slots; "
-                 f"yellow: a smaller chunk's loan exceeds the next larger one's")
+    t.caption = (f"{len(sample)} of {len(p.loans)} chunks up to {p.chunk} shown; max loan {p.max_loan_slots:,} slots"
+                 + ("; yellow: a larger chunk's loan is smaller than the one before (loan(c) is not monotonic)"
+                    if any(down for _, down in sample) else ""))
     console.print(t)
 
     if report.get("requests"):
