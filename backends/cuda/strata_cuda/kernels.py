@@ -1,0 +1,220 @@
+"""The KernelSet of the cuda and rocm backends: strata_core/kernels/moe.cu through cupy.RawModule, GEMMs in the BLAS.
+
+Device arrays are cupy arrays; an ExpertPool's arrays are cupy arrays. Kernels run on cupy's current stream.
+moe_grouped_ffn is gather-pad-batched-GEMM: the active groups' expert weights are copied (f16) or dequantized
+(Q8_0) into a contiguous f16 scratch, the rows are packed into a [groups, largest group, H] f16 stack per bucket of
+similar-sized groups (grouping.py), and two strided batched GEMMs (f16 inputs, f32 accumulation and output) run the
+experts. Each step is its own method so a
+faster path (a grouped GEMM without padding, a fused decode kernel) can replace one step at a time.
+cupy is imported inside the constructor: this module imports without it.
+"""
+
+from __future__ import annotations
+
+from importlib.resources import files
+from typing import Any
+
+import numpy as np
+
+from strata_core.kernels.reference import QK8_0, ExpertPool
+
+from .grouping import GroupLayout, group_layouts
+
+SOURCE_NAME = "moe.cu"
+#: NVRTC and hiprtc options; no defines: the source is portable as it stands (see its header).
+COMPILE_OPTIONS = ("-std=c++17",)
+KERNEL_NAMES = ("strata_route_topk", "strata_gather_f32", "strata_scatter_add_f32", "strata_dequantize_q8_0",
+                "strata_dequantize_q8_0_slots", "strata_rmsnorm_f32", "strata_pack_rows_f16", "strata_swiglu_f16",
+                "strata_unpack_rows_f32")
+#: Block sizes fixed by the source (STRATA_ROUTE_THREADS, STRATA_NORM_THREADS, STRATA_MAX_TOPK).
+ROUTE_THREADS = 128
+NORM_THREADS = 256
+MAX_TOPK = 64
+#: Threads per block and the most blocks of the grid-stride kernels (more blocks than this only add scheduling).
+STRIDE_THREADS = 256
+STRIDE_MAX_BLOCKS = 65535
+
+
+def kernel_source() -> str:
+    """The text of strata_core/kernels/moe.cu."""
+    return files("strata_core.kernels").joinpath(SOURCE_NAME).read_text()
+
+
+def compile_to_ptx(arch: str = "compute_90", options: tuple[str, ...] = COMPILE_OPTIONS,
+                   defines: tuple[str, ...] = ()) -> bytes:
+    """Compile moe.cu to PTX with NVRTC (no GPU needed); raises RuntimeError with NVRTC's log on failure."""
+    from cupy_backends.cuda.libs import nvrtc
+    opts = (f"-arch={arch}", *options, *(f"-D{d}" for d in defines))
+    prog = nvrtc.createProgram(kernel_source(), SOURCE_NAME, (), ())
+    try:
+        try:
+            nvrtc.compileProgram(prog, opts)
+        except nvrtc.NVRTCError as e:
+            raise RuntimeError(f"NVRTC failed on {SOURCE_NAME} ({e}):\n{nvrtc.getProgramLog(prog)}") from None
+        return nvrtc.getPTX(prog)
+    finally:
+        nvrtc.destroyProgram(prog)
+
+
+class CupyKernels:
+    """KernelSet on a CUDA or ROCm device through cupy (see the module docstring for the grouped FFN's structure)."""
+
+    def __init__(self, device_index: int = 0, name: str = "cupy-moe.cu"):
+        import cupy
+        from cupy.cuda import runtime
+        self._cp = cupy
+        self._rt = runtime
+        self.name = name
+        cupy.cuda.Device(device_index).use()
+        self._module = cupy.RawModule(code=kernel_source(), options=COMPILE_OPTIONS)
+        # compile now, so a broken toolchain fails at start-up and not in the middle of a request
+        self._k = {n: self._module.get_function(n) for n in KERNEL_NAMES}
+
+    # -- launch helpers ---------------------------------------------------------------------------------------
+
+    def _stride_launch(self, name: str, n_items: int, args: tuple) -> None:
+        if n_items <= 0:
+            return
+        blocks = min(STRIDE_MAX_BLOCKS, (n_items + STRIDE_THREADS - 1) // STRIDE_THREADS)
+        self._k[name]((blocks,), (STRIDE_THREADS,), args)
+
+    def _f32(self, a: Any) -> Any:
+        return self._cp.ascontiguousarray(a, dtype=self._cp.float32)
+
+    def _i32(self, a: Any) -> Any:
+        return self._cp.ascontiguousarray(self._cp.asarray(a), dtype=self._cp.int32)
+
+    # -- the KernelSet ----------------------------------------------------------------------------------------
+
+    def route_topk(self, logits: Any, k: int) -> tuple[Any, Any]:
+        """[T,E] f32 router logits -> (ids [T,k] int32 by descending logit, ties to the lower id; weights [T,k] f32)."""
+        logits = self._f32(logits)
+        t, e = logits.shape
+        if not 0 < k <= min(e, MAX_TOPK):
+            raise ValueError(f"route_topk: k={k} must lie in [1, min(E={e}, {MAX_TOPK})]")
+        ids = self._cp.empty((t, k), dtype=self._cp.int32)
+        weights = self._cp.empty((t, k), dtype=self._cp.float32)
+        if t:
+            self._k["strata_route_topk"]((t,), (ROUTE_THREADS,),
+                                         (logits, np.int32(t), np.int32(e), np.int32(k), ids, weights))
+        return ids, weights
+
+    def gather(self, x: Any, rows: Any) -> Any:
+        """x [T,H], rows [N] int32 -> x[rows] [N,H] (f32 through the kernel, other dtypes through cupy.take)."""
+        rows = self._i32(rows).reshape(-1)
+        if x.dtype != self._cp.float32:
+            return self._cp.take(x, rows, axis=0)
+        x = self._cp.ascontiguousarray(x)
+        h = int(x.shape[1])
+        out = self._cp.empty((rows.shape[0], h), dtype=self._cp.float32)
+        self._stride_launch("strata_gather_f32", rows.shape[0] * h,
+                            (x, rows, np.int64(rows.shape[0]), np.int32(h), out))
+        return out
+
+    def scatter_add(self, out: Any, rows: Any, y: Any, scale: Any) -> None:
+        """out[rows[i]] += scale[i] * y[i] in place (out [T,H] f32 and C-contiguous; rows may repeat)."""
+        if out.dtype != self._cp.float32 or not out.flags.c_contiguous:
+            raise ValueError("scatter_add: out must be a C-contiguous float32 array")
+        rows = self._i32(rows).reshape(-1)
+        y = self._f32(y)
+        scale = self._f32(scale).reshape(-1)
+        n, h = int(rows.shape[0]), int(out.shape[1])
+        if y.shape != (n, h) or scale.shape[0] != n:
+            raise ValueError(f"scatter_add: y {y.shape} and scale {scale.shape} must match {n} rows of {h}")
+        self._stride_launch("strata_scatter_add_f32", n * h, (out, rows, y, scale, np.int64(n), np.int32(h)))
+
+    def dequantize_q8_0(self, qs: Any, d: Any) -> Any:
+        """Q8_0 blocks (qs [.., C] int8, d [.., C/32] f16) -> [.., C] f16, bit-exact with the reference."""
+        qs = self._cp.ascontiguousarray(qs, dtype=self._cp.int8)
+        d = self._cp.ascontiguousarray(d, dtype=self._cp.float16)
+        if qs.shape[-1] % QK8_0 or d.size * QK8_0 != qs.size:
+            raise ValueError(f"dequantize_q8_0: qs {qs.shape} and d {d.shape} are not Q8_0 blocks of {QK8_0}")
+        out = self._cp.empty(qs.shape, dtype=self._cp.float16)
+        self._stride_launch("strata_dequantize_q8_0", int(qs.size), (qs, d, np.int64(qs.size), out))
+        return out
+
+    def rmsnorm(self, x: Any, w: Any, eps: float = 1e-6) -> Any:
+        """[T,H] f32, w [H] -> x / rms(x) * w, f32."""
+        x = self._f32(x)
+        w = self._f32(w).reshape(-1)
+        t, h = x.shape
+        out = self._cp.empty((t, h), dtype=self._cp.float32)
+        if t:
+            self._k["strata_rmsnorm_f32"]((t,), (NORM_THREADS,),
+                                          (x, w, np.int32(t), np.int32(h), np.float32(eps), out))
+        return out
+
+    def linear(self, x: Any, w: Any) -> Any:
+        """x [T,H] f32, w [O,H] f16 or f32 -> x w^T [T,O] f32 (cuBLAS / hipBLAS in f32)."""
+        return self._cp.matmul(self._f32(x), self._cp.asarray(w, dtype=self._cp.float32).T)
+
+    def moe_grouped_ffn(self, x: Any, offsets: Any, slots: Any, weights: ExpertPool) -> Any:
+        """SwiGLU experts over token groups: rows offsets[g]:offsets[g+1] of x [N,H] f32 run slot slots[g] -> [N,H] f32.
+
+        offsets and slots may be numpy or cupy arrays; the group sizes are read on the host (a small copy).
+        """
+        x = self._f32(x)
+        n, h = x.shape
+        y = self._cp.zeros((n, h), dtype=self._cp.float32)
+        for layout in group_layouts(_host(offsets), _host(slots), n_rows=n, n_slots=weights.slots):
+            self._run_layout(x, layout, weights, y)
+        return y
+
+    # -- grouped FFN steps ------------------------------------------------------------------------------------
+
+    def _run_layout(self, x: Any, layout: GroupLayout, pool: ExpertPool, y: Any) -> None:
+        """Run one bucket of groups: pack rows, gate/up GEMM, SwiGLU, down GEMM, unpack into y."""
+        cp = self._cp
+        h = int(x.shape[1])
+        w13, w2 = self._expert_weights_f16(pool, cp.asarray(layout.slots))
+        b, per, f = layout.batches, layout.rows_per_batch, int(w2.shape[2])
+        row_map = cp.asarray(layout.row_of_padded)
+        xp = cp.empty((b, per, h), dtype=cp.float16)
+        self._stride_launch("strata_pack_rows_f16", b * per * h, (x, row_map, np.int64(b * per), np.int32(h), xp))
+        gu = cp.empty((b, per, 2 * f), dtype=cp.float32)
+        self._batched_gemm_f16_f32(w13, xp, gu)
+        hidden = cp.empty((b, per, f), dtype=cp.float16)
+        self._stride_launch("strata_swiglu_f16", b * per * f, (gu, np.int64(b * per), np.int32(f), hidden))
+        yp = cp.empty((b, per, h), dtype=cp.float32)
+        self._batched_gemm_f16_f32(w2, hidden, yp)
+        self._stride_launch("strata_unpack_rows_f32", b * per * h, (yp, row_map, np.int64(b * per), np.int32(h), y))
+
+    def _expert_weights_f16(self, pool: ExpertPool, slots: Any) -> tuple[Any, Any]:
+        """(w_gate_up [B,2F,H], w_down [B,H,F]) f16 and contiguous for the B slots picked."""
+        a = pool.arrays
+        if pool.dtype == "f16":
+            return (self._cp.take(a["w_gate_up"], slots, axis=0), self._cp.take(a["w_down"], slots, axis=0))
+        if pool.dtype == "q8_0":
+            return (self._dequantize_slots(a["gate_up_q"], a["gate_up_d"], slots),
+                    self._dequantize_slots(a["down_q"], a["down_d"], slots))
+        raise ValueError(f"moe_grouped_ffn: unknown expert dtype {pool.dtype!r}")
+
+    def _dequantize_slots(self, qs: Any, d: Any, slots: Any) -> Any:
+        qs = self._cp.ascontiguousarray(qs)
+        d = self._cp.ascontiguousarray(d)
+        per_slot = int(np.prod(qs.shape[1:]))
+        out = self._cp.empty((int(slots.shape[0]), *qs.shape[1:]), dtype=self._cp.float16)
+        self._stride_launch("strata_dequantize_q8_0_slots", int(out.size),
+                            (qs, d, slots, np.int32(slots.shape[0]), np.int64(per_slot), out))
+        return out
+
+    def _batched_gemm_f16_f32(self, a: Any, b: Any, c: Any) -> None:
+        """c[g] = b[g] @ a[g]^T for every g: a [G,N,K] f16, b [G,M,K] f16, c [G,M,N] f32 (f32 accumulation)."""
+        from cupy.cuda import cublas, device
+        g, n, k = (int(s) for s in a.shape)
+        m = int(b.shape[1])
+        one = np.ones(1, dtype=np.float32)
+        zero = np.zeros(1, dtype=np.float32)
+        # row-major c[M,N] = b a^T is column-major c^T[N,M] = op(a^T stored) * b^T stored: A transposed, B not
+        cublas.gemmStridedBatchedEx(
+            device.get_cublas_handle(), cublas.CUBLAS_OP_T, cublas.CUBLAS_OP_N, n, m, k,
+            one.ctypes.data, a.data.ptr, self._rt.CUDA_R_16F, k, n * k,
+            b.data.ptr, self._rt.CUDA_R_16F, k, m * k,
+            zero.ctypes.data, c.data.ptr, self._rt.CUDA_R_32F, n, m * n,
+            g, cublas.CUBLAS_COMPUTE_32F, cublas.CUBLAS_GEMM_DEFAULT)
+
+
+def _host(a: Any) -> np.ndarray:
+    """A small index array on the host (cupy arrays are copied down; numpy and lists pass through)."""
+    get = getattr(a, "get", None)
+    return np.asarray(get() if callable(get) else a)

@@ -1,0 +1,58 @@
+"""AMD platform rules: pure functions of a profile (DeviceInfo, HostInfo), so they run without cupy-rocm or a GPU.
+
+The gfx12 rules answer seed #2090's second report: on gfx12 the prompt path also holds its lent experts in host
+RAM (as the resident mode does), so a larger chunk is a larger host borrow. The rule only supplies the 16384 ceiling,
+`host_borrow` and the headroom; the planner steps the chunk down (16384 -> 8192 -> ...) while resident experts +
+host borrow + headroom do not fit the available RAM.
+"""
+
+from __future__ import annotations
+
+from strata_core.facts import GIB, DeviceInfo, HostInfo, PlatformDefaults
+
+NAME = "rocm"
+
+#: gfx12 (RDNA 4) reads prompts faster at 16384-token chunks on PCs with RAM to spare (the engine's default there).
+GFX12_CHUNK_CEILING_TOKENS = 16384
+#: Other AMD archs keep the chunk the engine used before the gfx12 change.
+OTHER_CHUNK_CEILING_TOKENS = 8192
+#: Host RAM kept free beside resident experts and the host borrow, so the OS does not swap (seed #2090: 3.4 GB
+#: available with 21 GB locked thrashed).
+RESIDENT_HEADROOM_BYTES = 2 * GIB
+
+#: A card that drives a display shares VRAM with the compositor, whose use moves with the windows on screen.
+DISPLAY_VRAM_RESERVE_MIB = 700
+HEADLESS_VRAM_RESERVE_MIB = 512
+
+#: The CPU share's gain was measured on a Zen 4 host with AVX2 and FMA; AVX-only CPUs run the CPU path slowly.
+CPU_SHARE_FLAGS = ("avx2", "fma")
+
+
+def is_gfx12(device: DeviceInfo) -> bool:
+    """True for gfx12 archs (gfx1200, gfx1201, ...)."""
+    return device.arch.lower().startswith("gfx12")
+
+
+def cpu_share_default(host: HostInfo) -> tuple[bool, str]:
+    """(on, why) for the CPU share under 'auto': on only when the host CPU has AVX2 and FMA."""
+    missing = [f for f in CPU_SHARE_FLAGS if not host.cpu.has(f)]
+    if missing:
+        return False, (f"off: the host CPU ({host.cpu.name}) lacks {', '.join(missing)}; the share's gain was "
+                       f"measured on a Zen 4 CPU with AVX2 and FMA")
+    return True, "on: the host CPU has AVX2 and FMA, like the Zen 4 CPU the share's gain was measured on"
+
+
+def amd_defaults(device: DeviceInfo, host: HostInfo) -> PlatformDefaults:
+    """The AMD PlatformDefaults for one card on one host (pure: no cupy-rocm, no GPU)."""
+    gfx12 = is_gfx12(device)
+    share_on, share_why = cpu_share_default(host)
+    return PlatformDefaults(
+        chunk_ceiling_tokens=GFX12_CHUNK_CEILING_TOKENS if gfx12 else OTHER_CHUNK_CEILING_TOKENS,
+        vram_reserve_mib=DISPLAY_VRAM_RESERVE_MIB if device.drives_display else HEADLESS_VRAM_RESERVE_MIB,
+        host_borrow=gfx12,
+        resident_headroom_bytes=RESIDENT_HEADROOM_BYTES,
+        cpu_share_default=share_on,
+        cpu_share_reason=share_why,
+        free_vram_trust=1.0,
+        source="rocm backend (gfx12 rules)" if gfx12 else "rocm backend",
+    )
