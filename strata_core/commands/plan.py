@@ -257,6 +257,9 @@ def print_plan(console: Console, plan, inputs: PlanInputs, report: dict) -> None
     for dec in plan.decisions:
         t.add_row(str(dec.what), _value(dec.what, dec.value), str(dec.source))
     console.print(t)
+    if plan.backend not in inputs.plugins.backends:
+        console.print(f"note: no installed plugin provides backend '{plan.backend}'; its platform rules are the "
+                      f"core's defaults ({plan.defaults.source})", markup=False)
     for w in plan.warnings:
         console.print(f"warning: {w}", markup=False, style="yellow")
     for n in inputs.loaded.notices:
