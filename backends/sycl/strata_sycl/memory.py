@@ -79,7 +79,7 @@ class SyclDeviceMemory:
         self._dm = session.dpctl.memory
 
     def _queue(self, stream: Any) -> Any:
-        return self.session.queue if stream is None else stream
+        return self.session.queue if stream is None else stream.queue
 
     def alloc(self, shape, dtype):
         """A UsmArray, or None when the device has no room (never raises for lack of memory)."""
@@ -143,7 +143,7 @@ class SyclDeviceMemory:
 
     def new_stream(self):
         """A new in-order queue on the device's context."""
-        return self.session.new_queue()
+        return self.session.new_stream()
 
     def new_event(self):
         """A new, unrecorded event."""
@@ -163,7 +163,7 @@ class SyclDeviceMemory:
         if stream is None:
             self.session.wait_all()
         else:
-            stream.wait()
+            stream.queue.wait()
 
     def mem_info(self):
         """(free_bytes, total_bytes): the device's total less what this process allocated (dpctl reports no free)."""

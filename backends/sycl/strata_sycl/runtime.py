@@ -74,6 +74,18 @@ def all_device_names(dpctl: ModuleType) -> list[str]:
     return [f"{d.backend.name}:{d.device_type.name} {d.name}" for d in dpctl.get_devices()]
 
 
+class SyclStream:
+    """A stream of the runtime: one in-order SYCL queue (held by a Python object so the session can track it weakly)."""
+
+    __slots__ = ("queue", "__weakref__")
+
+    def __init__(self, queue: Any):
+        self.queue = queue
+
+    def __repr__(self) -> str:
+        return f"SyclStream({self.queue.sycl_device.name})"
+
+
 @dataclass
 class Session:
     """One device's SYCL context, its default in-order queue, the queues made since, and the bytes allocated."""
@@ -83,21 +95,21 @@ class Session:
     context: Any
     queue: Any
     allocated_bytes: int = 0
-    streams: "weakref.WeakSet[Any]" = field(default_factory=weakref.WeakSet)
+    streams: "weakref.WeakSet[SyclStream]" = field(default_factory=weakref.WeakSet)
     program: Any = None
     lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def new_queue(self) -> Any:
-        """A new in-order queue on this session's context (a stream)."""
-        q = self.dpctl.SyclQueue(self.context, self.device, property="in_order")
-        self.streams.add(q)
-        return q
+    def new_stream(self) -> "SyclStream":
+        """A stream: a new in-order queue on this session's context."""
+        s = SyclStream(self.dpctl.SyclQueue(self.context, self.device, property="in_order"))
+        self.streams.add(s)
+        return s
 
     def wait_all(self) -> None:
         """Block until every queue of the session is idle."""
         self.queue.wait()
-        for q in list(self.streams):
-            q.wait()
+        for s in list(self.streams):
+            s.queue.wait()
 
 
 def session_for(filter_string: str) -> Session:

@@ -1,0 +1,155 @@
+"""The sycl backend's device memory, streams, events and pinned allocator, run for real on the first SYCL device."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+from strata_core.backend_api import DeviceMemory, KernelSet, PinnedAllocator, PinnedBudget
+
+pytest.importorskip("dpctl", reason="the [sycl] extra (dpctl) is not installed")
+
+from strata_sycl import backend as sycl  # noqa: E402
+from strata_sycl import runtime  # noqa: E402
+
+MIB = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def device():
+    r = sycl.probe()
+    assert r.available, r.reason
+    return r.devices[0]
+
+
+@pytest.fixture(scope="module")
+def mem(device):
+    return sycl.strata_device_memory(device=device)
+
+
+def test_probe_reports_a_device_with_memory_and_a_score_above_the_cpu_backend(device):
+    r = sycl.probe()
+    assert r.version.startswith("dpctl ")
+    assert device.backend == "sycl" and device.vram_total_bytes > 0
+    assert 0 < device.vram_free_bytes <= device.vram_total_bytes
+    assert r.score == sycl.score_for(device) and r.score > 10
+
+
+def test_hook_objects_satisfy_the_protocols(device):
+    assert isinstance(sycl.strata_device_memory(device=device), DeviceMemory)
+    assert isinstance(sycl.strata_kernels(device=device), KernelSet)
+    assert isinstance(sycl.strata_pinned_allocator(device=device, budget=PinnedBudget(MIB)), PinnedAllocator)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, np.int8, np.int32, np.uint8])
+def test_upload_download_round_trip(mem, dtype):
+    host = (np.random.default_rng(1).standard_normal((7, 9)) * 50).astype(dtype)
+    arr = mem.alloc(host.shape, dtype)
+    assert arr.shape == (7, 9) and arr.dtype == np.dtype(dtype) and arr.nbytes == host.nbytes
+    mem.upload(arr, host)
+    np.testing.assert_array_equal(mem.download(arr), host)
+    mem.free(arr)
+
+
+def test_alloc_beyond_the_device_returns_none(mem, device):
+    assert mem.alloc((device.vram_total_bytes + 1,), np.uint8) is None
+
+
+def test_mem_info_counts_allocations_and_frees(mem):
+    free0, total = mem.mem_info()
+    arr = mem.alloc((4 * MIB,), np.uint8)
+    assert mem.mem_info() == (free0 - 4 * MIB, total)
+    mem.free(arr)
+    mem.free(arr)  # idempotent
+    assert mem.mem_info() == (free0, total)
+
+
+def test_dropped_arrays_leave_the_count(mem):
+    free0, _ = mem.mem_info()
+    arr = mem.alloc((MIB,), np.uint8)
+    del arr
+    assert mem.mem_info()[0] == free0
+
+
+def test_upload_size_mismatch_is_refused(mem):
+    arr = mem.alloc((4,), np.float32)
+    with pytest.raises(ValueError, match="5 elements"):
+        mem.upload(arr, np.zeros(5, np.float32))
+
+
+def test_pinned_upload_on_a_stream_then_event_orders_another_stream(device, mem):
+    budget = PinnedBudget(64 * MIB)
+    pinned = sycl.strata_pinned_allocator(device=device, budget=budget)
+    n = 1 << 20
+    buf = pinned.alloc(n * 4)
+    src = buf.array.view(np.float32)
+    src[:] = np.arange(n, dtype=np.float32)
+    dst = mem.alloc((n,), np.float32)
+    copy, compute = mem.new_stream(), mem.new_stream()
+    ev = mem.new_event()
+    mem.upload(dst, src, stream=copy)
+    mem.record(ev, copy)
+    mem.wait(compute, ev)
+    np.testing.assert_array_equal(mem.download(dst, stream=compute), np.arange(n, dtype=np.float32))
+    assert ev.query_done()
+    mem.synchronize()
+    pinned.free(buf)
+    assert budget.used_bytes == 0
+
+
+def test_unrecorded_event_wait_is_a_no_op(mem):
+    s = mem.new_stream()
+    mem.wait(s, mem.new_event())
+    mem.synchronize(s)
+
+
+def test_pinned_alloc_goes_through_the_budget(device):
+    budget = PinnedBudget(limit_bytes=8 * MIB, floor_bytes=2 * MIB)
+    p = sycl.strata_pinned_allocator(device=device, budget=budget)
+    assert p.kind == "usm-host"
+    a = p.alloc(6 * MIB)
+    assert a is not None and a.nbytes == 6 * MIB and a.array.nbytes == 6 * MIB and budget.used_bytes == 6 * MIB
+    a.array[:] = 3  # writable host memory
+    assert p.alloc(1 * MIB) is None  # the arena may not eat into the floor
+    f = p.alloc(2 * MIB, from_floor=True)
+    assert f is not None and budget.used_bytes == 8 * MIB
+    assert p.alloc(1, from_floor=True) is None
+    p.free(a)
+    p.free(a)  # idempotent
+    p.free(f)
+    assert budget.used_bytes == 0
+
+
+def test_pinned_alloc_the_runtime_refuses_returns_none_and_gives_the_budget_back(device):
+    budget = PinnedBudget(limit_bytes=1 << 62)
+    p = sycl.strata_pinned_allocator(device=device, budget=budget)
+    assert p.alloc(1 << 55) is None
+    assert budget.used_bytes == 0
+
+
+def test_register_is_refused_without_charging_the_budget(device):
+    budget = PinnedBudget(limit_bytes=8 * MIB)
+    p = sycl.strata_pinned_allocator(device=device, budget=budget)
+    assert p.register(np.zeros(1024, np.uint8)) is None
+    assert budget.used_bytes == 0
+
+
+def test_runtime_env_is_set_only_when_unset(monkeypatch):
+    lib = runtime.find_intel_opencl_runtime()
+    assert lib is not None and lib.is_file()  # the [sycl] extra installed intel-opencl-rt
+    monkeypatch.delenv("OCL_ICD_FILENAMES", raising=False)
+    runtime._prepare_runtime_env()
+    assert os.environ["OCL_ICD_FILENAMES"] == str(lib)
+    monkeypatch.setenv("OCL_ICD_FILENAMES", "/somewhere/else.so")
+    runtime._prepare_runtime_env()
+    assert os.environ["OCL_ICD_FILENAMES"] == "/somewhere/else.so"
+
+
+def test_strata_backends_lists_sycl_available():
+    from strata_core.plugins import load_plugins
+    host = load_plugins()
+    status = {s.name: s for s in host.statuses()}["sycl"]
+    assert status.available, status.reason
+    assert status.devices and status.score > 10
