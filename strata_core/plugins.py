@@ -145,8 +145,12 @@ class PluginHost:
             raise BadInput(f"backend.device: backend '{b.name}' has {len(r.devices)} device(s); "
                            f"allowed: 0..{len(r.devices) - 1}")
         device = matching[0] if matching else r.devices[device_index]
-        host = self.pm.hook.strata_host_info() or probe_host()
-        defaults = self.pm.hook.strata_platform_defaults(device=device, host=host) or PlatformDefaults()
+        try:
+            host = self.pm.hook.strata_host_info() or probe_host()
+            defaults = self.pm.hook.strata_platform_defaults(device=device, host=host) or PlatformDefaults()
+        except Exception as e:  # a plugin's bug, reported in one line rather than a traceback
+            raise StrataError(f"a plugin failed while reading the platform of '{b.name}': {type(e).__name__}: {e}") \
+                from None
         return b, device, host, defaults
 
 

@@ -7,6 +7,7 @@ import json
 
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from ..plugins import load_from_settings
 from ..settings import add_settings_arguments, settings_from_args
@@ -46,8 +47,9 @@ def run(args: argparse.Namespace) -> int:
     for b in report["backends"]:
         devices = ", ".join(d["name"] for d in b["devices"]) or "-"
         reason = b["reason"] + (f" (install: {b['install_hint']})" if b["install_hint"] else "")
-        table.add_row(b["name"], b["vendor"], b["version"] or "-", "yes" if b["available"] else "no",
-                      str(b["score"]), devices, reason)
+        # Text cells, because install hints carry brackets ('strata-core[cuda]') that rich would read as markup.
+        table.add_row(*(Text(str(c)) for c in (b["name"], b["vendor"], b["version"] or "-",
+                                               "yes" if b["available"] else "no", b["score"], devices, reason)))
     console.print(table)
     if report["selected"]:
         console.print(f"selected: [bold]{report['selected']}[/bold]")

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from ..errors import BadInput, StrataError
 from ..plugins import load_from_settings
@@ -70,7 +71,7 @@ def run_show(args: argparse.Namespace) -> int:
         row = [key, json.dumps(v["value"])]
         if args.origin:
             row += [v["source"], v["origin"]]
-        table.add_row(*row)
+        table.add_row(*(Text(str(c)) for c in row))
     console = Console()
     console.print(table)
     for n in report["notices"]:

@@ -292,3 +292,23 @@ def test_doctor_text(clean_strata_env, capsys):
     assert cli.main(["doctor"]) == 0
     out = capsys.readouterr().out
     assert "selected backend:" in out and "host:" in out
+
+
+def test_backends_table_prints_install_hints_literally(clean_strata_env, capsys, monkeypatch):
+    from types import ModuleType, SimpleNamespace
+
+    from strata_core import plugins
+    from strata_core.backend_api import Backend, ProbeResult
+    from strata_core.hookspecs import hookimpl
+
+    mod = ModuleType("gpuish")
+    mod.strata_backends = hookimpl(lambda: [Backend(name="gpuish", vendor="acme",
+                                                    probe=lambda: ProbeResult.unavailable("no [acme] device"),
+                                                    install_hint="pip install 'strata-core[gpuish]'")])
+    ep = SimpleNamespace(name="gpuish", load=lambda: mod)
+    monkeypatch.setattr(plugins, "md", SimpleNamespace(entry_points=lambda group: [ep] if group == "strata.backends" else []))
+    monkeypatch.setenv("COLUMNS", "200")
+    assert cli.main(["backends"]) == 0
+    out = capsys.readouterr().out
+    assert "no [acme] device" in out and "strata-core[gpuish]" in out
+    assert "selected: none (no backend is available" in out
