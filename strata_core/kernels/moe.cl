@@ -379,3 +379,21 @@ DEFINE_RMSNORM(rmsnorm_w_f16, half, LOAD_F16)
 
 DEFINE_LINEAR(linear_w_f32, float, LOAD_F32)
 DEFINE_LINEAR(linear_w_f16, half, LOAD_F16)
+
+/* The same product without local memory, one output per work-item, for devices whose work-groups are smaller
+ * than LINEAR_TILE x LINEAR_TILE. */
+#define DEFINE_LINEAR_PLAIN(NAME, WTYPE, LOADW)                                                                     \
+    __kernel void NAME(__global const float* x, __global const WTYPE* w, const int T, const int H, const int O,    \
+                       __global float* out)                                                                         \
+    {                                                                                                               \
+        const int o = get_global_id(0), t = get_global_id(1);                                                       \
+        if (o >= O || t >= T)                                                                                       \
+            return;                                                                                                 \
+        float acc = 0.0f;                                                                                           \
+        for (int h = 0; h < H; ++h)                                                                                 \
+            acc += x[(size_t)t * H + h] * LOADW(w, (size_t)o * H + h);                                              \
+        out[(size_t)t * O + o] = acc;                                                                               \
+    }
+
+DEFINE_LINEAR_PLAIN(linear_plain_w_f32, float, LOAD_F32)
+DEFINE_LINEAR_PLAIN(linear_plain_w_f16, half, LOAD_F16)

@@ -46,6 +46,8 @@ class SyclKernels:
         self._program = session.program
         wg = int(session.device.max_work_group_size)
         self._reduce_local = 1 << min(6, wg.bit_length() - 1)  # a power of two <= 64 for the tree reductions
+        # The tiled linear kernel needs LINEAR_TILE^2 work-items in one group; smaller devices get the plain one.
+        self._linear_tiled = wg >= LINEAR_TILE * LINEAR_TILE
 
     # --------------------------------------------------------------------------------------------- launching
 
@@ -254,10 +256,13 @@ class SyclKernels:
         self._check_sizes(t_rows * h, o * h, t_rows * o)
         out = self._empty((t_rows, o), np.float32)
         if t_rows and o:
-            name = "linear_w_f16" if wdt == np.float16 else "linear_w_f32"
-            gs = (_round_up(o, LINEAR_TILE), _round_up(t_rows, LINEAR_TILE))
-            self._launch(name, gs, (LINEAR_TILE, LINEAR_TILE),
-                         [xd, wd, np.int32(t_rows), np.int32(h), np.int32(o), out], k1 + k2)
+            suffix = "w_f16" if wdt == np.float16 else "w_f32"
+            args = [xd, wd, np.int32(t_rows), np.int32(h), np.int32(o), out]
+            if self._linear_tiled:
+                gs = (_round_up(o, LINEAR_TILE), _round_up(t_rows, LINEAR_TILE))
+                self._launch(f"linear_{suffix}", gs, (LINEAR_TILE, LINEAR_TILE), args, k1 + k2)
+            else:
+                self._launch(f"linear_plain_{suffix}", (o, t_rows), None, args, k1 + k2)
         return out
 
 

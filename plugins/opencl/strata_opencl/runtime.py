@@ -1,0 +1,155 @@
+"""The pyopencl side of the plugin: the ICD loader's environment, lazy import, devices and per-device sessions.
+
+A session is one OpenCL context on one device with its default in-order queue and the built program; device
+memory, pinned buffers and kernels of a device all come from its session, so their buffers are interchangeable.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata as md
+import os
+import sys
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+#: File names of Intel's OpenCL CPU runtime as the intel-opencl-rt package installs it.
+_INTEL_OCL_NAMES = ("libintelocl.so", "intelocl64.dll")
+
+_lock = threading.Lock()
+_sessions: dict[tuple[int, int], "Session"] = {}
+
+
+def find_intel_opencl_runtime() -> Path | None:
+    """Intel's OpenCL CPU runtime library if the intel-opencl-rt package is installed, else None."""
+    try:
+        for f in md.files("intel-opencl-rt") or ():
+            if f.name in _INTEL_OCL_NAMES:
+                p = Path(f.locate())
+                if p.is_file():
+                    return p
+    except md.PackageNotFoundError:
+        pass
+    for d in (Path(sys.prefix) / "lib", Path(sys.prefix) / "Library" / "bin"):
+        for n in _INTEL_OCL_NAMES:
+            if (d / n).is_file():
+                return d / n
+    return None
+
+
+def _prepare_runtime_env() -> None:
+    """Tell the OpenCL ICD loader about the runtime intel-opencl-rt installed, before pyopencl loads it.
+
+    The one place this plugin touches the environment, and it only writes: a pip-installed runtime is not in
+    /etc/OpenCL/vendors, so without this the loader would not find it. A value the user set is left alone, and
+    nothing happens when the package is not installed (the system's ICDs are then used as they are).
+    """
+    lib = find_intel_opencl_runtime()
+    if lib is not None:
+        os.environ.setdefault("OCL_ICD_VENDORS", str(lib))
+
+
+def load_pyopencl() -> ModuleType:
+    """Import pyopencl after preparing the loader; ImportError when it is not installed."""
+    _prepare_runtime_env()
+    import pyopencl
+    return pyopencl
+
+
+_TYPE_RANK = {"gpu": 0, "accelerator": 1, "cpu": 2}
+
+
+def device_kind(cl: ModuleType, dev: Any) -> str:
+    """'gpu', 'accelerator', 'cpu' or 'other'."""
+    t = int(dev.type)
+    if t & cl.device_type.GPU:
+        return "gpu"
+    if t & cl.device_type.ACCELERATOR:
+        return "accelerator"
+    if t & cl.device_type.CPU:
+        return "cpu"
+    return "other"
+
+
+def list_devices(cl: ModuleType) -> list[tuple[int, int, Any]]:
+    """Every OpenCL device as (platform number, device number, device), GPUs first; [] when there is no platform."""
+    out = []
+    try:
+        platforms = cl.get_platforms()
+    except cl.Error:
+        return []  # the ICD loader reports 'no platform' as an error
+    for pi, p in enumerate(platforms):
+        try:
+            devs = p.get_devices()
+        except cl.Error:
+            continue  # a platform without devices of any type
+        out.extend((pi, di, d) for di, d in enumerate(devs))
+    return sorted(out, key=lambda e: (_TYPE_RANK.get(device_kind(cl, e[2]), 3), e[0], e[1]))
+
+
+class ClStream:
+    """A stream: one in-order command queue."""
+
+    __slots__ = ("queue", "__weakref__")
+
+    def __init__(self, queue: Any):
+        self.queue = queue
+
+
+@dataclass
+class Session:
+    """One device's context, default in-order queue, built program, the queues made since, and bytes allocated."""
+
+    cl: ModuleType
+    device: Any
+    context: Any
+    queue: Any
+    allocated_bytes: int = 0
+    streams: list = field(default_factory=list)
+    program: Any = None
+    host_visible: bool | None = None
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def new_stream(self) -> ClStream:
+        """A new in-order queue on this session's context."""
+        s = ClStream(self.cl.CommandQueue(self.context, self.device))
+        self.streams.append(s)
+        return s
+
+    def finish_all(self) -> None:
+        """Block until every queue of the session is idle."""
+        self.queue.finish()
+        for s in self.streams:
+            s.queue.finish()
+
+    def offers_host_visible_memory(self) -> bool:
+        """Whether CL_MEM_ALLOC_HOST_PTR buffers can be created and mapped here (checked once, on a small buffer)."""
+        if self.host_visible is None:
+            cl = self.cl
+            try:
+                buf = cl.Buffer(self.context, cl.mem_flags.READ_WRITE | cl.mem_flags.ALLOC_HOST_PTR, 4096)
+                arr, _ = cl.enqueue_map_buffer(self.queue, buf, cl.map_flags.READ | cl.map_flags.WRITE, 0,
+                                               (4096,), "uint8", is_blocking=True)
+                arr[:] = 1
+                arr.base.release(self.queue)
+                buf.release()
+                self.host_visible = True
+            except Exception:  # any refusal means the platform does not offer it
+                self.host_visible = False
+        return self.host_visible
+
+
+def session_for(platform_index: int, device_index: int) -> Session:
+    """The session of a device (created once per process), by platform and device number."""
+    key = (platform_index, device_index)
+    with _lock:
+        s = _sessions.get(key)
+        if s is None:
+            cl = load_pyopencl()
+            dev = cl.get_platforms()[platform_index].get_devices()[device_index]
+            ctx = cl.Context([dev])
+            s = Session(cl=cl, device=dev, context=ctx, queue=cl.CommandQueue(ctx, dev))
+            _sessions[key] = s
+        return s
