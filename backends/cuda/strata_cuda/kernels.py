@@ -41,11 +41,11 @@ def kernel_source() -> str:
 
 
 def compile_to_ptx(arch: str = "compute_90", options: tuple[str, ...] = COMPILE_OPTIONS,
-                   defines: tuple[str, ...] = ()) -> bytes:
-    """Compile moe.cu to PTX with NVRTC (no GPU needed); raises RuntimeError with NVRTC's log on failure."""
+                   defines: tuple[str, ...] = (), source: str | None = None) -> bytes:
+    """Compile moe.cu (or `source`) to PTX with NVRTC (no GPU needed); raises RuntimeError with NVRTC's log."""
     from cupy_backends.cuda.libs import nvrtc
     opts = (f"-arch={arch}", *options, *(f"-D{d}" for d in defines))
-    prog = nvrtc.createProgram(kernel_source(), SOURCE_NAME, (), ())
+    prog = nvrtc.createProgram(kernel_source() if source is None else source, SOURCE_NAME, (), ())
     try:
         try:
             nvrtc.compileProgram(prog, opts)

@@ -1,0 +1,73 @@
+"""AMD platform rules on profiles (no GPU, no cupy-rocm): gfx12 16384 with the host borrow, other archs 8192."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from strata_core.facts import GIB, CpuInfo, DeviceInfo, HostInfo, load_profile
+from strata_core.plugins import load_plugins
+from strata_rocm import backend as rocm_backend
+from strata_rocm import rules
+
+SCENARIO_DIR = (Path(__file__).resolve().parents[2] / ".." / "shared" / "scenarios").resolve()
+
+
+def card(arch: str, backend: str = "rocm", display: bool = False) -> DeviceInfo:
+    """A 32 GiB AMD card as a probe would report it."""
+    return DeviceInfo(backend=backend, name="AMD card", arch=arch, vram_total_bytes=32 * GIB,
+                      vram_free_bytes=24 * GIB, driver_model="linux", drives_display=display)
+
+
+HOST = HostInfo(os="linux", ram_total_bytes=30 * GIB, ram_available_bytes=28 * GIB,
+                cpu=CpuInfo(name="x86-64", cores=16, flags=("avx2", "fma")))
+
+
+@pytest.mark.parametrize("arch", ["gfx1200", "gfx1201"])
+def test_gfx12_takes_16384_and_borrows_host_ram(arch):
+    d = rules.amd_defaults(card(arch), HOST)
+    assert d.chunk_ceiling_tokens == 16384
+    assert d.host_borrow is True
+    assert d.resident_headroom_bytes == 2 * GIB
+
+
+@pytest.mark.parametrize("arch", ["gfx1100", "gfx942", "gfx90a", "gfx1030", ""])
+def test_other_amd_archs_take_8192_without_the_borrow(arch):
+    d = rules.amd_defaults(card(arch), HOST)
+    assert d.chunk_ceiling_tokens == 8192
+    assert d.host_borrow is False
+
+
+def test_cpu_share_follows_the_host_cpu():
+    avx_only = HostInfo(os="linux", ram_total_bytes=30 * GIB, ram_available_bytes=28 * GIB,
+                        cpu=CpuInfo(name="old", flags=("avx",)))
+    assert rules.amd_defaults(card("gfx1201"), HOST).cpu_share_default is True
+    off = rules.amd_defaults(card("gfx1201"), avx_only)
+    assert off.cpu_share_default is False and "avx2" in off.cpu_share_reason
+
+
+def test_reserve_is_larger_on_a_card_that_drives_a_display():
+    assert rules.amd_defaults(card("gfx1201", display=True), HOST).vram_reserve_mib == 700
+    assert rules.amd_defaults(card("gfx1201"), HOST).vram_reserve_mib == 512
+
+
+def test_the_hook_answers_for_rocm_devices_only():
+    plugins = load_plugins(autoload=False, extra=[rocm_backend])
+    assert plugins.hook.strata_platform_defaults(device=card("gfx1201"), host=HOST).chunk_ceiling_tokens == 16384
+    assert plugins.hook.strata_platform_defaults(device=card("gfx1201", backend="cuda"), host=HOST) is None
+
+
+def _rocm_scenarios():
+    if not SCENARIO_DIR.is_dir():
+        return []
+    return sorted(p for p in SCENARIO_DIR.glob("*.json") if load_profile(p).backend == "rocm")
+
+
+@pytest.mark.skipif(not _rocm_scenarios(), reason=f"no rocm scenario files in {SCENARIO_DIR}")
+@pytest.mark.parametrize("path", _rocm_scenarios(), ids=lambda p: p.stem)
+def test_seed_gfx12_profiles_get_the_gfx12_rules(path):
+    prof = load_profile(path)
+    d = rules.amd_defaults(prof.device, prof.host)
+    assert prof.device.arch == "gfx1201"
+    assert (d.chunk_ceiling_tokens, d.host_borrow) == (16384, True)
