@@ -3,6 +3,7 @@ invariant still holds; installed as a distribution, `strata plan` picks it up th
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
@@ -22,8 +23,10 @@ from strata_core.sim import backend as sim_backend
 
 ROOT = Path(__file__).resolve().parents[2]
 DIST = ROOT / "plugins" / "site-policy"
-sys.path.insert(0, str(DIST))  # the plugin's package, importable without installing it into the shared venv
-from strata_site_policy import plugin as site_policy  # noqa: E402
+# The plugin module loaded from its file, so the shared venv and sys.path stay untouched.
+_spec = importlib.util.spec_from_file_location("strata_site_policy_plugin", DIST / "strata_site_policy" / "plugin.py")
+site_policy = sys.modules.setdefault(_spec.name, importlib.util.module_from_spec(_spec))
+_spec.loader.exec_module(site_policy)
 
 DEVICE = DeviceInfo(backend="sim", vendor="sim", name="24 GiB test card", vram_total_bytes=24 * GIB,
                     vram_free_bytes=23 * GIB)
