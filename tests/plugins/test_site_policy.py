@@ -93,7 +93,7 @@ def test_policy_runs_first_and_others_can_tighten_further():
     """tryfirst: a plugin loaded after it still sees the policy's cap already applied, and may go lower."""
     other = StricterSite()
     other.seen = []
-    plan, host = _plan([other, site_policy])
+    plan, host = _plan([site_policy, other])  # registered last, `other` would run first without tryfirst
     assert other.seen == [4096]
     assert plan.prompt.chunk <= 2048
     order = [d.source for d in plan.decisions if d.what == "prompt.chunk_cap_tokens"]
