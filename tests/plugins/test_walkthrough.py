@@ -99,6 +99,16 @@ def test_strata_backends_sees_the_new_backend(installed, project):
     assert mine[0]["devices"] and mine[0]["devices"][0]["backend"] == BACKEND
 
 
+def test_strata_plan_plans_for_the_new_backend(installed, project):
+    """`strata plan --backend mynumpy --json` plans with the backend's platform defaults."""
+    p = subprocess.run([sys.executable, "-m", "strata_core.cli", "plan", "--backend", BACKEND, "--json"],
+                       cwd=project, env=installed, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    out = json.loads(p.stdout)
+    assert out["schema"] == "strata.plan/1" and out["backend"] == BACKEND
+    assert out["prompt"]["ceiling"] == 4096, "the doc's platform defaults set a 4096-token ceiling"
+
+
 def test_the_new_backend_passes_the_conformance_kit(installed, project):
     """`pytest --strata-backend mynumpy tests/` in the new project passes every test of the kit."""
     xml = project / "junit.xml"
