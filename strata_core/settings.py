@@ -28,8 +28,10 @@ new-style variable of the same key wins over a legacy one):
 | STRATA_PREFILL_LEND_PCT       | prefill.lend_fraction           | percent -> fraction (50 -> 0.5)          |
 | STRATA_PREFILL_STREAM_MIN     | prefill.stream_min_tokens       | tokens                                   |
 | STRATA_TRACE                  | trace                           | same name, read as the new-style key     |
+| STRATA_BRANCH_CHECKPOINT_ALIGN| (none)                          | ignored, with a notice saying why        |
+| STRATA_ISA_FLOOR              | (none)                          | ignored, with a notice saying why        |
 
-`LEGACY_VARIABLES` below is the table the code uses; `strata config table` prints it for the README.
+`LEGACY_VARIABLES` and `RETIRED_VARIABLES` below are the tables the code uses; `strata config table` prints it for the README.
 """
 
 from __future__ import annotations
@@ -461,6 +463,12 @@ LEGACY_VARIABLES: tuple[LegacyVariable, ...] = (
 )
 LEGACY_BY_NAME = {v.name: v for v in LEGACY_VARIABLES}
 
+#: Legacy variables with no counterpart here: read only to say, in one notice, why they change nothing.
+RETIRED_VARIABLES: dict[str, str] = {
+    "STRATA_BRANCH_CHECKPOINT_ALIGN": "KV branch checkpoints belong to the engine that embeds Strata Core",
+    "STRATA_ISA_FLOOR": "a build option of the old engine; Strata Core reads the CPU's flags at run time",
+}
+
 
 # ---------------------------------------------------------------------------------------------------------------
 # Sources
@@ -496,6 +504,9 @@ def _env_entries(env: Mapping[str, str]) -> tuple[list[_Entry], list[str]]:
             close = difflib.get_close_matches(key, list(FIELDS), n=1)
             notices.append(f"{name} is not a setting and was ignored"
                            + (f" (did you mean {FIELDS[close[0]].env_name}?)" if close else ""))
+    for name, why in RETIRED_VARIABLES.items():
+        if name in upper:
+            notices.append(f"{name} is a legacy name with no setting here ({why}); ignored")
     for lv in LEGACY_VARIABLES:
         if lv.name not in upper or FIELDS[lv.key].env_name == lv.name:
             continue  # STRATA_TRACE is its own new-style name
@@ -796,6 +807,8 @@ def settings_table_markdown() -> str:
              "are set.", "", "| legacy variable | setting | mapping |", "|---|---|---|"]
     for lv in LEGACY_VARIABLES:
         rows.append(f"| `{lv.name}` | `{lv.key}` | {_md(lv.mapping)} |")
+    for name, why in RETIRED_VARIABLES.items():
+        rows.append(f"| `{name}` | none | ignored: {_md(why)} |")
     return "\n".join(rows) + "\n"
 
 
@@ -807,7 +820,8 @@ def settings_table_rows() -> list[dict]:
 
 def legacy_table_rows() -> list[dict]:
     """The legacy-variable table as JSON rows."""
-    return [{"name": lv.name, "key": lv.key, "mapping": lv.mapping} for lv in LEGACY_VARIABLES]
+    return [{"name": lv.name, "key": lv.key, "mapping": lv.mapping} for lv in LEGACY_VARIABLES] + \
+        [{"name": name, "key": None, "mapping": f"ignored: {why}"} for name, why in RETIRED_VARIABLES.items()]
 
 
 def embed_table(text: str) -> str:

@@ -204,6 +204,13 @@ def test_legacy_variable_maps_to_its_key(tmp_path, name, text, key, expected):
         assert "\n" not in note and name in note and key in note and FIELDS[key].env_name in note
 
 
+@pytest.mark.parametrize("name", ["STRATA_BRANCH_CHECKPOINT_ALIGN", "STRATA_ISA_FLOOR"])
+def test_retired_legacy_variable_changes_nothing_and_says_why(tmp_path, name):
+    loaded = load(tmp_path, env={name: "1"})
+    assert loaded.settings == StrataSettings()
+    assert len(loaded.notices) == 1 and name in loaded.notices[0] and "ignored" in loaded.notices[0]
+
+
 def test_gfx12_defaults_on_changes_nothing(tmp_path):
     loaded = load(tmp_path, env={"STRATA_GFX12_DEFAULTS": "1"})
     assert loaded.settings.prefill.chunk == "auto"
