@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import importlib.metadata as md
 from dataclasses import dataclass, field
-from types import ModuleType
 from typing import Any, Iterable
 
 import pluggy
