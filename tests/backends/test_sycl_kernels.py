@@ -226,3 +226,16 @@ def test_poisoned_allocations_read_back_as_nan(ks):
     # Guards the harness itself: without the poison, an unwritten output could pass as zeros.
     arr = ks.memory.alloc((3, 5), np.float32)
     assert np.all(np.isnan(ks.memory.download(arr)))
+
+
+@pytest.mark.parametrize("wdtype", [np.float32, np.float16])
+def test_linear_untiled_kernel_for_small_work_groups(mem, wdtype):
+    # Devices whose work-groups hold fewer than 16 x 16 items run the plain kernel; it must agree as well.
+    k = SyclKernels(mem.session, memory=PoisonedMemory(mem.session))
+    k._linear_tiled = False
+    rng = np.random.default_rng()
+    x = rng.standard_normal((19, 33)).astype(np.float32)
+    w = rng.standard_normal((21, 33)).astype(wdtype)
+    out = mem.download(k.linear(mem.to_device(x), mem.to_device(w)))
+    assert _all_written(out)
+    assert ref.relative_error(out, ref.linear(x, w)) < FP32_BOUND

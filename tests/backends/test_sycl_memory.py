@@ -153,3 +153,43 @@ def test_strata_backends_lists_sycl_available():
     status = {s.name: s for s in host.statuses()}["sycl"]
     assert status.available, status.reason
     assert status.devices and status.score > 10
+
+
+def test_slot_views_upload_into_their_rows_of_the_pool(mem):
+    pool = mem.to_device(np.zeros((4, 3, 8), np.float16))
+    row = np.arange(24, dtype=np.float16).reshape(3, 8)
+    view = pool[2]
+    assert view.shape == (3, 8) and view.nbytes == row.nbytes
+    mem.upload(view, row)
+    mem.upload(pool[-1], row + 1)
+    back = mem.download(pool)
+    np.testing.assert_array_equal(back[2], row)
+    np.testing.assert_array_equal(back[3], row + 1)
+    assert not back[:2].any()
+    np.testing.assert_array_equal(mem.download(pool[2:4]), back[2:4])
+    mem.free(view)  # a view frees nothing: the pool stays readable
+    np.testing.assert_array_equal(mem.download(pool[2]), row)
+
+
+def test_view_indexing_refuses_what_it_cannot_express(mem):
+    arr = mem.to_device(np.zeros((4, 2), np.float32))
+    with pytest.raises(IndexError):
+        arr[4]
+    with pytest.raises(IndexError):
+        arr[::2]
+    with pytest.raises(IndexError):
+        arr[1, 1]
+
+
+def test_kernels_run_on_views(device, mem):
+    k = sycl.strata_kernels(device=device)
+    x = np.random.default_rng(3).standard_normal((5, 16)).astype(np.float32)
+    w = np.random.default_rng(4).standard_normal((7, 16)).astype(np.float32)
+    xd = mem.to_device(x)
+    out = mem.download(k.linear(xd[1:4], mem.to_device(w)))
+    np.testing.assert_allclose(out, x[1:4] @ w.T, rtol=1e-5, atol=1e-5)
+
+
+def test_to_device_without_room_returns_none(mem, device, monkeypatch):
+    monkeypatch.setattr(mem, "alloc", lambda shape, dtype: None)
+    assert mem.to_device(np.zeros(4, np.float32)) is None

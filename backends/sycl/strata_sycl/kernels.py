@@ -93,6 +93,8 @@ class SyclKernels:
             return a, ()
         host = np.ascontiguousarray(np.asarray(a), dtype=dtype)
         dev = self.memory.to_device(host)
+        if dev is None:
+            raise MemoryError(f"sycl: no room on the device for {what} ({host.nbytes} bytes)")
         return dev, (dev,)
 
     def _empty(self, shape: tuple[int, ...], dtype: Any) -> UsmArray:
@@ -142,7 +144,7 @@ class SyclKernels:
         host_out = None
         if not isinstance(out, UsmArray):
             host_out = out
-            out = self.memory.to_device(np.ascontiguousarray(out, dtype=np.float32))
+            out, _ = self._input(out, np.float32, "scatter_add out")
         elif out.dtype != np.float32:
             raise TypeError(f"scatter_add: out must be float32, got {out.dtype.name}")
         rd, k1 = self._input(rows, np.int32, "scatter_add rows")

@@ -13,16 +13,21 @@ from .runtime import Session
 
 
 class UsmArray:
-    """A device array: its shape, dtype and the USM device allocation (dpctl MemoryUSMDevice) that holds it."""
+    """A device array: its shape, dtype and the USM device allocation (dpctl MemoryUSMDevice) that holds it.
 
-    __slots__ = ("shape", "dtype", "mem", "nbytes", "release", "__weakref__")
+    Indexing the first axis (`pool[slot]`, `x[a:b]`) gives a view into the same allocation, as the runtime does to
+    upload one expert into its cache slot; a view's `owner` is the array it came from and keeps it alive.
+    """
 
-    def __init__(self, shape: tuple[int, ...], dtype: Any, mem: Any):
+    __slots__ = ("shape", "dtype", "mem", "nbytes", "release", "owner", "__weakref__")
+
+    def __init__(self, shape: tuple[int, ...], dtype: Any, mem: Any, owner: "UsmArray | None" = None):
         self.shape = tuple(int(s) for s in shape)
         self.dtype = np.dtype(dtype)
         self.mem = mem
         self.nbytes = int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
         self.release = None  # a weakref.finalize giving the bytes back to the session's count, set by alloc
+        self.owner = owner
 
     @property
     def size(self) -> int:
@@ -37,8 +42,46 @@ class UsmArray:
     def __len__(self) -> int:
         return self.shape[0] if self.shape else 0
 
+    def __getitem__(self, key) -> "UsmArray":
+        """A view of one row (int) or a contiguous run of rows (slice with step 1) of the first axis."""
+        if not self.shape:
+            raise IndexError("a 0-d device array cannot be indexed")
+        rows = self.shape[0]
+        if isinstance(key, (int, np.integer)):
+            i = int(key) + (rows if key < 0 else 0)
+            if not 0 <= i < rows:
+                raise IndexError(f"index {int(key)} out of range for {rows} rows")
+            start, stop, shape = i, i + 1, self.shape[1:]
+        elif isinstance(key, slice):
+            start, stop, step = key.indices(rows)
+            if step != 1:
+                raise IndexError("device array views take contiguous rows only (step 1)")
+            stop = max(start, stop)
+            shape = (stop - start,) + self.shape[1:]
+        else:
+            raise IndexError(f"device arrays index the first axis with an int or a slice, not {type(key).__name__}")
+        row_bytes = int(np.prod(self.shape[1:], dtype=np.int64)) * self.dtype.itemsize
+        nbytes = (stop - start) * row_bytes
+        mem = _usm_view(self.mem, start * row_bytes, nbytes) if nbytes else None
+        return UsmArray(shape, self.dtype, mem, owner=self)
+
     def __repr__(self) -> str:
-        return f"UsmArray(shape={self.shape}, dtype={self.dtype.name})"
+        return f"UsmArray(shape={self.shape}, dtype={self.dtype.name}{', view' if self.owner else ''})"
+
+
+class _UsmRange:
+    """An object exposing a byte range of a USM allocation through __sycl_usm_array_interface__ (for a view)."""
+
+    def __init__(self, mem: Any, offset_bytes: int, nbytes: int):
+        self.mem = mem  # keeps the allocation alive as long as the view
+        ptr = mem.__sycl_usm_array_interface__["data"][0] + offset_bytes
+        self.__sycl_usm_array_interface__ = {"data": (ptr, False), "shape": (nbytes,), "strides": None,
+                                             "typestr": "|u1", "version": 1, "syclobj": mem.sycl_queue}
+
+
+def _usm_view(mem: Any, offset_bytes: int, nbytes: int) -> Any:
+    """A dpctl memory object for bytes [offset, offset + nbytes) of `mem`, sharing its allocation."""
+    return type(mem)(_UsmRange(mem, offset_bytes, nbytes))
 
 
 class SyclEvent:
@@ -102,8 +145,8 @@ class SyclDeviceMemory:
         return arr
 
     def free(self, arr):
-        """Release a device array once every queue of the device is done with it (idempotent)."""
-        if arr.mem is None:
+        """Release a device array once every queue of the device is done with it (idempotent; a view frees nothing)."""
+        if arr.mem is None or arr.owner is not None:
             return
         self.session.wait_all()
         arr.mem = None
@@ -133,12 +176,11 @@ class SyclDeviceMemory:
         return out
 
     def to_device(self, src):
-        """Allocate and fill a device array from host data (synchronous); MemoryError when the device has no room."""
+        """Allocate and fill a device array from host data (synchronous); None when the device has no room."""
         host = np.ascontiguousarray(src)
         arr = self.alloc(host.shape, host.dtype)
-        if arr is None:
-            raise MemoryError(f"sycl: no room for {host.nbytes} bytes on {self.session.device.name}")
-        self.upload(arr, host)
+        if arr is not None:
+            self.upload(arr, host)
         return arr
 
     def new_stream(self):

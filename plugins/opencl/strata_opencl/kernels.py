@@ -48,6 +48,7 @@ class ClKernels:
         self._reduce_local = 1 << min(6, wg.bit_length() - 1)  # a power of two <= 64 for the tree reductions
         # The tiled linear kernel needs LINEAR_TILE^2 work-items in one group; smaller devices get the plain one.
         self._linear_tiled = wg >= LINEAR_TILE * LINEAR_TILE
+        self._align_bytes = max(1, int(session.device.mem_base_addr_align) // 8)  # reported in bits
 
     # --------------------------------------------------------------------------------------------- launching
 
@@ -63,7 +64,7 @@ class ClKernels:
         conv = []
         for a in args:
             if isinstance(a, ClArray):
-                conv.append(a.buf)
+                conv.append(a.kernel_arg())
             elif isinstance(a, (np.int32, np.float32)):
                 conv.append(a)
             elif isinstance(a, _Local):
@@ -80,9 +81,17 @@ class ClKernels:
         if isinstance(a, ClArray):
             if a.dtype != dtype:
                 raise TypeError(f"{what}: expected a {dtype.name} device array, got {a.dtype.name}")
+            if a.offset_bytes % self._align_bytes and a.nbytes:
+                # A sub-buffer must start on the device's base alignment; a view that does not is copied instead.
+                tmp = self._empty(a.shape, dtype)
+                self.cl.enqueue_copy(self.session.queue, tmp.buf, a.buf, src_offset=a.offset_bytes,
+                                     byte_count=a.nbytes)
+                return tmp, (tmp,)
             return a, ()
         host = np.ascontiguousarray(np.asarray(a), dtype=dtype)
         dev = self.memory.to_device(host)
+        if dev is None:
+            raise MemoryError(f"opencl: no room on the device for {what} ({host.nbytes} bytes)")
         return dev, (dev,)
 
     def _empty(self, shape: tuple[int, ...], dtype: Any) -> ClArray:
@@ -132,7 +141,7 @@ class ClKernels:
         host_out = None
         if not isinstance(out, ClArray):
             host_out = out
-            out = self.memory.to_device(np.ascontiguousarray(out, dtype=np.float32))
+            out, _ = self._input(out, np.float32, "scatter_add out")
         elif out.dtype != np.float32:
             raise TypeError(f"scatter_add: out must be float32, got {out.dtype.name}")
         rd, k1 = self._input(rows, np.int32, "scatter_add rows")

@@ -13,16 +13,23 @@ from .runtime import Session
 
 
 class ClArray:
-    """A device array: its shape, dtype and the cl.Buffer that holds it."""
+    """A device array: its shape, dtype, the cl.Buffer that holds it and the byte offset into that buffer.
 
-    __slots__ = ("shape", "dtype", "buf", "nbytes", "release", "__weakref__")
+    Indexing the first axis (`pool[slot]`, `x[a:b]`) gives a view into the same buffer, as the runtime does to
+    upload one expert into its cache slot; a view's `owner` is the array it came from.
+    """
 
-    def __init__(self, shape: tuple[int, ...], dtype: Any, buf: Any):
+    __slots__ = ("shape", "dtype", "buf", "offset_bytes", "nbytes", "release", "owner", "__weakref__")
+
+    def __init__(self, shape: tuple[int, ...], dtype: Any, buf: Any, offset_bytes: int = 0,
+                 owner: "ClArray | None" = None):
         self.shape = tuple(int(s) for s in shape)
         self.dtype = np.dtype(dtype)
         self.buf = buf
+        self.offset_bytes = int(offset_bytes)
         self.nbytes = int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
         self.release = None  # a weakref.finalize giving the bytes back to the session's count, set by alloc
+        self.owner = owner
 
     @property
     def size(self) -> int:
@@ -37,8 +44,39 @@ class ClArray:
     def __len__(self) -> int:
         return self.shape[0] if self.shape else 0
 
+    def __getitem__(self, key) -> "ClArray":
+        """A view of one row (int) or a contiguous run of rows (slice with step 1) of the first axis."""
+        if not self.shape:
+            raise IndexError("a 0-d device array cannot be indexed")
+        rows = self.shape[0]
+        if isinstance(key, (int, np.integer)):
+            i = int(key) + (rows if key < 0 else 0)
+            if not 0 <= i < rows:
+                raise IndexError(f"index {int(key)} out of range for {rows} rows")
+            start, shape = i, self.shape[1:]
+        elif isinstance(key, slice):
+            start, stop, step = key.indices(rows)
+            if step != 1:
+                raise IndexError("device array views take contiguous rows only (step 1)")
+            shape = (max(start, stop) - start,) + self.shape[1:]
+        else:
+            raise IndexError(f"device arrays index the first axis with an int or a slice, not {type(key).__name__}")
+        row_bytes = int(np.prod(self.shape[1:], dtype=np.int64)) * self.dtype.itemsize
+        return ClArray(shape, self.dtype, self.buf, self.offset_bytes + start * row_bytes, owner=self)
+
+    def kernel_arg(self) -> Any:
+        """The buffer a kernel gets: the whole buffer, or a sub-buffer for a view (where the device's alignment
+        allows one; ValueError otherwise)."""
+        if self.offset_bytes == 0:
+            return self.buf
+        try:
+            return self.buf.get_sub_region(self.offset_bytes, max(self.nbytes, 1))
+        except Exception as e:
+            raise ValueError(f"a view at byte {self.offset_bytes} cannot be a kernel argument on this device "
+                             f"(sub-buffer refused: {e})") from None
+
     def __repr__(self) -> str:
-        return f"ClArray(shape={self.shape}, dtype={self.dtype.name})"
+        return f"ClArray(shape={self.shape}, dtype={self.dtype.name}{', view' if self.owner else ''})"
 
 
 class ClEvent:
@@ -100,10 +138,11 @@ class ClDeviceMemory:
         return arr
 
     def free(self, arr):
-        """Release a device array (idempotent)."""
-        if arr.buf is None:
+        """Release a device array (idempotent; a view frees nothing)."""
+        if arr.buf is None or arr.owner is not None:
             return
-        arr.buf.release()
+        # Dropping the reference, not clReleaseMemObject now: views of this array may still hold the buffer, and
+        # OpenCL keeps a released buffer alive for commands already enqueued anyway.
         arr.buf = None
         if arr.release is not None:
             arr.release()
@@ -117,22 +156,22 @@ class ClDeviceMemory:
             host = np.ascontiguousarray(host, dtype=dst.dtype)
         if dst.nbytes == 0:
             return
-        self.cl.enqueue_copy(self._queue(stream), dst.buf, host, is_blocking=not _is_mapped(host, self.cl))
+        self.cl.enqueue_copy(self._queue(stream), dst.buf, host, dst_offset=dst.offset_bytes,
+                             is_blocking=not _is_mapped(host, self.cl))
 
     def download(self, src, stream=None):
         """Copy device -> host after the stream's earlier work, and return the host array."""
         out = np.empty(src.shape, dtype=src.dtype)
         if src.nbytes:
-            self.cl.enqueue_copy(self._queue(stream), out, src.buf, is_blocking=True)
+            self.cl.enqueue_copy(self._queue(stream), out, src.buf, src_offset=src.offset_bytes, is_blocking=True)
         return out
 
     def to_device(self, src):
-        """Allocate and fill a device array from host data (synchronous); MemoryError when the device has no room."""
+        """Allocate and fill a device array from host data (synchronous); None when the device has no room."""
         host = np.ascontiguousarray(src)
         arr = self.alloc(host.shape, host.dtype)
-        if arr is None:
-            raise MemoryError(f"opencl: no room for {host.nbytes} bytes on {self.session.device.name}")
-        self.upload(arr, host)
+        if arr is not None:
+            self.upload(arr, host)
         return arr
 
     def new_stream(self):
