@@ -1,0 +1,288 @@
+"""`strata run`: the main job. Plan, then run prefill and decode of a model on the chosen backend.
+
+With no arguments it picks the best available backend, generates the built-in tiny model and reads a 3000-token
+prompt, then decodes 64 tokens. The tiny model's cache holds about half its experts by default (overridable with
+--set memory.expert_cache=N) so misses, loans and the ring run every time, even where every expert would fit.
+Attention is out of scope: each layer is RMSNorm, router, routed experts and residual.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+import traceback
+from contextlib import contextmanager
+from typing import Any, Iterator
+
+import numpy as np
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from ..errors import BadInput, StrataError
+from ..model import ModelSpec, model_from_gguf, model_from_name
+from ..plugins import load_from_settings
+from ..settings import FlagValue, add_settings_arguments, settings_from_args
+
+SCHEMA = "strata.run/1"
+DEFAULT_PROMPT_TOKENS = 3000
+DEFAULT_DECODE_TOKENS = 64
+#: Largest preset whose experts `strata run` generates in host memory, as a fraction of the available RAM.
+GENERATE_RAM_FRACTION = 0.25
+NOTES = ("attention is out of scope for Strata Core: each layer is RMSNorm, router (top-k, renormalized), routed "
+         "SwiGLU experts and the residual; there is no KV cache",
+         "device_bytes_allocated counts what the runtime asked DeviceMemory for (cache pool, dense weights, "
+         "per-chunk buffers); kernel outputs come from the backend's own allocator")
+
+
+def register(subparsers) -> None:
+    """Add the `run` sub-command."""
+    p = subparsers.add_parser("run", help="plan, then run prefill and decode of a model (default: a built-in tiny one)",
+                              description="Plan for this machine, then read a prompt in chunks and decode greedily "
+                                          "on the chosen backend, streaming missed experts through a ring lent from "
+                                          "the expert cache.")
+    p.add_argument("--model", metavar="NAME|PATH.gguf",
+                   help="an MoE GGUF file (F16, BF16 or Q8_0 experts) or a preset (generated; small ones only); "
+                        "default: the built-in tiny model")
+    p.add_argument("--prompt-tokens", type=int, default=DEFAULT_PROMPT_TOKENS, metavar="N",
+                   help=f"prompt length in tokens (default {DEFAULT_PROMPT_TOKENS})")
+    p.add_argument("--decode-tokens", type=int, default=DEFAULT_DECODE_TOKENS, metavar="N",
+                   help=f"tokens to decode greedily (default {DEFAULT_DECODE_TOKENS})")
+    p.add_argument("--seed", type=int, default=0, help="seed of the prompt and of generated weights (default 0)")
+    p.add_argument("--check", action="store_true",
+                   help="compare every layer and every greedy token with the numpy reference; a mismatch exits 1")
+    p.add_argument("--json", action="store_true", help=f"print one {SCHEMA} object")
+    add_settings_arguments(p)
+    p.set_defaults(func=run)
+
+
+# --- progress -----------------------------------------------------------------------------------------------------
+
+class PhaseProgress:
+    """A rich progress bar per phase on stderr; silent with --json or when stderr is not a terminal."""
+
+    def __init__(self, enabled: bool):
+        self.enabled = enabled and sys.stderr.isatty()
+        self._progress: Progress | None = None
+        self._tasks: dict[str, Any] = {}
+
+    def __enter__(self) -> "PhaseProgress":
+        if self.enabled:
+            self._progress = Progress(TextColumn("{task.description:<10}"), BarColumn(), MofNCompleteColumn(),
+                                      TimeElapsedColumn(), console=Console(stderr=True), transient=False)
+            self._progress.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._progress is not None:
+            self._progress.stop()
+
+    def phase(self, name: str, total: int) -> None:
+        """Start a phase of `total` steps."""
+        if self._progress is not None:
+            self._tasks[name] = self._progress.add_task(name, total=max(1, total))
+
+    def advance(self, name: str, steps: int = 1) -> None:
+        """Advance a phase."""
+        if self._progress is not None and name in self._tasks:
+            self._progress.advance(self._tasks[name], steps)
+
+    def done(self, name: str) -> None:
+        """Mark a phase complete."""
+        if self._progress is not None and name in self._tasks:
+            t = self._tasks[name]
+            self._progress.update(t, completed=self._progress.tasks[t].total)
+
+    @contextmanager
+    def single(self, name: str) -> Iterator[None]:
+        """A one-step phase around a block."""
+        self.phase(name, 1)
+        yield
+        self.done(name)
+
+
+def say(line: str) -> None:
+    """One log line of the run on stderr."""
+    print(f"strata: {line}", file=sys.stderr)
+
+
+# --- inputs -------------------------------------------------------------------------------------------------------
+
+def resolve_run_model(name: str | None, loaded, seed: int) -> tuple[ModelSpec, Any, Any]:
+    """(spec, weights loader, settings) of the model to run; the tiny model gets its half-experts cache default."""
+    from ..runtime.tiny import generate_weights, tiny_cache_slots, tiny_model_spec
+    from ..runtime.weights import weights_from_gguf
+    settings = loaded.settings
+    if not name:
+        spec = tiny_model_spec()
+        if loaded.origins.get("memory.expert_cache") is None or loaded.origins["memory.expert_cache"].source == "default":
+            mem = settings.memory.model_copy(update={"expert_cache": tiny_cache_slots(spec)})
+            settings = settings.model_copy(update={"memory": mem})
+        return spec, (lambda: generate_weights(spec, seed)), settings
+    if str(name).lower().endswith(".gguf"):
+        spec = model_from_gguf(name)
+        return spec, (lambda: weights_from_gguf(name, spec)), settings
+    preset = model_from_name(name)
+    from ..runtime.tiny import model_spec
+    from ..hostinfo import probe_host
+    ffn = preset.expert_ffn
+    if not ffn:
+        raise BadInput(f"--model {name}: the preset gives no expert FFN width to generate weights from")
+    spec = model_spec(preset.name, preset.moe_layers, preset.experts_per_layer, preset.top_k, preset.hidden, ffn,
+                      preset.vocab or 32000, dtype="q8_0" if preset.hidden % 32 == 0 and ffn % 32 == 0 else "f16",
+                      source="preset, generated")
+    avail = probe_host().ram_available_bytes
+    if spec.experts_total_bytes > GENERATE_RAM_FRACTION * avail:
+        raise BadInput(f"--model {name}: generating its experts takes {spec.experts_total_bytes / (1 << 30):.1f} GiB, "
+                       f"more than {GENERATE_RAM_FRACTION:.0%} of the {avail / (1 << 30):.1f} GiB available; run a "
+                       f"GGUF file, or replay it with `strata plan --model {name}` / `strata simulate`")
+    dtype = "q8_0" if spec.quant == "Q8_0" else "f16"
+    return spec, (lambda: generate_weights(spec, seed, dtype=dtype)), settings
+
+
+# --- the run ------------------------------------------------------------------------------------------------------
+
+def run(args: argparse.Namespace) -> int:
+    """Plan, run, report; 0 ok, 2 bad input, 1 when the engine fails or --check finds a mismatch."""
+    if args.prompt_tokens <= 0:
+        raise BadInput(f"--prompt-tokens: expected a positive token count, got {args.prompt_tokens}")
+    if args.decode_tokens < 0:
+        raise BadInput(f"--decode-tokens: expected 0 or more, got {args.decode_tokens}")
+    loaded = settings_from_args(args)
+    for n in loaded.notices:
+        say(n)
+    plugins = load_from_settings(loaded.settings)
+    _, device, host, _ = plugins.device_and_defaults(loaded.settings.backend.name, loaded.settings.backend.device)
+    spec, load_weights, settings = resolve_run_model(args.model, loaded, args.seed)
+    if args.prompt_tokens > settings.kv.max_context:
+        raise BadInput(f"--prompt-tokens: a prompt of {args.prompt_tokens} tokens is longer than kv.max_context "
+                       f"({settings.kv.max_context}); raise it with --set kv.max_context=N")
+    from ..planner import plan_for_machine
+    plan = plan_for_machine(plugins, device, host, spec, settings)
+    try:
+        report = _execute(args, plugins, plan, spec, load_weights)
+    except (StrataError, KeyboardInterrupt):
+        raise
+    except Exception as e:  # an engine failure: one line, the traceback only when tracing
+        if settings.trace:
+            traceback.print_exc()
+        raise StrataError(f"the engine failed: {type(e).__name__}: {e}") from None
+    if args.json:
+        print(json.dumps(report, indent=2, default=_json_default))
+    else:
+        _print_summary(report)
+    return 1 if report["check"] == "failed" else 0
+
+
+def _json_default(o: Any) -> Any:
+    if isinstance(o, np.generic):
+        return o.item()
+    return str(o)
+
+
+def _execute(args: argparse.Namespace, plugins, plan, spec: ModelSpec, load_weights) -> dict:
+    """Load, start the engine, serve one request, check; the strata.run/1 object."""
+    from ..runtime.check import ReferenceCheck
+    from ..runtime.engine import Engine
+    from ..runtime.runlog import RunLog
+    log = RunLog(echo=say, trace_enabled=bool(plan.settings.trace))
+    for w in plan.warnings:
+        say(f"plan: {w}")
+    with PhaseProgress(enabled=not args.json) as progress:
+        with progress.single("load"):
+            weights = load_weights()
+        checker = ReferenceCheck(weights) if args.check else None
+        with progress.single("start"):
+            engine = Engine.from_plugins(plugins, plan, weights, log, seed=args.seed, observer=checker)
+        progress.phase("prefill", args.prompt_tokens)
+        progress.phase("decode", args.decode_tokens)
+        engine.executor.progress = progress.advance
+        prompt = np.random.default_rng(args.seed).integers(0, weights.vocab, args.prompt_tokens)
+        try:
+            result = engine.serve(prompt, args.decode_tokens)
+            if result.refused_reason:
+                raise BadInput(f"the request was refused: {result.refused_reason}")
+            if checker is not None:
+                with progress.single("check"):
+                    checker.check_tokens(int(prompt[-1]), result.tokens)
+                    engine.cache.check()
+        finally:
+            engine.close()
+    stats = engine.executor.stats
+    check = "not run" if checker is None else ("passed" if checker.report.passed else "failed")
+    if checker is not None:
+        for f in checker.report.failures[:5]:
+            say(f"check: {f}")
+    planned = plan.vram.expert_cache_bytes + plan.vram.dense_bytes + plan.vram.workspace_bytes + plan.vram.kv_bytes
+    return {
+        "schema": SCHEMA,
+        "backend": plan.backend,
+        "device": plan.device.to_json(),
+        "model": spec.to_json(),
+        "plan": plan.to_json(),
+        "prompt_tokens": args.prompt_tokens,
+        "decode_tokens": args.decode_tokens,
+        "prefill_tokens_per_s": args.prompt_tokens / result.prefill_s if result.prefill_s > 0 else None,
+        "decode_tokens_per_s": result.decode_steps / result.decode_s if result.decode_s > 0 else None,
+        "cache_hit_rate": engine.cache.hit_rate,
+        "cache_hits": engine.cache.hits,
+        "cache_lookups": engine.cache.lookups,
+        "bytes_streamed": stats.bytes_streamed,
+        "experts_streamed": stats.experts_streamed,
+        "loans": engine.loans.loans,
+        "halvings": engine.loans.halvings,
+        "chunk": result.chunk,
+        "loan_slots": result.loan_slots,
+        "ring_batches": stats.ring_batches,
+        "cpu_share": {"enabled": engine.share.enabled, "experts": stats.cpu_share_experts,
+                      "buffer_bytes": engine.share.buffer_bytes, "off_reason": engine.share.off_reason},
+        "pinned": {"expert_bytes_pinned": engine.arena_pinned_bytes, "whole": engine.store.whole,
+                   "budget_exhausted": engine.budget.exhausted, "budget_peak_bytes": engine.budget.peak_bytes},
+        "fallbacks": [f.to_json() for f in log.fallbacks],
+        "check": check,
+        "check_report": checker.report.to_json() if checker is not None else None,
+        "tokens": result.tokens,
+        "device_bytes_allocated": engine.device_bytes_allocated,
+        "device_bytes_planned": planned,
+        "cache_pool_bytes": engine.pool_bytes,
+        "dense_device_bytes": engine.dense_device_bytes,
+        "workspace_bytes_estimate": stats.workspace_peak_bytes,
+        "log": list(log.lines),
+        "notes": list(NOTES),
+    }
+
+
+def _mib(n: int | None) -> str:
+    return "-" if n is None else f"{n / (1 << 20):,.1f} MiB"
+
+
+def _print_summary(r: dict) -> None:
+    """The run's summary table on stdout."""
+    c = Console()
+    t = Table(title=f"strata run: {r['model']['name']} on {r['backend']} ({r['device']['name']})")
+    t.add_column("what")
+    t.add_column("value", justify="right")
+    rate = lambda v: "-" if v is None else f"{v:,.1f} tok/s"  # noqa: E731
+    rows = [
+        ("prompt", f"{r['prompt_tokens']} tokens in chunks of {r['chunk']}"),
+        ("prefill", rate(r["prefill_tokens_per_s"])),
+        ("decode", f"{rate(r['decode_tokens_per_s'])} ({r['decode_tokens']} tokens)"),
+        ("expert cache", f"{r['plan']['expert_cache']['slots']} slots, hit rate {r['cache_hit_rate']:.1%}"),
+        ("streamed", f"{_mib(r['bytes_streamed'])} ({r['experts_streamed']} experts, {r['ring_batches']} ring batches)"),
+        ("loans", f"{r['loans']} ({r['loan_slots']} slots), halvings {r['halvings']}"),
+        ("CPU share", f"{'on' if r['cpu_share']['enabled'] else 'off'}, {r['cpu_share']['experts']} experts"),
+        ("device memory", f"{_mib(r['device_bytes_allocated'])} allocated of {_mib(r['device_bytes_planned'])} planned"),
+        ("fallbacks", str(len(r["fallbacks"]))),
+        ("check", r["check"] + (f" (worst layer rel err {r['check_report']['worst_rel_err']:.2e})"
+                                if r.get("check_report") else "")),
+    ]
+    for k, v in rows:
+        t.add_row(k, v)
+    c.print(t)
+    for f in r["fallbacks"]:
+        c.print(f"fallback: {f['what']}: {f['why']}", markup=False)
+    c.print(f"tokens: {' '.join(str(x) for x in r['tokens'][:16])}{' ...' if len(r['tokens']) > 16 else ''}",
+            markup=False)
+    c.print(f"note: {r['notes'][0]}", markup=False)

@@ -1,0 +1,175 @@
+"""ExpertCache: which expert lives in which device slot, how often each is used, and which slots are on loan.
+
+Frequencies decay by `decay` per tick (one chunk or one decode step), so eviction and lending pick the experts
+that have been cold lately, not the ones that were cold at start. Slots on loan to the prompt path hold no expert
+and are never looked up, admitted into or evicted until they are given back.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+EMPTY = -1
+
+
+class ExpertCache:
+    """Slot table (layer, expert) -> slot over `slots` device slots, with hit/miss counters and decayed frequencies."""
+
+    def __init__(self, slots: int, layers: int, experts_per_layer: int, decay: float = 0.97):
+        self.slots = int(slots)
+        self.layers = int(layers)
+        self.experts_per_layer = int(experts_per_layer)
+        self.decay = float(decay)
+        n = self.layers * self.experts_per_layer
+        self.slot_of = np.full(n, EMPTY, dtype=np.int64)          # expert row -> slot
+        self.expert_in = np.full(self.slots, EMPTY, dtype=np.int64)  # slot -> expert row
+        self.freq = np.zeros(n, dtype=np.float64)
+        self.on_loan = np.zeros(self.slots, dtype=bool)
+        self.trimmed = np.zeros(self.slots, dtype=bool)
+        self.hits = 0
+        self.misses = 0
+        self.evictions = 0
+
+    def row(self, layer: int, expert) -> np.ndarray | int:
+        """The store row of (layer, expert): layer * experts_per_layer + expert."""
+        return layer * self.experts_per_layer + expert
+
+    # --- lookups -------------------------------------------------------------------------------------------
+
+    def tick(self) -> None:
+        """Decay every frequency by one step."""
+        self.freq *= self.decay
+
+    def lookup(self, layer: int, experts: np.ndarray, tokens: np.ndarray | None = None) -> np.ndarray:
+        """Slots of these experts of `layer` (EMPTY for a miss); counts hits and misses, adds `tokens` to frequency."""
+        experts = np.asarray(experts, dtype=np.int64)
+        rows = self.row(layer, experts)
+        slots = self.slot_of[rows]
+        hit = slots != EMPTY
+        self.hits += int(hit.sum())
+        self.misses += int((~hit).sum())
+        self.freq[rows] += 1.0 if tokens is None else np.asarray(tokens, dtype=np.float64)
+        return slots
+
+    @property
+    def lookups(self) -> int:
+        """Hits plus misses."""
+        return self.hits + self.misses
+
+    @property
+    def hit_rate(self) -> float:
+        """Hits over lookups (0 before any lookup)."""
+        return self.hits / self.lookups if self.lookups else 0.0
+
+    # --- placement -----------------------------------------------------------------------------------------
+
+    def usable(self) -> np.ndarray:
+        """Mask of slots that may hold an expert now (not on loan, not trimmed)."""
+        return ~(self.on_loan | self.trimmed)
+
+    def _coldness_order(self, mask: np.ndarray) -> np.ndarray:
+        """Slots under `mask`, coldest first: empty slots, then by the decayed frequency of the expert they hold."""
+        idx = np.flatnonzero(mask)
+        held = self.expert_in[idx]
+        heat = np.where(held == EMPTY, -1.0, self.freq[np.maximum(held, 0)])
+        heat = np.where(self.trimmed[idx], -2.0, heat)
+        return idx[np.lexsort((idx, heat))]
+
+    def place(self, rows: np.ndarray) -> np.ndarray:
+        """Put experts (store rows) into slots without evicting: fills empty usable slots in order (warm-up)."""
+        rows = np.asarray(rows, dtype=np.int64)
+        free = np.flatnonzero(self.usable() & (self.expert_in == EMPTY))
+        n = min(len(free), len(rows))
+        self.expert_in[free[:n]] = rows[:n]
+        self.slot_of[rows[:n]] = free[:n]
+        return free[:n]
+
+    def admit(self, layer: int, experts: np.ndarray, keep: np.ndarray | None = None) -> np.ndarray:
+        """Slots for missed experts of `layer`, evicting the coldest unprotected slots; EMPTY where none is left.
+
+        `keep` are slots that must not be evicted now (the hits of the same step).
+        """
+        rows = self.row(layer, np.asarray(experts, dtype=np.int64))
+        mask = self.usable()
+        if keep is not None and len(keep):
+            mask[np.asarray(keep, dtype=np.int64)] = False
+        order = self._coldness_order(mask)
+        out = np.full(len(rows), EMPTY, dtype=np.int64)
+        n = min(len(order), len(rows))
+        for i in range(n):
+            slot = int(order[i])
+            old = int(self.expert_in[slot])
+            if old != EMPTY:
+                self.slot_of[old] = EMPTY
+                self.evictions += 1
+            self.expert_in[slot] = rows[i]
+            self.slot_of[rows[i]] = slot
+            out[i] = slot
+        return out
+
+    # --- loans ---------------------------------------------------------------------------------------------
+
+    @property
+    def available_slots(self) -> int:
+        """Slots that could be lent now (trimmed ones included)."""
+        return int((~self.on_loan).sum())
+
+    def lend(self, n: int) -> np.ndarray | None:
+        """Take the n coldest slots not on loan (trimmed first, then empty, then by decayed frequency); None if fewer.
+
+        The experts they held become misses.
+        """
+        order = self._coldness_order(~self.on_loan)
+        if n > len(order):
+            return None
+        taken = order[:n]
+        held = self.expert_in[taken]
+        self.slot_of[held[held != EMPTY]] = EMPTY
+        self.expert_in[taken] = EMPTY
+        self.on_loan[taken] = True
+        self.trimmed[taken] = False
+        return taken
+
+    def give_back(self, slots: np.ndarray) -> None:
+        """Return lent slots to the cache, empty."""
+        slots = np.asarray(slots, dtype=np.int64)
+        assert self.on_loan[slots].all(), "giving back a slot that was not on loan"
+        self.on_loan[slots] = False
+
+    @property
+    def slots_on_loan(self) -> int:
+        """How many slots are lent now."""
+        return int(self.on_loan.sum())
+
+    # --- elastic trimming ----------------------------------------------------------------------------------
+
+    def trim_idle(self, max_slots: int, idle_below: float = 0.05) -> np.ndarray:
+        """Empty up to max_slots slots whose expert has gone idle (decayed frequency below idle_below) or that are empty.
+
+        Trimmed slots hold nothing and are the first ones lent; `untrim` makes them usable for experts again.
+        """
+        want = max(0, int(max_slots) - int(self.trimmed.sum()))
+        if want == 0:
+            return np.empty(0, dtype=np.int64)
+        order = self._coldness_order(self.usable())
+        held = self.expert_in[order]
+        heat = np.where(held == EMPTY, -1.0, self.freq[np.maximum(held, 0)])
+        cand = order[heat < idle_below][:want]
+        old = self.expert_in[cand]
+        self.slot_of[old[old != EMPTY]] = EMPTY
+        self.expert_in[cand] = EMPTY
+        self.trimmed[cand] = True
+        return cand
+
+    def untrim(self) -> None:
+        """Make trimmed slots usable again."""
+        self.trimmed[:] = False
+
+    # --- checks --------------------------------------------------------------------------------------------
+
+    def check(self) -> None:
+        """Assert the slot table is consistent (tests and --check call it)."""
+        held = np.flatnonzero(self.expert_in != EMPTY)
+        assert not self.on_loan[held].any(), "a slot on loan holds an expert"
+        assert (self.slot_of[self.expert_in[held]] == held).all(), "slot table and expert table disagree"
+        assert int((self.slot_of != EMPTY).sum()) == len(held), "an expert points at a slot that does not hold it"

@@ -1,0 +1,246 @@
+"""The engine: builds the runtime objects from a proven Plan and a backend's hooks, then serves requests.
+
+Start-up allocates exactly what the plan says: the expert cache pool as `plan.expert_cache.slots` slots of the
+model's slot bytes, the dense weights, and (per chunk) buffers within the plan's prompt figures. A request that cannot
+run at all is refused before it starts, with the reason; every optional path that fails becomes a fallback.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ..backend_api import PinnedBudget
+from ..errors import StrataError
+from ..kernels.reference import ExpertPool
+from .cache import ExpertCache
+from .cpu_share import CpuShare
+from .devmem import CountingMemory
+from .executor import Executor, LayerObserver
+from .loan import Loan, PromptLoan
+from .pinned import PinnedPool
+from .runlog import Fallback, RunLog
+from .store import ExpertStore, phantom_pool_of_bytes
+from .weights import ModelWeights
+
+GIB = 1 << 30
+
+
+@dataclass
+class RequestResult:
+    """What happened to one request."""
+
+    prompt_tokens: int
+    chunk: int = 0
+    loan_slots: int = 0
+    halvings: int = 0
+    larger_than_auto: bool = False
+    completed: bool = False
+    refused_reason: str | None = None
+    fallbacks: list[Fallback] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    decode_steps: int = 0
+
+    def to_json(self) -> dict:
+        """One request of `strata.simulation/1`."""
+        return {"prompt_tokens": self.prompt_tokens, "chunk": self.chunk, "loan_slots": self.loan_slots,
+                "halvings": self.halvings, "larger_than_auto": self.larger_than_auto, "completed": self.completed,
+                "refused_reason": self.refused_reason, "fallbacks": [f.to_json() for f in self.fallbacks]}
+
+
+def hooks_for(plugin_host: Any, device: Any, budget: PinnedBudget) -> tuple[Any, Any, Any]:
+    """(DeviceMemory, PinnedAllocator or None, KernelSet) of a device from the plugins' hooks."""
+    hook = plugin_host.hook
+    dm = hook.strata_device_memory(device=device)
+    kernels = hook.strata_kernels(device=device)
+    if dm is None or kernels is None:
+        raise StrataError(f"backend '{device.backend}' gives no "
+                          f"{'device memory' if dm is None else 'kernels'} for {device.name}")
+    return dm, hook.strata_pinned_allocator(device=device, budget=budget), kernels
+
+
+class Engine:
+    """The runtime objects of one run: store, pinned pool, cache, loans, CPU share and executor."""
+
+    def __init__(self, plan: Any, *, dm: Any, allocator: Any, kernels: Any, budget: PinnedBudget,
+                 weights: ModelWeights | None, log: RunLog, accounting_only: bool = False, seed: int = 0,
+                 observer: LayerObserver | None = None):
+        self.plan = plan
+        self.log = log
+        self.budget = budget
+        self.dm = CountingMemory(dm)
+        self.allocator = allocator
+        self.kernels = kernels
+        self.weights = weights
+        self.accounting_only = accounting_only
+        model = plan.model
+        self.settings = plan.settings
+        if allocator is None:
+            log.fallback("page-locked memory", "the backend offers no PinnedAllocator: every copy is pageable")
+        host_pool = weights.experts if weights is not None else phantom_pool_of_bytes(model.experts_total,
+                                                                                      model.slot_bytes)
+        self.store = ExpertStore(host_pool, model.moe_layers, model.experts_per_layer)
+        self.store.pin(allocator, budget, plan.pinned.arena_bytes, log)
+        self.arena_pinned_bytes = self.store.pinned_bytes
+        self.device_pool = self._alloc_pool(plan.expert_cache.slots)
+        self.cache = ExpertCache(self._pool_slots, model.moe_layers, model.experts_per_layer)
+        self.dense_dev = self._upload_dense()
+        self.dense_device_bytes = sum(int(a.nbytes) for a in self.dense_dev.values())
+        self._warm()
+        self.share_pool = PinnedPool(allocator, budget, log, from_floor=True, name="CPU share")
+        self.share = CpuShare(plan, self.share_pool, log, model.hidden)
+        self.share.prepare(budget.exhausted)
+        self.loans = PromptLoan(plan, self.cache, log)
+        self.executor = Executor(dm=self.dm, kernels=kernels, cache=self.cache, store=self.store,
+                                 device_pool=self.device_pool, weights=weights, dense_dev=self.dense_dev,
+                                 share=self.share, log=log, top_k=model.top_k, hidden=model.hidden,
+                                 accounting_only=accounting_only, seed=seed, observer=observer)
+        self.engine_exits = 0
+
+    @classmethod
+    def from_plugins(cls, plugin_host: Any, plan: Any, weights: ModelWeights | None, log: RunLog,
+                     **kw: Any) -> "Engine":
+        """An engine on the plan's device, driven through the device's hooks."""
+        budget = PinnedBudget(plan.pinned.limit_bytes, plan.pinned.floor_bytes)
+        dm, allocator, kernels = hooks_for(plugin_host, plan.device, budget)
+        return cls(plan, dm=dm, allocator=allocator, kernels=kernels, budget=budget, weights=weights, log=log, **kw)
+
+    # --- start-up ------------------------------------------------------------------------------------------
+
+    def _pool_specs(self, slots: int) -> dict[str, tuple[tuple[int, ...], Any]]:
+        pool = self.store.pool
+        if pool.dtype == "raw":
+            return {"blob": ((slots, self.plan.model.slot_bytes), np.uint8)}
+        ffn = self.weights.expert_ffn
+        return ExpertPool.array_specs(pool.dtype, slots, self.plan.model.hidden, ffn)
+
+    def _alloc_pool(self, slots: int) -> ExpertPool:
+        """The device cache pool of exactly the plan's slots; fewer (halving, with a fallback line) if refused."""
+        planned = slots
+        while slots >= self.plan.model.top_k:
+            arrays: dict[str, Any] = {}
+            for name, (shape, dtype) in self._pool_specs(slots).items():
+                a = self.dm.alloc(shape, dtype)
+                if a is None:
+                    break
+                arrays[name] = a
+            else:
+                if slots != planned:
+                    self.log.fallback("expert cache", f"the plan's {planned} slots did not fit the device at "
+                                      f"start (free VRAM changed since planning): running with {slots}")
+                self._pool_slots = slots
+                return ExpertPool(self.store.pool.dtype, arrays)
+            for a in arrays.values():
+                self.dm.free(a)
+            slots //= 2
+        raise StrataError(f"the device refused the expert cache pool ({planned} slots of "
+                          f"{self.plan.model.slot_bytes} bytes, or even {self.plan.model.top_k}); "
+                          "free VRAM changed since planning: raise memory.vram_reserve_mib")
+
+    def _upload_dense(self) -> dict[str, Any]:
+        if self.weights is None or self.weights.dense is None or self.accounting_only:
+            return {}
+        out = {}
+        for name, arr in self.weights.dense.device_arrays.items():
+            d = self.dm.to_device(np.ascontiguousarray(arr))
+            if d is None:
+                raise StrataError(f"the device refused the dense weight '{name}' ({arr.nbytes} bytes)")
+            out[name] = d
+        return out
+
+    def _warm(self) -> None:
+        """Fill the cache with the first experts of every layer in turn, uploading their weights."""
+        L, E = self.cache.layers, self.cache.experts_per_layer
+        order = (np.arange(L)[None, :] * E + np.arange(E)[:, None]).reshape(-1)
+        placed = self.cache.place(order[: self.cache.slots])
+        if not self.accounting_only:
+            for slot, row in zip(placed, order[: len(placed)]):
+                for name, src in self.store.expert(int(row)).items():
+                    self.dm.upload(self.device_pool.arrays[name][int(slot)], src, self.executor_stream())
+            self.dm.synchronize()
+
+    def executor_stream(self) -> Any:
+        """The copy stream of start-up uploads (the executor makes its own)."""
+        if not hasattr(self, "_warm_stream"):
+            self._warm_stream = self.dm.new_stream()
+        return self._warm_stream
+
+    # --- requests ------------------------------------------------------------------------------------------
+
+    @property
+    def device_bytes_allocated(self) -> int:
+        """Peak bytes the runtime asked DeviceMemory for (pool, dense weights, per-chunk buffers)."""
+        return self.dm.peak_bytes
+
+    @property
+    def pool_bytes(self) -> int:
+        """Bytes of the device cache pool."""
+        return self._pool_slots * self.plan.model.slot_bytes
+
+    def refuse_reason(self, prompt_tokens: int) -> str | None:
+        """Why a request cannot run at all (checked before it starts), or None."""
+        max_ctx = self.settings.kv.max_context
+        if prompt_tokens <= 0:
+            return "an empty prompt"
+        if prompt_tokens > max_ctx:
+            return f"a prompt of {prompt_tokens} tokens is longer than kv.max_context ({max_ctx})"
+        return None
+
+    def serve(self, prompt: int | np.ndarray, decode_tokens: int = 0) -> RequestResult:
+        """Prefill a prompt (token ids, or a length in accounting mode) in its loan's chunks, then decode greedily."""
+        n = int(prompt) if np.isscalar(prompt) else len(prompt)
+        res = RequestResult(prompt_tokens=n)
+        res.refused_reason = self.refuse_reason(n)
+        if res.refused_reason:
+            return res
+        before = len(self.log.fallbacks)
+        loan = self.loans.lend(n)
+        self.cache.untrim()
+        res.chunk, res.halvings = loan.chunk_tokens, loan.halvings
+        res.loan_slots, res.larger_than_auto = loan.loan_slots, loan.larger_than_auto
+        t0 = time.perf_counter()
+        try:
+            logits = self.executor.prefill(prompt, loan)
+        finally:
+            self.loans.give_back(loan)
+        self.dm.synchronize()
+        res.prefill_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        if logits is not None:
+            tok = int(np.argmax(logits))
+            for _ in range(decode_tokens):
+                res.tokens.append(tok)
+                logits = self.executor.decode_step(tok)
+                tok = int(np.argmax(logits))
+            res.tokens.append(tok)
+            res.decode_steps = decode_tokens
+        else:
+            for _ in range(decode_tokens):
+                self.executor.decode_step(0)
+            res.decode_steps = decode_tokens
+        self.dm.synchronize()
+        res.decode_s = time.perf_counter() - t0
+        self._trim_when_quiet()
+        res.completed = True
+        res.fallbacks = list(self.log.fallbacks[before:])
+        return res
+
+    def _trim_when_quiet(self) -> None:
+        """Elastic slots: between requests, trim idle slots up to memory.elastic_slots_gib."""
+        gib = self.settings.memory.elastic_slots_gib
+        if gib and gib > 0:
+            trimmed = self.cache.trim_idle(int(gib * GIB) // self.plan.model.slot_bytes)
+            if len(trimmed):
+                self.log.trace(f"elastic slots: {len(trimmed)} idle slots trimmed")
+
+    def close(self) -> None:
+        """Release pinned memory and device arrays."""
+        self.share_pool.close()
+        self.store.close()
+        for a in list(self.device_pool.arrays.values()) + list(self.dense_dev.values()):
+            self.dm.free(a)

@@ -1,0 +1,316 @@
+"""The executor: chunked prefill and decode over the MoE layers, on any backend, through DeviceMemory and KernelSet.
+
+Per layer: route on the device (rmsnorm, linear, route_topk), download the ids (small) and group tokens by expert on
+the host; run the cached experts over the cache pool's slots while the misses stream into the ring (slots lent from
+the same pool) on a copy stream, double-buffered with events; when armed, the CPU share runs some misses on host
+weights in a thread at the same time. Decode reads hits from the cache and admits its misses (evicting the coldest
+slots). The model has no attention (out of scope for Strata Core): each token is independent.
+
+In accounting-only mode (`strata simulate`) there are no weights: routing is drawn from a seeded popularity per
+layer and every decision (hits, misses, the ring, the CPU share's arming and buffers) runs as it would, with the
+bytes counted and no kernel launched.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+
+from ..errors import StrataError
+from ..kernels.reference import ExpertPool
+from .cache import EMPTY, ExpertCache
+from .cpu_share import CpuShare
+from .loan import Loan, NoLoan
+from .runlog import RunLog
+from .store import ExpertStore
+from .weights import ModelWeights
+
+
+class DeviceFull(StrataError):
+    """The device refused an allocation the request cannot run without."""
+
+
+@dataclass
+class ExecStats:
+    """Counters of one run (all requests)."""
+
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+    experts_streamed: int = 0
+    bytes_streamed: int = 0
+    experts_admitted: int = 0
+    cpu_share_experts: int = 0
+    chunks: int = 0
+    workspace_peak_bytes: int = 0
+    ring_batches: int = 0
+
+
+@dataclass
+class Routing:
+    """One layer's routing of T tokens, grouped by expert on the host."""
+
+    experts: np.ndarray      # [G] expert ids of the layer, ascending
+    counts: np.ndarray       # [G] tokens each
+    starts: np.ndarray       # [G] start of each group in rows/scales
+    rows: np.ndarray | None  # [N] token index of each routed row, grouped by expert
+    scales: np.ndarray | None  # [N] routing weight of each routed row
+
+    def group(self, g: int) -> tuple[np.ndarray, np.ndarray]:
+        """(rows, scales) of group g."""
+        s, n = int(self.starts[g]), int(self.counts[g])
+        return self.rows[s:s + n], self.scales[s:s + n]
+
+
+#: Called after every layer in --check runs: (phase, layer, x_in [T,H] f32, x_out [T,H] f32), host arrays.
+LayerObserver = Callable[[str, int, np.ndarray, np.ndarray], None]
+
+
+class Executor:
+    """Runs requests' prefill and decode over a device ExpertPool whose slots the ExpertCache manages."""
+
+    def __init__(self, *, dm: Any, kernels: Any, cache: ExpertCache, store: ExpertStore, device_pool: ExpertPool,
+                 weights: ModelWeights | None, dense_dev: dict[str, Any] | None, share: CpuShare, log: RunLog,
+                 top_k: int, hidden: int, accounting_only: bool = False, seed: int = 0,
+                 observer: LayerObserver | None = None):
+        self.dm = dm
+        self.k = kernels
+        self.cache = cache
+        self.store = store
+        self.pool = device_pool
+        self.weights = weights
+        self.dense = dense_dev or {}
+        self.share = share
+        self.log = log
+        self.top_k = int(top_k)
+        self.hidden = int(hidden)
+        self.accounting_only = accounting_only
+        self.observer = observer
+        self.stats = ExecStats()
+        #: Called with (phase, tokens) after every prefill chunk and decode step (progress bars).
+        self.progress: Callable[[str, int], None] | None = None
+        self.copy_stream = dm.new_stream()
+        self._rng = np.random.default_rng(seed)
+        E = cache.experts_per_layer
+        # accounting mode: a Zipf-like popularity per layer, a different hot set in every layer
+        base = 1.0 / np.arange(1, E + 1) ** 0.8
+        self._popularity = [self._rng.permutation(base / base.sum()) for _ in range(cache.layers)]
+
+    # --- device helpers ------------------------------------------------------------------------------------
+
+    def _put(self, host: np.ndarray, temps: list) -> Any:
+        """Host -> a fresh device array, remembered in temps to free; DeviceFull when the device says no."""
+        arr = self.dm.to_device(np.ascontiguousarray(host))
+        if arr is None:
+            raise DeviceFull(f"the device refused {host.nbytes} bytes of prompt buffers")
+        temps.append(arr)
+        return arr
+
+    def _free(self, temps: list) -> None:
+        for a in temps:
+            self.dm.free(a)
+        temps.clear()
+
+    def _upload_expert(self, row: int, slot: int) -> None:
+        """Copy one expert from the host store into a device slot, on the copy stream."""
+        if not self.accounting_only:
+            for name, src in self.store.expert(row).items():
+                self.dm.upload(self.pool.arrays[name][slot], src, self.copy_stream)
+        self.stats.experts_streamed += 1
+        self.stats.bytes_streamed += self.store.row_bytes
+
+    # --- routing -------------------------------------------------------------------------------------------
+
+    def _route(self, layer: int, xn: Any, tokens: int) -> Routing:
+        """Route on the device and group on the host (or draw a routing in accounting mode)."""
+        k = self.top_k
+        if self.accounting_only:
+            counts = self._rng.multinomial(tokens * k, self._popularity[layer])
+            experts = np.flatnonzero(counts)
+            counts = counts[experts]
+            starts = np.concatenate([[0], np.cumsum(counts)[:-1]]) if len(counts) else counts
+            return Routing(experts, counts, starts, None, None)
+        logits = self.k.linear(xn, self.dense[f"router.{layer}"])
+        ids_d, w_d = self.k.route_topk(logits, k)
+        ids = np.asarray(self.dm.download(ids_d)).reshape(-1)
+        w = np.asarray(self.dm.download(w_d), dtype=np.float32).reshape(-1)
+        order = np.argsort(ids, kind="stable")
+        experts, starts, counts = np.unique(ids[order], return_index=True, return_counts=True)
+        return Routing(experts.astype(np.int64), counts, starts, (order // k).astype(np.int32), w[order])
+
+    # --- one MoE layer -------------------------------------------------------------------------------------
+
+    def _run_groups(self, r: Routing, groups: np.ndarray, slots: np.ndarray, xn: Any, x: Any, temps: list) -> None:
+        """x[rows] += scale * expert(xn[rows]) for these groups, each from its device slot."""
+        if self.accounting_only or len(groups) == 0:
+            return
+        parts = [r.group(int(g)) for g in groups]
+        rows = np.concatenate([p[0] for p in parts]).astype(np.int32)
+        scales = np.concatenate([p[1] for p in parts]).astype(np.float32)
+        offsets = np.concatenate([[0], np.cumsum([len(p[0]) for p in parts])]).astype(np.int32)
+        rows_d = self._put(rows, temps)
+        xg = self.k.gather(xn, rows_d)
+        y = self.k.moe_grouped_ffn(xg, self._put(offsets, temps), self._put(np.asarray(slots, np.int32), temps),
+                                   self.pool)
+        self.k.scatter_add(x, rows_d, y, self._put(scales, temps))
+        n = len(rows)
+        self.stats.workspace_peak_bytes = max(self.stats.workspace_peak_bytes,
+                                              n * (2 * self.hidden + 2 * self._ffn()) * 4 + n * 8)
+
+    def _ffn(self) -> int:
+        return self.weights.expert_ffn if self.weights is not None else 0
+
+    def _stream_through_ring(self, layer: int, r: Routing, groups: np.ndarray, ring: np.ndarray, xn: Any, x: Any,
+                             temps: list) -> None:
+        """Stream missed experts into the ring's two halves in turn: copy one half while the other computes."""
+        if len(groups) == 0:
+            return
+        halves = [ring[: len(ring) // 2], ring[len(ring) // 2:]] if len(ring) >= 2 else [ring]
+        width = min(len(h) for h in halves)
+        ready: list[Any] = [None] * len(halves)
+        for b, i0 in enumerate(range(0, len(groups), width)):
+            batch = groups[i0:i0 + width]
+            h = b % len(halves)
+            slots = halves[h][:len(batch)]
+            if ready[h] is not None:
+                self.dm.wait(self.copy_stream, ready[h])  # the compute of two batches ago is done with this half
+            for g, slot in zip(batch, slots):
+                self._upload_expert(int(self.cache.row(layer, int(r.experts[g]))), int(slot))
+            copied = self.dm.new_event()
+            self.dm.record(copied, self.copy_stream)
+            self.dm.wait(None, copied)
+            self._run_groups(r, batch, slots, xn, x, temps)
+            done = self.dm.new_event()
+            self.dm.record(done, None)
+            ready[h] = done
+            self.stats.ring_batches += 1
+
+    def _admit_and_run(self, layer: int, r: Routing, groups: np.ndarray, keep: np.ndarray, xn: Any, x: Any,
+                       temps: list) -> None:
+        """Misses without a ring (decode, short prompts): admit them into the cache, evicting the coldest, and run."""
+        todo = groups
+        while len(todo):
+            slots = self.cache.admit(layer, r.experts[todo], keep=keep)
+            ok = slots != EMPTY
+            if not ok.any():
+                raise StrataError(f"layer {layer}: no cache slot can take a missed expert "
+                                  f"({self.cache.slots_on_loan} on loan, {len(keep)} in use)")
+            for g, slot in zip(todo[ok], slots[ok]):
+                self._upload_expert(int(self.cache.row(layer, int(r.experts[g]))), int(slot))
+            self.stats.experts_admitted += int(ok.sum())
+            copied = self.dm.new_event()
+            self.dm.record(copied, self.copy_stream)
+            self.dm.wait(None, copied)
+            self._run_groups(r, todo[ok], slots[ok], xn, x, temps)
+            keep = np.concatenate([keep, slots[ok]])
+            todo = todo[~ok]
+
+    def _share_split(self, r: Routing, misses: np.ndarray, tokens: int) -> np.ndarray:
+        """The misses the CPU takes: the half with the fewest tokens (cheap on the CPU, costly to stream)."""
+        if not self.share.armed_for(tokens) or len(misses) < 2:
+            return misses[:0]
+        by_size = misses[np.argsort(r.counts[misses], kind="stable")]
+        return np.sort(by_size[: len(misses) // 2])
+
+    def _layer(self, phase: str, layer: int, x: Any, tokens: int, ring: np.ndarray | None, temps: list) -> None:
+        """One MoE layer in place on the residual x [T,H] (a device array; None in accounting mode)."""
+        xn = None if self.accounting_only else self.k.rmsnorm(x, self.dense[f"norm.{layer}"])
+        x_in = None
+        if self.observer is not None and not self.accounting_only:
+            x_in = np.asarray(self.dm.download(x))
+        r = self._route(layer, xn, tokens)
+        slots = self.cache.lookup(layer, r.experts, r.counts)
+        hits = np.flatnonzero(slots != EMPTY)
+        misses = np.flatnonzero(slots == EMPTY)
+        cpu = self._share_split(r, misses, tokens)
+        job = out = None
+        if len(cpu):
+            out = self.share.output(tokens)
+            if out is None:
+                cpu = cpu[:0]
+        if len(cpu):
+            self.stats.cpu_share_experts += len(cpu)
+            if not self.accounting_only:
+                xh = np.asarray(self.dm.download(xn), dtype=np.float32)
+                groups = []
+                for g in cpu:
+                    rows, scale = r.group(int(g))
+                    groups.append((self.store.expert(int(self.cache.row(layer, int(r.experts[g])))), rows, scale))
+                job = self.share.start(xh, groups, out, self.store.pool.dtype)
+        device_misses = np.setdiff1d(misses, cpu, assume_unique=True)
+        self._run_groups(r, hits, slots[hits], xn, x, temps)
+        if ring is not None and len(ring):
+            self._stream_through_ring(layer, r, device_misses, ring, xn, x, temps)
+        else:
+            self._admit_and_run(layer, r, device_misses, slots[hits], xn, x, temps)
+        if job is not None:
+            err = job.join()
+            if err is None:
+                self.k.scatter_add(x, self._put(np.arange(tokens, dtype=np.int32), temps),
+                                   self._put(out, temps), self._put(np.ones(tokens, np.float32), temps))
+            else:
+                # the share's result is lost: turn it off for the run and run its experts on the device path
+                self.share.turn_off(f"its thread failed ({type(err).__name__}: {err}); off for this run")
+                if ring is not None and len(ring):
+                    self._stream_through_ring(layer, r, cpu, ring, xn, x, temps)
+                else:
+                    self._admit_and_run(layer, r, cpu, slots[hits], xn, x, temps)
+        if x_in is not None:
+            self.observer(phase, layer, x_in, np.asarray(self.dm.download(x)))
+
+    # --- prefill and decode --------------------------------------------------------------------------------
+
+    def _embed(self, token_ids: np.ndarray, temps: list) -> Any:
+        """The residual stream of these tokens on the device (None in accounting mode)."""
+        if self.accounting_only:
+            return None
+        return self._put(self.weights.dense.embed[token_ids].astype(np.float32), temps)
+
+    def _head(self, x_last: Any, temps: list) -> np.ndarray:
+        """Final norm and LM head of one token -> logits [V] f32 on the host."""
+        xn = self.k.rmsnorm(x_last, self.dense["final_norm"])
+        return np.asarray(self.dm.download(self.k.linear(xn, self.dense["lm_head"])), dtype=np.float32)[-1]
+
+    def prefill(self, prompt: np.ndarray | int, loan: Loan | NoLoan) -> np.ndarray | None:
+        """Read a prompt in the loan's chunks; the last token's logits (None in accounting mode)."""
+        total = int(prompt) if np.isscalar(prompt) else len(prompt)
+        chunk = max(1, int(loan.chunk_tokens))
+        ring = loan.ring if isinstance(loan, Loan) else None
+        logits = None
+        for start in range(0, total, chunk):
+            n = min(chunk, total - start)
+            temps: list = []
+            try:
+                self.cache.tick()
+                x = self._embed(None if np.isscalar(prompt) else prompt[start:start + n], temps)
+                for layer in range(self.cache.layers):
+                    self._layer("prefill", layer, x, n, ring, temps)
+                if start + n >= total and not self.accounting_only:
+                    logits = self._head(x, temps)
+            finally:
+                self._free(temps)
+            self.stats.chunks += 1
+            self.stats.prefill_tokens += n
+            if self.progress:
+                self.progress("prefill", n)
+            self.stats.workspace_peak_bytes = max(self.stats.workspace_peak_bytes,
+                                                  n * (3 * self.hidden + self.cache.experts_per_layer
+                                                       + 2 * self.top_k) * 4)
+        return logits
+
+    def decode_step(self, token: int) -> np.ndarray | None:
+        """One decode step of one token; its logits (None in accounting mode)."""
+        temps: list = []
+        try:
+            self.cache.tick()
+            x = self._embed(np.array([token]) if not self.accounting_only else None, temps)
+            for layer in range(self.cache.layers):
+                self._layer("decode", layer, x, 1, None, temps)
+            logits = None if self.accounting_only else self._head(x, temps)
+        finally:
+            self._free(temps)
+        self.stats.decode_tokens += 1
+        if self.progress:
+            self.progress("decode", 1)
+        return logits
