@@ -39,6 +39,9 @@ class CpuShare:
     def prepare(self, budget_exhausted: bool) -> None:
         """Size the buffer once for the largest share-eligible chunk, from the floor; off for the run if refused."""
         if not self.enabled:
+            self.log.say(f"CPU share: off ({self.off_reason})"
+                         + ("; the pinned budget is exhausted (the arena could not be pinned whole)"
+                            if budget_exhausted else ""), once="cpu-share-plan")
             return
         want = max(self.plan.pinned.cpu_share_bytes, self.max_chunk * self.hidden * 4)
         if self.pool.reserve(BUFFER, want) is None:
