@@ -1,0 +1,306 @@
+// Strata Core's fast MoE paths in CUDA C (backends/cuda/strata_cuda/fast.py drives them; GEMMs go to cuBLAS).
+// Layouts are those of strata_core/kernels/reference.py: w_gate_up [S,2F,H] f16, w_down [S,H,F] f16, Q8_0 blocks
+// of 32 with int8 quants and f16 scales; activations f32 in and out.
+//
+// One source for NVRTC (cupy's CUDA build) and hiprtc (cupy's ROCm build):
+// - no headers: halves travel as their 16 bits; on CUDA the conversions are the hardware's cvt instructions (one
+//   instruction instead of a software routine, which matters in the bandwidth-bound decode loops), on HIP clang's
+//   _Float16 does the same job;
+// - warp shuffles differ in name and the wavefront is 64 lanes on CDNA: STRATA_WARP and STRATA_SHFL_XOR hide both.
+// Kernels that need 16-byte loads require H and F to be multiples of 8 (fast.py checks before launching).
+
+#if defined(__HIPCC__) || defined(__HIP_PLATFORM_AMD__) || defined(__HIP__)
+#define STRATA_HIP 1
+#ifdef __AMDGCN_WAVEFRONT_SIZE
+#define STRATA_WARP __AMDGCN_WAVEFRONT_SIZE
+#else
+#define STRATA_WARP 64
+#endif
+#define STRATA_SHFL_XOR(v, m) __shfl_xor((v), (m))
+#else
+#define STRATA_WARP 32
+#define STRATA_SHFL_XOR(v, m) __shfl_xor_sync(0xffffffffu, (v), (m))
+#endif
+
+#define STRATA_FAST_THREADS 256
+#define STRATA_FAST_WARPS (STRATA_FAST_THREADS / STRATA_WARP)
+// top-k keeps every lane's logits in registers: E <= STRATA_TOPK_PER_LANE * STRATA_WARP (256 on CUDA)
+#define STRATA_TOPK_PER_LANE 8
+#define STRATA_FAST_MAXK 16
+
+__device__ __forceinline__ float fh2f(unsigned short h) {
+#ifdef STRATA_HIP
+    _Float16 v;
+    __builtin_memcpy(&v, &h, 2);
+    return (float)v;
+#else
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+#endif
+}
+
+__device__ __forceinline__ unsigned short ff2h(float f) {
+#ifdef STRATA_HIP
+    _Float16 v = (_Float16)f;
+    unsigned short h;
+    __builtin_memcpy(&h, &v, 2);
+    return h;
+#else
+    unsigned short h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+    return h;
+#endif
+}
+
+__device__ __forceinline__ unsigned int pack2(float a, float b) {
+    return (unsigned int)ff2h(a) | ((unsigned int)ff2h(b) << 16);
+}
+
+__device__ __forceinline__ float lo_h(unsigned int v) { return fh2f((unsigned short)(v & 0xffffu)); }
+__device__ __forceinline__ float hi_h(unsigned int v) { return fh2f((unsigned short)(v >> 16)); }
+
+// dot of 8 halves (one 16-byte load) with 8 floats
+__device__ __forceinline__ float dot8(uint4 w, const float* x) {
+    return lo_h(w.x) * x[0] + hi_h(w.x) * x[1] + lo_h(w.y) * x[2] + hi_h(w.y) * x[3] +
+           lo_h(w.z) * x[4] + hi_h(w.z) * x[5] + lo_h(w.w) * x[6] + hi_h(w.w) * x[7];
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+    for (int m = STRATA_WARP / 2; m > 0; m >>= 1) v += STRATA_SHFL_XOR(v, m);
+    return v;
+}
+
+__device__ __forceinline__ float silu(float g) { return g / (1.0f + expf(-g)); }
+
+// One warp picks the top k of E logits (descending, ties to the lower id, as the reference's stable argsort does)
+// and the softmax over them. Results land in lane 0's ids/w (shared memory the caller passes).
+__device__ void warp_topk(const float* __restrict__ logits, int E, int K, int lane, int* ids, float* w) {
+    float v[STRATA_TOPK_PER_LANE];
+#pragma unroll
+    for (int j = 0; j < STRATA_TOPK_PER_LANE; ++j) {
+        const int idx = j * STRATA_WARP + lane;
+        v[j] = idx < E ? logits[idx] : 0.0f;
+    }
+    unsigned int taken = 0u;
+    float top[STRATA_FAST_MAXK];
+#pragma unroll
+    for (int r = 0; r < STRATA_FAST_MAXK; ++r) {
+        if (r >= K) break;
+        float best = 0.0f;
+        int bid = 0x7fffffff;
+#pragma unroll
+        for (int j = 0; j < STRATA_TOPK_PER_LANE; ++j) {
+            const int idx = j * STRATA_WARP + lane;
+            if (idx < E && !((taken >> j) & 1u)) {
+                if (bid == 0x7fffffff || v[j] > best || (v[j] == best && idx < bid)) { best = v[j]; bid = idx; }
+            }
+        }
+        for (int m = STRATA_WARP / 2; m > 0; m >>= 1) {
+            const float ob = STRATA_SHFL_XOR(best, m);
+            const int oi = STRATA_SHFL_XOR(bid, m);
+            if (oi != 0x7fffffff && (bid == 0x7fffffff || ob > best || (ob == best && oi < bid))) { best = ob; bid = oi; }
+        }
+        if (bid % STRATA_WARP == lane) taken |= 1u << (bid / STRATA_WARP);
+        top[r] = best;
+        if (lane == 0) ids[r] = bid;
+    }
+    if (lane == 0) {
+        // unrolled with a guard so top[] stays in registers (a run-time index would move it to local memory)
+        float s = 0.0f;
+#pragma unroll
+        for (int r = 0; r < STRATA_FAST_MAXK; ++r) if (r < K) s += expf(top[r] - top[0]);
+#pragma unroll
+        for (int r = 0; r < STRATA_FAST_MAXK; ++r) if (r < K) w[r] = expf(top[r] - top[0]) / s;
+    }
+}
+
+// Prefill routing: one warp per token; writes ids/weights [T,K], and for each (t,k) its row within its expert's
+// group (pos), counted with atomics in counts[E] (zeroed by the caller). The order within a group is not
+// deterministic, the result is: each row's GEMM output does not depend on where the row sits, and the combine sums
+// a token's k rows in k order.
+extern "C" __global__ void strata_fast_route_count(const float* __restrict__ logits, int T, int E, int K,
+                                                   int* __restrict__ ids, float* __restrict__ wts,
+                                                   int* __restrict__ pos, int* __restrict__ counts) {
+    __shared__ int s_ids[STRATA_FAST_WARPS][STRATA_FAST_MAXK];
+    __shared__ float s_w[STRATA_FAST_WARPS][STRATA_FAST_MAXK];
+    const int warp = threadIdx.x / STRATA_WARP, lane = threadIdx.x % STRATA_WARP;
+    const int t = blockIdx.x * STRATA_FAST_WARPS + warp;
+    if (t >= T) return;  // whole warps leave together; no block barrier follows
+    warp_topk(logits + (long long)t * E, E, K, lane, s_ids[warp], s_w[warp]);
+#ifdef STRATA_HIP
+    __builtin_amdgcn_wave_barrier();
+#else
+    __syncwarp();
+#endif
+    if (lane < K) {
+        const int e = s_ids[warp][lane];
+        ids[(long long)t * K + lane] = e;
+        wts[(long long)t * K + lane] = s_w[warp][lane];
+        pos[(long long)t * K + lane] = atomicAdd(&counts[e], 1);
+    }
+}
+
+// Gather: routed row (t,k) -> padded stack X[block_of_expert[e] * Mpad + pos] as f16; rowidx records where it went.
+// One block per routed row; each thread moves 8 floats as one 16-byte store.
+extern "C" __global__ void strata_fast_gather(const float* __restrict__ x, const int* __restrict__ ids,
+                                              const int* __restrict__ pos, const int* __restrict__ block_of_expert,
+                                              int T, int K, int H, int Mpad, unsigned short* __restrict__ X,
+                                              int* __restrict__ rowidx) {
+    const long long r = blockIdx.x;  // t * K + k
+    if (r >= (long long)T * K) return;
+    const int t = (int)(r / K);
+    const long long dst = (long long)block_of_expert[ids[r]] * Mpad + pos[r];
+    if (threadIdx.x == 0) rowidx[r] = (int)dst;
+    const float4* src = (const float4*)(x + (long long)t * H);
+    uint4* out = (uint4*)(X + dst * H);
+    for (int c = threadIdx.x; c < H / 8; c += blockDim.x) {
+        const float4 a = src[2 * c], b = src[2 * c + 1];
+        out[c] = make_uint4(pack2(a.x, a.y), pack2(a.z, a.w), pack2(b.x, b.y), pack2(b.z, b.w));
+    }
+}
+
+// SwiGLU over the padded stack: GU [G*Mpad, 2F] (gate | up) -> A [G*Mpad, F], for blocks blk0..blk0+nblk-1 and only
+// the rows a group really has (padding rows are skipped: their outputs are never read).
+extern "C" __global__ void strata_fast_swiglu(const unsigned short* __restrict__ GU, const int* __restrict__ count_of_block,
+                                              int blk0, int nblk, int Mpad, int F, unsigned short* __restrict__ A) {
+    const int per_row = F / 8;
+    const long long n = (long long)nblk * Mpad * per_row;
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
+        const long long row_in = i / per_row;
+        const int c = (int)(i % per_row);
+        const int b = blk0 + (int)(row_in / Mpad);
+        const int m = (int)(row_in % Mpad);
+        if (m >= count_of_block[b]) continue;
+        const long long row = (long long)b * Mpad + m;
+        const uint4 g = ((const uint4*)(GU + row * 2 * F))[c];
+        const uint4 u = ((const uint4*)(GU + row * 2 * F + F))[c];
+        uint4 o;
+        o.x = pack2(silu(lo_h(g.x)) * lo_h(u.x), silu(hi_h(g.x)) * hi_h(u.x));
+        o.y = pack2(silu(lo_h(g.y)) * lo_h(u.y), silu(hi_h(g.y)) * hi_h(u.y));
+        o.z = pack2(silu(lo_h(g.z)) * lo_h(u.z), silu(hi_h(g.z)) * hi_h(u.z));
+        o.w = pack2(silu(lo_h(g.w)) * lo_h(u.w), silu(hi_h(g.w)) * hi_h(u.w));
+        ((uint4*)(A + row * F))[c] = o;
+    }
+}
+
+// Combine: out[t] = sum_k w[t,k] * Y[rowidx[t,k]] in k order (deterministic, no atomics), f32 out.
+extern "C" __global__ void strata_fast_combine(const unsigned short* __restrict__ Y, const int* __restrict__ rowidx,
+                                               const float* __restrict__ wts, int T, int K, int H,
+                                               float* __restrict__ out) {
+    const int t = blockIdx.x;
+    if (t >= T) return;
+    for (int c = threadIdx.x; c < H / 8; c += blockDim.x) {
+        float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+        for (int k = 0; k < K; ++k) {
+            const float s = wts[(long long)t * K + k];
+            const uint4 v = ((const uint4*)(Y + (long long)rowidx[(long long)t * K + k] * H))[c];
+            acc[0] += s * lo_h(v.x); acc[1] += s * hi_h(v.x); acc[2] += s * lo_h(v.y); acc[3] += s * hi_h(v.y);
+            acc[4] += s * lo_h(v.z); acc[5] += s * hi_h(v.z); acc[6] += s * lo_h(v.w); acc[7] += s * hi_h(v.w);
+        }
+        float4* o = (float4*)(out + (long long)t * H + 8 * c);
+        o[0] = make_float4(acc[0], acc[1], acc[2], acc[3]);
+        o[1] = make_float4(acc[4], acc[5], acc[6], acc[7]);
+    }
+}
+
+// Q8_0 -> f16: n elements (a multiple of 32); each thread turns 16 quants (one 16-byte load) into 16 halves.
+extern "C" __global__ void strata_fast_dequant_q8_0(const signed char* __restrict__ q, const unsigned short* __restrict__ d,
+                                                    long long n, unsigned short* __restrict__ out) {
+    const long long n16 = n / 16;
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n16; i += (long long)gridDim.x * blockDim.x) {
+        const float s = fh2f(d[i / 2]);
+        const int4 v = ((const int4*)q)[i];
+        const int w[4] = {v.x, v.y, v.z, v.w};
+        unsigned int o[8];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const float b0 = (float)(signed char)(w[j] & 0xff), b1 = (float)(signed char)((w[j] >> 8) & 0xff);
+            const float b2 = (float)(signed char)((w[j] >> 16) & 0xff), b3 = (float)(signed char)((w[j] >> 24) & 0xff);
+            o[2 * j] = pack2(b0 * s, b1 * s);
+            o[2 * j + 1] = pack2(b2 * s, b3 * s);
+        }
+        uint4* dst = (uint4*)(out + 16 * i);
+        dst[0] = make_uint4(o[0], o[1], o[2], o[3]);
+        dst[1] = make_uint4(o[4], o[5], o[6], o[7]);
+    }
+}
+
+// Decode, step 1 of 2: route (every block repeats the top-k of one token: 128 logits cost less than a launch),
+// then one warp per FFN row i of expert k: act[k,i] = silu(x . Wg[i]) * (x . Wu[i]), weights read from the cache
+// slot slot_map[id]. Block (0,0) publishes ids and weights for step 2. Grid (ceil(F / warps), K); dynamic shared
+// memory H floats. A slot < 0 (a miss nobody resolved) writes NaN, so a check catches it instead of a wrong answer.
+extern "C" __global__ void strata_fast_decode_gate_up(const float* __restrict__ x, const float* __restrict__ logits,
+                                                      int E, int K, const int* __restrict__ slot_map,
+                                                      const unsigned short* __restrict__ w13, long long slot_stride,
+                                                      int H, int F, float* __restrict__ act, int* __restrict__ ids_out,
+                                                      float* __restrict__ w_out) {
+    extern __shared__ float sx[];
+    __shared__ int s_ids[STRATA_FAST_MAXK];
+    __shared__ float s_w[STRATA_FAST_MAXK];
+    const int warp = threadIdx.x / STRATA_WARP, lane = threadIdx.x % STRATA_WARP;
+    for (int i = threadIdx.x; i < H; i += blockDim.x) sx[i] = x[i];
+    if (warp == 0) warp_topk(logits, E, K, lane, s_ids, s_w);
+    __syncthreads();
+    if (blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x < K) {
+        ids_out[threadIdx.x] = s_ids[threadIdx.x];
+        w_out[threadIdx.x] = s_w[threadIdx.x];
+    }
+    const int k = blockIdx.y;
+    const int row = blockIdx.x * (blockDim.x / STRATA_WARP) + warp;
+    if (row >= F) return;
+    const long long slot = slot_map[s_ids[k]];
+    if (slot < 0) {
+        if (lane == 0) act[(long long)k * F + row] = __int_as_float(0x7fc00000);
+        return;
+    }
+    const uint4* g = (const uint4*)(w13 + slot * slot_stride + (long long)row * H);
+    const uint4* u = (const uint4*)(w13 + slot * slot_stride + (long long)(F + row) * H);
+    float ag = 0.f, au = 0.f;
+#pragma unroll 4
+    for (int c = lane; c < H / 8; c += STRATA_WARP) {
+        const uint4 gv = g[c], uv = u[c];
+        ag += dot8(gv, sx + 8 * c);
+        au += dot8(uv, sx + 8 * c);
+    }
+    ag = warp_sum(ag);
+    au = warp_sum(au);
+    if (lane == 0) act[(long long)k * F + row] = silu(ag) * au;
+}
+
+// Decode, step 2 of 2: one warp per hidden row h: out[h] = sum_k w_k * (Wd[slot_k, h] . act[k]), all K experts in
+// one pass (no atomics, one write). Grid ceil(H / warps); dynamic shared memory K*F floats.
+extern "C" __global__ void strata_fast_decode_down(const float* __restrict__ act, const int* __restrict__ ids,
+                                                   const float* __restrict__ wts, const int* __restrict__ slot_map,
+                                                   const unsigned short* __restrict__ w2, long long slot_stride,
+                                                   int H, int F, int K, float* __restrict__ out) {
+    extern __shared__ float sa[];
+    __shared__ long long s_slot[STRATA_FAST_MAXK];
+    __shared__ float s_w[STRATA_FAST_MAXK];
+    const int warp = threadIdx.x / STRATA_WARP, lane = threadIdx.x % STRATA_WARP;
+    for (int i = threadIdx.x; i < K * F; i += blockDim.x) sa[i] = act[i];
+    if (threadIdx.x < K) {
+        s_slot[threadIdx.x] = slot_map[ids[threadIdx.x]];
+        s_w[threadIdx.x] = wts[threadIdx.x];
+    }
+    __syncthreads();
+    const int h = blockIdx.x * (blockDim.x / STRATA_WARP) + warp;
+    if (h >= H) return;
+    const int per_row = F / 8;
+    bool missing = false;
+    for (int k = 0; k < K; ++k) missing |= s_slot[k] < 0;
+    if (missing) {
+        if (lane == 0) out[h] = __int_as_float(0x7fc00000);
+        return;
+    }
+    float acc = 0.f;
+    // one flat loop over (expert, 16-byte chunk) so several experts' loads are in flight at once
+#pragma unroll 4
+    for (int i = lane; i < K * per_row; i += STRATA_WARP) {
+        const int k = i / per_row, c = i - k * per_row;
+        const uint4 v = ((const uint4*)(w2 + s_slot[k] * slot_stride + (long long)h * F))[c];
+        acc += s_w[k] * dot8(v, sa + k * F + 8 * c);
+    }
+    acc = warp_sum(acc);
+    if (lane == 0) out[h] = acc;
+}
