@@ -78,11 +78,15 @@ class CupyKernels:
         blocks = min(STRIDE_MAX_BLOCKS, (n_items + STRIDE_THREADS - 1) // STRIDE_THREADS)
         self._k[name]((blocks,), (STRIDE_THREADS,), args)
 
+    def _as(self, a: Any, dtype: Any) -> Any:
+        """A C-contiguous cupy array of `dtype` (no copy when `a` already is one; host arrays are uploaded)."""
+        return self._cp.ascontiguousarray(self._cp.asarray(a, dtype=dtype))
+
     def _f32(self, a: Any) -> Any:
-        return self._cp.ascontiguousarray(a, dtype=self._cp.float32)
+        return self._as(a, self._cp.float32)
 
     def _i32(self, a: Any) -> Any:
-        return self._cp.ascontiguousarray(self._cp.asarray(a), dtype=self._cp.int32)
+        return self._as(a, self._cp.int32)
 
     # -- the KernelSet ----------------------------------------------------------------------------------------
 
@@ -103,8 +107,8 @@ class CupyKernels:
         """x [T,H], rows [N] int32 -> x[rows] [N,H] (f32 through the kernel, other dtypes through cupy.take)."""
         rows = self._i32(rows).reshape(-1)
         if x.dtype != self._cp.float32:
-            return self._cp.take(x, rows, axis=0)
-        x = self._cp.ascontiguousarray(x)
+            return self._cp.take(self._cp.asarray(x), rows, axis=0)
+        x = self._as(x, self._cp.float32)
         h = int(x.shape[1])
         out = self._cp.empty((rows.shape[0], h), dtype=self._cp.float32)
         self._stride_launch("strata_gather_f32", rows.shape[0] * h,
@@ -125,8 +129,8 @@ class CupyKernels:
 
     def dequantize_q8_0(self, qs: Any, d: Any) -> Any:
         """Q8_0 blocks (qs [.., C] int8, d [.., C/32] f16) -> [.., C] f16, bit-exact with the reference."""
-        qs = self._cp.ascontiguousarray(qs, dtype=self._cp.int8)
-        d = self._cp.ascontiguousarray(d, dtype=self._cp.float16)
+        qs = self._as(qs, self._cp.int8)
+        d = self._as(d, self._cp.float16)
         if qs.shape[-1] % QK8_0 or d.size * QK8_0 != qs.size:
             raise ValueError(f"dequantize_q8_0: qs {qs.shape} and d {d.shape} are not Q8_0 blocks of {QK8_0}")
         out = self._cp.empty(qs.shape, dtype=self._cp.float16)
@@ -190,8 +194,8 @@ class CupyKernels:
         raise ValueError(f"moe_grouped_ffn: unknown expert dtype {pool.dtype!r}")
 
     def _dequantize_slots(self, qs: Any, d: Any, slots: Any) -> Any:
-        qs = self._cp.ascontiguousarray(qs)
-        d = self._cp.ascontiguousarray(d)
+        qs = self._as(qs, self._cp.int8)
+        d = self._as(d, self._cp.float16)
         per_slot = int(np.prod(qs.shape[1:]))
         out = self._cp.empty((int(slots.shape[0]), *qs.shape[1:]), dtype=self._cp.float16)
         self._stride_launch("strata_dequantize_q8_0_slots", int(out.size),
