@@ -2,15 +2,18 @@
 
     .venv/bin/python .ci/matrix.py [--lanes cpu,sim,...] [--json-out PATH]
 
-A lane whose backend is not installed or not available on this machine is `skipped` with the probe's reason; a lane
-whose plugin does not load, or whose suite has a failure or an error, is `failed`. Exit 0 when no lane failed, 1
-when one did, 2 on bad arguments.
+A backend whose distribution is in this repository (plugins/opencl) but not in the venv is installed into a private
+directory for its lane. A lane whose backend is not installed or not available on this machine is `skipped` with
+the probe's reason; a lane whose plugin does not load, or whose suite has a failure or an error, is `failed`.
+Exit 0 when no lane failed, 1 when one did, 2 on bad arguments.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -27,22 +30,65 @@ SUITES = ("hooks", "alloc", "memory", "kernel", "run")
 LANE_LIMIT_S = 1800
 
 
-def probe_lane(name: str) -> tuple[str, str]:
-    """('run', '') when the backend is available here, else ('skipped' or 'failed', why)."""
-    sys.path.insert(0, str(ROOT))
-    from strata_core.plugins import load_plugins
+#: Backends whose distribution lives in this repository but outside strata-core: when the venv does not have it,
+#: the lane installs it into a private directory for its own run (never into the shared venv).
+LOCAL_DISTRIBUTIONS = {"opencl": "plugins/opencl"}
 
-    host = load_plugins()
-    if name not in host.backends:
-        broken = [b.reason for b in host.broken if b.name == name]
-        if broken:
-            return "failed", f"plugin did not load: {broken[0]}"
-        return "skipped", "not installed (no plugin provides this backend here)"
+#: Run in a subprocess (the lane's environment): print what the plugin host says of one backend, as JSON.
+PROBE_SCRIPT = """
+import json, sys
+from strata_core.plugins import load_plugins
+name = sys.argv[1]
+host = load_plugins()
+out = {"installed": name in host.backends, "broken": [b.reason for b in host.broken if b.name == name]}
+if out["installed"]:
     r = host.probe(name)
-    if not r.available:
-        hint = host.backends[name].install_hint
-        return "skipped", (r.reason or "not available") + (f" (install: {hint})" if hint else "")
+    out.update(available=r.available, reason=r.reason, install_hint=host.backends[name].install_hint)
+print(json.dumps(out))
+"""
+
+
+def lane_env(site: Path | None) -> dict:
+    """The environment of a lane's subprocesses: this one, with a private install directory first on the path."""
+    env = dict(os.environ)
+    if site is not None:
+        env["PYTHONPATH"] = os.pathsep.join([str(site)] + [p for p in [env.get("PYTHONPATH")] if p])
+    return env
+
+
+def probe_lane(name: str, env: dict) -> dict:
+    """What the plugin host in the lane's environment says of the backend (installed, broken, available, reason)."""
+    p = subprocess.run([sys.executable, "-c", PROBE_SCRIPT, name], cwd=ROOT, env=env, capture_output=True,
+                       text=True, timeout=600)
+    if p.returncode != 0:
+        tail = " | ".join(p.stderr.strip().splitlines()[-2:])
+        return {"installed": False, "broken": [f"probing crashed: {tail}"]}
+    return json.loads(p.stdout)
+
+
+def lane_state(info: dict) -> tuple[str, str]:
+    """('run', '') when the backend is available, else ('skipped' or 'failed', why)."""
+    if not info["installed"]:
+        if info["broken"]:
+            return "failed", f"plugin did not load: {info['broken'][0]}"
+        return "skipped", "not installed (no plugin provides this backend here)"
+    if not info["available"]:
+        hint = info.get("install_hint")
+        return "skipped", (info.get("reason") or "not available") + (f" (install: {hint})" if hint else "")
     return "run", ""
+
+
+def install_local(name: str, tmp: Path) -> tuple[Path | None, str]:
+    """Install the repository's own distribution of a backend into tmp/site: (site, '') or (None, pip's error)."""
+    src = ROOT / LOCAL_DISTRIBUTIONS[name]
+    copy = tmp / "src"
+    shutil.copytree(src, copy, ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__"))
+    site = tmp / "site"
+    p = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
+                        "--target", str(site), str(copy)], capture_output=True, text=True, timeout=600)
+    if p.returncode != 0:
+        return None, " | ".join(p.stderr.strip().splitlines()[-3:])
+    return site, ""
 
 
 def suite_of(test_name: str) -> str:
@@ -88,17 +134,27 @@ def summarize(cases: list[dict]) -> dict[str, dict]:
 
 def run_lane(name: str, module: str) -> dict:
     """Run the conformance suite for one backend in a subprocess and return the lane's record."""
-    lane = {"backend": name, "status": "", "reason": "", "returncode": None, "suites": {}}
-    state, why = probe_lane(name)
-    if state != "run":
-        lane.update(status=state, reason=why)
-        return lane
+    lane = {"backend": name, "status": "", "reason": "", "installed_from": "", "returncode": None, "suites": {}}
     with tempfile.TemporaryDirectory(prefix="strata-matrix-") as tmp:
+        env = lane_env(None)
+        info = probe_lane(name, env)
+        if not info["installed"] and not info["broken"] and name in LOCAL_DISTRIBUTIONS:
+            site, err = install_local(name, Path(tmp))
+            if site is None:
+                lane.update(status="failed", reason=f"{LOCAL_DISTRIBUTIONS[name]} did not install: {err}")
+                return lane
+            env = lane_env(site)
+            info = probe_lane(name, env)
+            lane["installed_from"] = LOCAL_DISTRIBUTIONS[name]
+        state, why = lane_state(info)
+        if state != "run":
+            lane.update(status=state, reason=why)
+            return lane
         xml = Path(tmp) / "junit.xml"
         cmd = [sys.executable, "-m", "pytest", "--strata-backend", name, "-q", "-p", "no:cacheprovider",
                f"--junitxml={xml}", module]
         try:
-            p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=LANE_LIMIT_S)
+            p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=LANE_LIMIT_S)
         except subprocess.TimeoutExpired:
             lane.update(status="failed", reason=f"the suite did not finish within {LANE_LIMIT_S} s")
             return lane
@@ -137,6 +193,8 @@ def render(lanes: list[dict]) -> str:
                 cells.append(f"{s['status']} {s['passed']}/{n}".ljust(14))
         lines.append(l["backend"].ljust(width) + "  " + "  ".join(cells) + "  " + l["status"])
     notes = [f"  {l['backend']}: {l['status']} ({l['reason']})" for l in lanes if l["reason"]]
+    notes += [f"  {l['backend']}: installed from {l['installed_from']} for this run" for l in lanes
+              if l["installed_from"]]
     skips = [f"  {l['backend']}/{k}: skipped ({r})" for l in lanes for k, s in l["suites"].items()
              for r in s["skip_reasons"]]
     return "\n".join(lines + ([""] + notes if notes else []) + skips)
