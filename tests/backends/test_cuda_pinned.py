@@ -57,6 +57,7 @@ class FakeRuntime:
 
 
 def make(limit=1 << 20, floor=1 << 16, **rt):
+    """A budget, a runtime double and the allocator charging the one through the other."""
     budget = PinnedBudget(limit_bytes=limit, floor_bytes=floor)
     runtime = FakeRuntime(**rt)
     return budget, runtime, CupyPinnedAllocator(budget, kind="cuda-host", runtime=runtime)

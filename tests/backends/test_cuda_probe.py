@@ -167,6 +167,8 @@ def test_windows_without_nvml_reads_the_driver_model_from_the_properties():
 
 def test_a_card_that_fails_to_answer_makes_the_probe_unavailable_not_raise():
     class Broken(FakeRuntime):
+        """A runtime that counts one card and then cannot read it."""
+
         def getDeviceProperties(self, i):
             raise RuntimeError("cudaErrorUnknown")
 

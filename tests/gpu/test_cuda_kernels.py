@@ -73,6 +73,7 @@ def poisoned(cp):
     pool = cp.cuda.MemoryPool()
 
     def alloc(nbytes):
+        """A block of the private pool, every byte set to 0xFF."""
         p = pool.malloc(nbytes)
         if nbytes:
             cp.cuda.runtime.memset(p.ptr, 0xFF, nbytes)
