@@ -129,11 +129,38 @@ def test_pinned_alloc_the_runtime_refuses_returns_none_and_gives_the_budget_back
     assert budget.used_bytes == 0
 
 
-def test_register_is_refused_without_charging_the_budget(device):
-    budget = PinnedBudget(limit_bytes=8 * MIB)
+def test_register_on_a_cpu_device_accounts_in_place(device):
+    budget = PinnedBudget(limit_bytes=8 * MIB, floor_bytes=MIB)
     p = sycl.strata_pinned_allocator(device=device, budget=budget)
-    assert p.register(np.zeros(1024, np.uint8)) is None
+    assert p.host_device == (device.arch == "cpu")
+    host = np.arange(MIB // 4, dtype=np.float32)
+    buf = p.register(host)
+    if not p.host_device:
+        assert buf is None and budget.used_bytes == 0
+        return
+    assert buf is not None and buf.kind == "register" and budget.used_bytes == host.nbytes
+    buf.array.view(np.float32)[0] = -5.0  # in place: the caller's array sees the write
+    assert host[0] == -5.0
+    assert p.register(np.zeros(8 * MIB, np.uint8)) is None  # over the arena's share of the budget
+    assert p.register(host[::2]) is None  # not contiguous: cannot be one registration
+    p.free(buf)
+    p.free(buf)
     assert budget.used_bytes == 0
+
+
+def test_register_is_refused_on_a_gpu_device(device, mem):
+    # dpctl cannot page-lock memory in place; only the device type decides, so a GPU session is faked by its type.
+    from types import SimpleNamespace
+
+    from strata_sycl.memory import UsmPinnedAllocator
+    gpu = SimpleNamespace(device_type=SimpleNamespace(name="gpu"))
+    p = UsmPinnedAllocator(SimpleNamespace(device=gpu, dpctl=mem.session.dpctl, queue=mem.session.queue),
+                           PinnedBudget(8 * MIB))
+    assert p.register(np.zeros(1024, np.uint8)) is None
+    assert p.budget.used_bytes == 0
+    buf = p.alloc(MIB)  # USM host allocations still work
+    assert buf is not None and p.budget.used_bytes == MIB
+    p.free(buf)
 
 
 def test_runtime_env_is_set_only_when_unset(monkeypatch):

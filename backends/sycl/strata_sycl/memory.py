@@ -221,6 +221,7 @@ class UsmPinnedAllocator:
     def __init__(self, session: Session, budget: PinnedBudget):
         self.session = session
         self.budget = budget
+        self.host_device = session.device.device_type.name == "cpu"
 
     def alloc(self, nbytes, from_floor=False):
         """USM host memory of nbytes through the budget, or None when the budget or the runtime says no."""
@@ -236,11 +237,24 @@ class UsmPinnedAllocator:
         return PinnedBuffer(array=view, nbytes=nbytes, kind="alloc", handle=mem, from_floor=from_floor)
 
     def register(self, array, from_floor=False):
-        """None: dpctl cannot page-lock existing memory in place, so callers fall back to alloc or pageable copies."""
-        return None
+        """Existing memory in place through the budget on a CPU device; None on any other device.
+
+        dpctl cannot page-lock memory in place, so a GPU gets None (callers copy from pageable memory). A CPU
+        device's memory is host memory: there is no copy engine for page-locking to speed up, so registering is
+        only the budget's accounting, as the cpu backend does.
+        """
+        if not self.host_device:
+            return None
+        a = np.asarray(array)
+        if not a.flags.c_contiguous or a.nbytes == 0:
+            return None
+        nbytes = int(a.nbytes)
+        if not self.budget.take(nbytes, from_floor=from_floor):
+            return None
+        return PinnedBuffer(array=a.reshape(-1).view(np.uint8), nbytes=nbytes, kind="register", from_floor=from_floor)
 
     def free(self, buf):
-        """Release the USM host memory and give its bytes back (idempotent)."""
+        """Release the USM host memory (or end a registration) and give its bytes back (idempotent)."""
         if buf.freed:
             return
         buf.freed = True

@@ -222,6 +222,7 @@ class ClPinnedAllocator:
         self.session = session
         self.budget = budget
         self.offered = session.offers_host_visible_memory()
+        self.host_device = bool(int(session.device.type) & session.cl.device_type.CPU)
 
     def alloc(self, nbytes, from_floor=False):
         """A mapped host-visible buffer of nbytes through the budget, or None."""
@@ -242,14 +243,29 @@ class ClPinnedAllocator:
         return PinnedBuffer(array=arr, nbytes=nbytes, kind="alloc", handle=buf, from_floor=from_floor)
 
     def register(self, array, from_floor=False):
-        """None: OpenCL cannot page-lock existing memory in place (USE_HOST_PTR may copy), so callers fall back."""
-        return None
+        """Existing memory in place through the budget on a CPU device; None on any other device.
+
+        OpenCL has no way to page-lock existing memory in place (CL_MEM_USE_HOST_PTR may copy), so a GPU gets None.
+        A CPU device's memory is host memory: registering there is only the budget's accounting.
+        """
+        if not (self.offered and self.host_device):
+            return None
+        a = np.asarray(array)
+        if not a.flags.c_contiguous or a.nbytes == 0:
+            return None
+        nbytes = int(a.nbytes)
+        if not self.budget.take(nbytes, from_floor=from_floor):
+            return None
+        return PinnedBuffer(array=a.reshape(-1).view(np.uint8), nbytes=nbytes, kind="register", from_floor=from_floor)
 
     def free(self, buf):
         """Unmap and release the buffer and give its bytes back (idempotent)."""
         if buf.freed:
             return
         buf.freed = True
+        if buf.kind == "register":
+            self.budget.give(buf.nbytes)
+            return
         try:
             buf.array.base.release(self.session.queue)
             self.session.queue.finish()
