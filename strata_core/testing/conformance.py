@@ -222,6 +222,14 @@ def test_alloc_pinned_budget_accounting(strata_backend):
     assert np.array_equal(host, np.arange(MIB // 4, dtype=np.float32)), "registering changed the data"
 
 
+def test_alloc_pinned_refused_by_the_platform_returns_none(strata_backend):
+    """A budget that allows 1 PiB of page-locked memory, which no host has: alloc returns None and charges nothing."""
+    budget = PinnedBudget(2 * ABSURD_DEVICE_BYTES)
+    a = _pinned(strata_backend, budget)
+    assert a.alloc(ABSURD_DEVICE_BYTES) is None
+    assert budget.used_bytes == 0, "a refused allocation kept its bytes in the budget"
+
+
 def test_alloc_absurd_device_alloc_returns_none(strata_backend):
     """A 1 PiB device allocation returns None, without an exception."""
     mem = _memory(strata_backend)
