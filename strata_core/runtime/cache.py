@@ -90,14 +90,24 @@ class ExpertCache:
         `keep` are slots that must not be evicted now (the hits of the same step).
         """
         rows = self.row(layer, np.asarray(experts, dtype=np.int64))
+        out = self.slot_of[rows].copy()  # experts already resident keep their slot
         mask = self.usable()
         if keep is not None and len(keep):
             mask[np.asarray(keep, dtype=np.int64)] = False
+        mask[out[out != EMPTY]] = False
         order = self._coldness_order(mask)
-        out = np.full(len(rows), EMPTY, dtype=np.int64)
-        n = min(len(order), len(rows))
-        for i in range(n):
-            slot = int(order[i])
+        taken = 0
+        for i in range(len(rows)):
+            if out[i] != EMPTY:
+                continue
+            resident = self.slot_of[rows[i]]
+            if resident != EMPTY:  # the same expert twice in one call
+                out[i] = resident
+                continue
+            if taken >= len(order):
+                break
+            slot = int(order[taken])
+            taken += 1
             old = int(self.expert_in[slot])
             if old != EMPTY:
                 self.slot_of[old] = EMPTY

@@ -44,9 +44,10 @@ class CpuShare:
                             if budget_exhausted else ""), once="cpu-share-plan")
             return
         want = max(self.plan.pinned.cpu_share_bytes, self.max_chunk * self.hidden * 4)
-        if self.pool.reserve(BUFFER, want) is None:
-            self.turn_off(f"its {want / (1 << 20):.1f} MiB page-locked buffer could not be had from the floor; "
-                          "the share is off for this run and prompts run on the device path")
+        if self.pool.reserve(BUFFER, want, say=False) is None:
+            self.turn_off(f"its {want / (1 << 20):.1f} MiB page-locked buffer could not be had from the floor "
+                          f"({self.pool.last_failure}); the share is off for this run and prompts run on the "
+                          "device path")
             return
         self.buffer_bytes = want
         if budget_exhausted:

@@ -28,12 +28,14 @@ class PinnedPool:
         self.allocations: list[tuple[str, int]] = []
         self.frees = 0
         self.failures: dict[str, int] = {}
+        self.last_failure = ""
 
-    def reserve(self, key: str, nbytes: int) -> PinnedBuffer | None:
+    def reserve(self, key: str, nbytes: int, say: bool = True) -> PinnedBuffer | None:
         """The buffer `key` of at least nbytes: allocated on the first call, the same one after; None on failure.
 
         Asking for more than the first size is a sizing bug of the caller, not a reason to free and re-allocate:
-        it returns None (the caller falls back) and says so once.
+        it returns None (the caller falls back) and says so once. With say=False the caller says it, in its own
+        one line, and `last_failure` tells it why.
         """
         nbytes = int(nbytes)
         have = self.buffers.get(key)
@@ -56,7 +58,9 @@ class PinnedPool:
                    + (", budget exhausted" if self.budget.exhausted else "") + ")")
         if buf is None:
             self.failures[key] = nbytes
-            self.log.fallback(f"{self.name}: {key}", why, once=("pool-fail", self.name, key))
+            self.last_failure = why
+            if say:
+                self.log.fallback(f"{self.name}: {key}", why, once=("pool-fail", self.name, key))
             return None
         self.buffers[key] = buf
         self.allocations.append((key, nbytes))

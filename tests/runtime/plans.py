@@ -1,0 +1,31 @@
+"""Helpers of the runtime tests: plans of real scenarios and of small generated models on the sim backend."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from strata_core.planner import plan_for_machine
+from strata_core.plugins import load_plugins
+from strata_core.scenario import load_scenario
+from strata_core.settings import settings_from_partial
+
+SCENARIO_DIR = (Path(__file__).resolve().parents[2] / ".." / "shared" / "scenarios").resolve()
+
+
+def scenario_plan(name: str):
+    """(scenario, plan) of a shared scenario, planned with its profile's backend rules; skips when it is absent."""
+    path = SCENARIO_DIR / name
+    if not path.is_file():
+        pytest.skip(f"shared scenario {path} is absent")
+    sc = load_scenario(path)
+    plugins = load_plugins()
+    return sc, plan_for_machine(plugins, sc.profile.device, sc.profile.host, sc.model, sc.settings)
+
+
+def sim_plan(spec, settings: dict):
+    """A plan for `spec` on the sim backend's default device (a 24 GiB card), with these partial settings."""
+    plugins = load_plugins()
+    _, device, host, _ = plugins.device_and_defaults("sim")
+    return plugins, plan_for_machine(plugins, device, host, spec, settings_from_partial(settings))

@@ -1,0 +1,100 @@
+"""ExpertCache: hits and misses add up, eviction follows decayed frequency, slots on loan are never used."""
+
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import given, settings as hyp_settings, strategies as st
+
+from strata_core.runtime.cache import EMPTY, ExpertCache
+
+
+def test_hits_and_misses_add_up_to_lookups():
+    c = ExpertCache(slots=4, layers=2, experts_per_layer=8)
+    c.place(np.array([c.row(0, 1), c.row(0, 2), c.row(1, 3)]))
+    s = c.lookup(0, np.array([1, 2, 5]))
+    assert (s != EMPTY).tolist() == [True, True, False]
+    s = c.lookup(1, np.array([3, 1]))
+    assert (s != EMPTY).tolist() == [True, False]
+    assert (c.hits, c.misses, c.lookups) == (3, 2, 5)
+    assert c.hit_rate == 3 / 5
+
+
+def test_eviction_picks_the_lowest_decayed_frequency_not_the_lowest_count():
+    c = ExpertCache(slots=3, layers=1, experts_per_layer=8, decay=0.9)
+    c.place(np.array([0, 1, 2]))
+    c.lookup(0, np.array([0]), tokens=np.array([10]))   # hot long ago
+    for _ in range(40):                                  # 10 * 0.9**40 ~ 0.15
+        c.tick()
+    c.lookup(0, np.array([1]), tokens=np.array([3]))
+    c.lookup(0, np.array([2]), tokens=np.array([2]))
+    slot_of_0 = int(c.slot_of[0])
+    got = c.admit(0, np.array([5]))
+    assert got.tolist() == [slot_of_0], "expert 0 is the coldest once its count has decayed"
+    assert c.slot_of[0] == EMPTY and c.slot_of[5] == slot_of_0
+    # next coldest is expert 2 (2 < 3), unless it is kept for the current step
+    keep = np.array([int(c.slot_of[2])])
+    got = c.admit(0, np.array([6]), keep=keep)
+    assert int(got[0]) != int(keep[0]) and c.slot_of[2] == keep[0]
+    assert c.evictions == 2
+    c.check()
+
+
+def test_slots_on_loan_are_never_looked_up_admitted_or_evicted():
+    c = ExpertCache(slots=6, layers=1, experts_per_layer=16)
+    c.place(np.arange(6))
+    for e in range(6):
+        c.lookup(0, np.array([e]), tokens=np.array([e + 1]))
+    lent = c.lend(3)
+    assert lent is not None and len(lent) == 3
+    # the coldest three (experts 0, 1, 2) were lent out and are misses now
+    assert sorted(c.expert_in[lent].tolist()) == [EMPTY] * 3
+    assert (c.lookup(0, np.array([0, 1, 2])) == EMPTY).all()
+    for e in range(6, 16):
+        got = c.admit(0, np.array([e]))
+        assert not np.isin(got, lent).any(), "an admission used a slot on loan"
+    assert c.available_slots == 3 and c.lend(4) is None
+    c.check()
+    c.give_back(lent)
+    assert c.slots_on_loan == 0 and c.available_slots == 6
+    assert len(c.place(np.array([0, 1, 2]))) == 3, "returned slots come back empty and usable"
+    c.check()
+
+
+def test_elastic_trim_empties_idle_slots_and_they_are_lent_first():
+    c = ExpertCache(slots=4, layers=1, experts_per_layer=8, decay=0.5)
+    c.place(np.arange(4))
+    c.lookup(0, np.array([0, 1, 2, 3]), tokens=np.array([100, 100, 1, 1]))
+    for _ in range(6):  # experts 2 and 3 decay to ~0.016, 0 and 1 stay at ~1.6
+        c.tick()
+    trimmed = c.trim_idle(max_slots=3, idle_below=0.05)
+    assert sorted(c.expert_in[trimmed].tolist()) == [EMPTY, EMPTY] and len(trimmed) == 2
+    assert c.slot_of[0] != EMPTY and c.slot_of[1] != EMPTY
+    lent = c.lend(2)
+    assert sorted(lent.tolist()) == sorted(trimmed.tolist())
+
+
+@hyp_settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["lookup", "admit", "lend", "return", "tick"]),
+                          st.lists(st.integers(0, 11), min_size=1, max_size=4)), max_size=40))
+def test_random_traffic_keeps_the_tables_consistent(ops):
+    c = ExpertCache(slots=5, layers=2, experts_per_layer=6)
+    loans = []
+    for op, arg in ops:
+        layer, experts = arg[0] % 2, np.unique(np.array(arg) % 6)
+        if op == "lookup":
+            h0, m0 = c.hits, c.misses
+            c.lookup(layer, experts)
+            assert (c.hits - h0) + (c.misses - m0) == len(experts)
+        elif op == "admit":
+            slots = c.admit(layer, experts)
+            assert not c.on_loan[slots[slots != EMPTY]].any()
+        elif op == "lend":
+            got = c.lend(len(experts))
+            if got is not None:
+                loans.append(got)
+        elif op == "return" and loans:
+            c.give_back(loans.pop())
+        else:
+            c.tick()
+        c.check()
+    assert c.slots_on_loan == sum(len(x) for x in loans)
