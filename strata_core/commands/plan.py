@@ -140,12 +140,7 @@ def plan_report(plan, inputs: PlanInputs) -> dict:
 def run(args: argparse.Namespace) -> int:
     """Plan, then print the tables, the JSON, the explanation, and draw the plot as asked."""
     if args.list_models:
-        from ..model import list_presets
-        if args.json:
-            print(json.dumps({"schema": "strata.models/1", "presets": list(list_presets())}))
-        else:
-            print("\n".join(list_presets()))
-        return 0
+        return list_models(args.json)
     if args.plot:
         _require_matplotlib()
     inputs = gather_inputs(args)
@@ -162,6 +157,27 @@ def run(args: argparse.Namespace) -> int:
         print_explain(console, plan)
     if args.plot:
         console.print(f"plot written to {args.plot}", markup=False)
+    return 0
+
+
+def list_models(as_json: bool) -> int:
+    """Print the presets (name, default quant, experts, expert and dense bytes) as JSON or one line each."""
+    from ..presets import PRESET_QUANTS, PRESETS
+    rows = []
+    for p in PRESETS:
+        spec = model_from_name(p.name)
+        rows.append({"name": p.name, "default_quant": p.default_quant, "moe_layers": p.moe_layers,
+                     "experts_per_layer": p.experts, "top_k": p.top_k, "experts_total_bytes": spec.experts_total_bytes,
+                     "dense_bytes": spec.dense_bytes, "config_url": p.config_url})
+    if as_json:
+        print(json.dumps({"schema": "strata.models/1", "presets": [r["name"] for r in rows], "models": rows,
+                          "quants": list(PRESET_QUANTS)}, indent=2))
+        return 0
+    for r in rows:
+        print(f"{r['name']:18} {r['default_quant']:6} {r['moe_layers']:3} x {r['experts_per_layer']:3} experts, "
+              f"top-{r['top_k']}: experts {r['experts_total_bytes'] / (1 << 30):6.1f} GiB, "
+              f"dense {r['dense_bytes'] / (1 << 30):5.2f} GiB")
+    print(f"quants: {', '.join(PRESET_QUANTS)} (--quant, or NAME@QUANT)")
     return 0
 
 
