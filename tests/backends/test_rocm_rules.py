@@ -29,7 +29,8 @@ def test_gfx12_takes_16384_and_borrows_host_ram(arch):
     d = rules.amd_defaults(card(arch), HOST)
     assert d.chunk_ceiling_tokens == 16384
     assert d.host_borrow is True
-    assert d.resident_headroom_bytes == 2 * GIB
+    # seed #2090: 3390 MiB left available at chunk 16384 thrashed; about 3 GiB more (chunk 8192) ran stable
+    assert 3390 * (1 << 20) < d.resident_headroom_bytes <= 3390 * (1 << 20) + 3 * GIB
 
 
 @pytest.mark.parametrize("arch", ["gfx1100", "gfx942", "gfx90a", "gfx1030", ""])

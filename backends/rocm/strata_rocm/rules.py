@@ -16,9 +16,10 @@ NAME = "rocm"
 GFX12_CHUNK_CEILING_TOKENS = 16384
 #: Other AMD archs keep the chunk the engine used before the gfx12 change.
 OTHER_CHUNK_CEILING_TOKENS = 8192
-#: Host RAM kept free beside resident experts and the host borrow, so the OS does not swap (seed #2090: 3.4 GB
-#: available with 21 GB locked thrashed).
-RESIDENT_HEADROOM_BYTES = 2 * GIB
+#: Host RAM kept free beside resident experts and the host borrow, so the OS does not swap. Seed #2090's R9700 host
+#: thrashed with 3.4 GiB left available (chunk 16384) and ran stable with about 6.4 GiB left (chunk 8192, 3 GiB less
+#: borrow); 4 GiB lies between the failing and the working figure, so the planner steps that host down to 8192.
+RESIDENT_HEADROOM_BYTES = 4 * GIB
 
 #: A card that drives a display shares VRAM with the compositor, whose use moves with the windows on screen.
 DISPLAY_VRAM_RESERVE_MIB = 700
