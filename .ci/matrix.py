@@ -1,6 +1,6 @@
 """The backend conformance matrix: run the kit once per backend lane and print backend x suite.
 
-    .venv/bin/python .ci/matrix.py [--lanes cpu,sim,...] [--json-out PATH]
+    .venv/bin/python .ci/matrix.py [--lanes cpu,sim,...] [--json-out PATH] [--json]
 
 A backend whose distribution is in this repository (plugins/opencl) but not in the venv is installed into a private
 directory for its lane. A lane whose backend is not installed or not available on this machine is `skipped` with
@@ -22,7 +22,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 SCHEMA = "strata.matrix/1"
-DEFAULT_LANES = ("cpu", "sim", "sycl", "opencl", "cuda")
+DEFAULT_LANES = ("cpu", "sim", "sycl", "opencl", "cuda", "rocm")
 SUITE_MODULE = "tests/plugins/test_conformance_all.py"
 #: The suites of the kit, by test-name prefix (see strata_core.testing.conformance).
 SUITES = ("hooks", "alloc", "memory", "kernel", "run")
@@ -73,8 +73,8 @@ def lane_state(info: dict) -> tuple[str, str]:
             return "failed", f"plugin did not load: {info['broken'][0]}"
         return "skipped", "not installed (no plugin provides this backend here)"
     if not info["available"]:
-        hint = info.get("install_hint")
-        return "skipped", (info.get("reason") or "not available") + (f" (install: {hint})" if hint else "")
+        hint, reason = info.get("install_hint"), info.get("reason") or "not available"
+        return "skipped", reason + (f" (install: {hint})" if hint and hint not in reason else "")
     return "run", ""
 
 

@@ -125,8 +125,9 @@ def resolve(config, selection: _Selection) -> BackendUnderTest:
     probe = host.probe(name)
     if not probe.available:
         hint = host.backends[name].install_hint
-        why = f"backend '{name}' is not available here: {probe.reason or 'no reason given'}" + (
-            f" (install: {hint})" if hint else "")
+        reason = probe.reason or "no reason given"
+        why = f"backend '{name}' is not available here: {reason}" + (
+            f" (install: {hint})" if hint and hint not in reason else "")
         if selection.explicit:
             pytest.fail(why, pytrace=False)
         pytest.skip(why)
