@@ -239,3 +239,13 @@ def test_suite_of_names_the_suite_from_the_test_name():
     assert matrix.suite_of("test_alloc_pinned_zero_budget_returns_none[x]") == "alloc"
     assert matrix.suite_of("test_ordinary") == "other"
 
+
+
+def test_the_matrix_prints_one_json_object(site):
+    """--json prints one strata.matrix/1 object; a lane that is only skipped is not a failure (exit 0)."""
+    p = subprocess.run([sys.executable, str(ROOT / ".ci" / "matrix.py"), "--lanes", "offline", "--json"],
+                       cwd=ROOT, env=site, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr
+    doc = json.loads(p.stdout)
+    assert doc["schema"] == "strata.matrix/1" and doc["ok"] is True
+    assert [(l["backend"], l["status"]) for l in doc["lanes"]] == [("offline", "skipped")]
