@@ -110,3 +110,17 @@ def test_device_hooks_without_dpctl_fail_with_the_install_line():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("refused:") and "strata-core[sycl]" in out.stdout
+
+
+def test_pocl_devices_are_kept_out_of_sycl():
+    from types import SimpleNamespace
+
+    from strata_sycl.runtime import excluded
+
+    def dev(platform):
+        return SimpleNamespace(sycl_platform=SimpleNamespace(name=platform))
+
+    assert excluded(dev("Portable Computing Language"))
+    assert not excluded(dev("Intel(R) OpenCL"))
+    assert not excluded(dev("Intel(R) OpenCL Graphics"))
+    assert excluded(SimpleNamespace())  # a device whose platform cannot be named is not opened

@@ -62,9 +62,24 @@ def load_dpctl() -> ModuleType:
     return dpctl
 
 
+#: OpenCL platforms kept out of SYCL: PoCL's CPU runtime has been seen to abort SYCL's OpenCL adapter (the whole
+#: process, beyond any try/except), so its devices are never opened through dpctl; the opencl plugin serves them.
+EXCLUDED_PLATFORMS = ("portable computing language",)
+
+
+def excluded(dev: Any) -> bool:
+    """True for a device of a platform in EXCLUDED_PLATFORMS."""
+    try:
+        name = str(dev.sycl_platform.name).lower()
+    except Exception:  # a platform that cannot even name itself is not one to open
+        return True
+    return any(p in name for p in EXCLUDED_PLATFORMS)
+
+
 def usable_devices(dpctl: ModuleType) -> list[Any]:
-    """The SYCL devices our kernels can run on, GPUs first: those of the OpenCL backend (the kernels are OpenCL C)."""
-    devs = [d for d in dpctl.get_devices() if d.backend.name == "opencl"]
+    """The SYCL devices our kernels can run on, GPUs first: OpenCL-backend ones (the kernels are OpenCL C), PoCL's
+    excepted."""
+    devs = [d for d in dpctl.get_devices() if d.backend.name == "opencl" and not excluded(d)]
     rank = {"gpu": 0, "accelerator": 1, "cpu": 2}
     return sorted(devs, key=lambda d: (rank.get(d.device_type.name, 3), d.filter_string))
 
