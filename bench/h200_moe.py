@@ -24,9 +24,9 @@ import numpy as np
 E, K, H, F = 128, 8, 2048, 768
 #: Qwen3-30B-A3B has 48 MoE layers: the sweep's model-equivalent tok/s divide one layer's rate by this.
 MODEL_LAYERS = 48
-#: Ring slots lent for streaming (the same pool as the cache), 4 experts per copy group.
-RING_SLOTS = 16
-GROUP_EXPERTS = 4
+#: Ring slots lent for streaming (the same pool as the cache), up to 8 experts per copy group (4 groups in flight).
+RING_SLOTS = 32
+GROUP_EXPERTS = 8
 #: Tolerance of ||out - ref|| / ||ref|| against float64: f16 weights, activations and intermediates, f32 sums.
 TOL = 1e-2
 
@@ -149,6 +149,63 @@ def environment(commit: str) -> dict:
             "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
 
 
+def plan_fidelity(models: tuple[str, ...]) -> dict:
+    """Plan each model for this very device, start the runtime's Engine on that plan, and compare the device memory
+    it really took (cupy pool bytes, memGetInfo) with the plan's figures.
+
+    The Engine runs in accounting mode (no weights, no page-locked arena: allocator None), so its start-up allocates
+    what `strata run` allocates before the first request, the expert cache pool of plan.expert_cache.slots slots,
+    through strata_cuda's DeviceMemory; dense weights and KV need real weights and are not allocated here.
+    """
+    import gc
+
+    import cupy
+    import strata_cuda.backend as cuda_backend
+    from strata_core.backend_api import PinnedBudget
+    from strata_core.model import model_from_name
+    from strata_core.planner import plan_for_machine
+    from strata_core.plugins import load_from_settings
+    from strata_core.runtime.engine import Engine, hooks_for
+    from strata_core.runtime.runlog import RunLog
+    from strata_core.settings import StrataSettings
+
+    settings = StrataSettings()
+    host_plugins = load_from_settings(settings, extra=[cuda_backend])
+    _, device, host, _ = host_plugins.device_and_defaults("cuda", 0)
+    pool = cupy.get_default_memory_pool()
+    rows = []
+    for name in models:
+        spec = model_from_name(name)
+        plan = plan_for_machine(host_plugins, device, host, spec, settings)
+        budget = PinnedBudget(plan.pinned.limit_bytes, plan.pinned.floor_bytes)
+        dm, _, kernels = hooks_for(host_plugins, plan.device, budget)
+        cupy.cuda.Device().synchronize()
+        free0, _ = cupy.cuda.runtime.memGetInfo()
+        used0, held0 = pool.used_bytes(), pool.total_bytes()
+        lines: list[str] = []
+        engine = Engine(plan, dm=dm, allocator=None, kernels=kernels, budget=budget, weights=None,
+                        log=RunLog(echo=lines.append), accounting_only=True)
+        cupy.cuda.Device().synchronize()
+        free1, _ = cupy.cuda.runtime.memGetInfo()
+        used1, held1 = pool.used_bytes(), pool.total_bytes()
+        planned = plan.vram.expert_cache_bytes
+        measured = {"cupy_pool_used_bytes": used1 - used0, "cupy_pool_held_bytes": held1 - held0,
+                    "mem_get_info_bytes": free0 - free1}
+        row = {"model": name, "quant": spec.quant, "slots": plan.expert_cache.slots,
+               "slot_bytes": plan.expert_cache.slot_bytes, "engine_pool_slots": engine._pool_slots,
+               "planned_cache_bytes": planned, "engine_counted_bytes": engine.device_bytes_allocated,
+               "plan_vram": plan.to_json()["vram"], "measured": measured, "engine_log": lines[:20]}
+        row["ratios"] = {k: v / planned for k, v in measured.items()}
+        row["within_2pct_and_not_above"] = all(0.98 * planned <= v <= planned for v in measured.values())
+        rows.append(row)
+        log(f"plan fidelity {name}: planned cache {planned / 2**30:.3f} GiB, measured "
+            f"{ {k: round(v / 2**30, 3) for k, v in measured.items()} } GiB -> {row['within_2pct_and_not_above']}")
+        del engine
+        gc.collect()
+        pool.free_all_blocks()
+    return {"method": plan_fidelity.__doc__.split("\n\n")[1].strip(), "device": device.to_json(), "runs": rows}
+
+
 def main() -> int:
     """Run every measurement, print the table, write the JSON and the PNG."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -158,7 +215,7 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--check-tokens", type=int, default=32, help="tokens checked against the float64 reference")
     ap.add_argument("--commit", default="unknown", help="git commit of the tree that runs")
-    ap.add_argument("--skip", default="", help="comma list of sections to skip: peers,q8,sweep,decode")
+    ap.add_argument("--skip", default="", help="comma list of sections to skip: fidelity,peers,q8,sweep,decode")
     args = ap.parse_args()
     skip = set(filter(None, args.skip.split(",")))
     out_dir = Path(args.out)
@@ -179,6 +236,9 @@ def main() -> int:
                            "checked vs float64 numpy on a token subset", "checks": {}, "ours": {}, "peers": {},
                  "floors": {}, "targets": {}}
     log(f"env: {res['env']}")
+    if "fidelity" not in skip:
+        with Guard(res, "plan_fidelity"):
+            res["plan_fidelity"] = plan_fidelity(("Qwen3-30B-A3B", "Qwen3-30B-A3B@Q8_0"))
     dev = torch.device("cuda")
     torch.manual_seed(7)
     rng = np.random.default_rng(7)
@@ -306,6 +366,30 @@ def main() -> int:
         check("ours_warm_f16", out_cp)
         res["ours"]["warm_prefill_f16"] = tm.cupy(lambda: moe.prefill_layer(x_cp, logits_cp, pool, slot_of, out=out_cp), st)
         res["ours"]["warm_prefill_f16"]["mpad_rows"] = moe.stats.mpad_rows
+    res["kernels"] = moe.kernel_report()
+    log(f"kernels: {res['kernels']}")
+    with Guard(res, "warm_variants"):
+        # cached experts in batched GEMMs of at most 32 experts (each batch padded to its own largest group)
+        moe.hit_batch_experts = 32
+        moe.prefill_layer(x_cp, logits_cp, pool, slot_of, out=poisoned())
+        st.synchronize()
+        check("ours_warm_f16_batch32", out_cp)
+        res["ours"]["warm_prefill_f16_batch32"] = tm.cupy(
+            lambda: moe.prefill_layer(x_cp, logits_cp, pool, slot_of, out=out_cp), st)
+        moe.hit_batch_experts = 0
+    with Guard(res, "traces"):
+        # where the time goes: events at each stage of one call (after the timed runs, so everything is warm)
+        traces = {}
+        for name, call in (("warm_f16", lambda: moe.prefill_layer(x_cp, logits_cp, pool, slot_of, out=out_cp)),
+                           ("cold_f16", lambda: moe.prefill_layer(x_cp, logits_cp, pool, all_miss, host_pool, ring,
+                                                                  out=out_cp))):
+            moe.trace = []
+            call()
+            traces[name] = [(n, round(t, 4)) for n, t in moe.trace_report()]
+            moe.trace = None
+        res["traces"] = traces
+        log(f"trace warm: {traces['warm_f16']}")
+        log(f"trace cold (first/last marks): {traces['cold_f16'][:6]} ... {traces['cold_f16'][-6:]}")
     with Guard(res, "cold_f16"):
         # cold f16
         moe.prefill_layer(x_cp, logits_cp, pool, all_miss, host_pool, ring, out=poisoned())
@@ -356,6 +440,15 @@ def main() -> int:
             # back to back: 100 graph replays between two events, per replay (what a 48-layer step pays per layer)
             dec["hits_graph_back_to_back"] = tm.cupy(lambda: [graph.launch(gs) for _ in range(100)], gs)
             dec["hits_graph_back_to_back"]["per_layer_us"] = dec["hits_graph_back_to_back"]["median_ms"] * 10
+            # each kernel alone, 100 launches back to back between two events, per launch
+            b = moe.decode_buffers()
+            with st:
+                dec["gate_up_kernel_back_to_back"] = tm.cupy(
+                    lambda: [moe._gate_up(x1, lg1, pool, slot_map, None, 0) for _ in range(100)], st)
+                dec["down_kernel_back_to_back"] = tm.cupy(
+                    lambda: [moe._down(pool, slot_map, b["out"]) for _ in range(100)], st)
+            for kname in ("gate_up_kernel_back_to_back", "down_kernel_back_to_back"):
+                dec[kname]["per_launch_us"] = dec[kname]["median_ms"] * 10
             routed = [int(e) for e in moe.decode_buffers()["ids"].get()]
             for m in (1, 2, 4, 8):
                 so = slot_of.copy()
@@ -617,6 +710,11 @@ def evaluate(res: dict) -> None:
     for peer, mine in pairs:
         r = ratio(med(ours, mine), med(peers, peer))
         put(f"ratio_ours_{mine}_over_{peer}", r, 1.0, "ours/peer", ok=r is not None and r < 1.0)
+    for run in res.get("plan_fidelity", {}).get("runs", []):
+        worst = max(run["ratios"].values())
+        least = min(run["ratios"].values())
+        put(f"plan_fidelity_{run['model']}", worst, 1.0, "measured/planned",
+            ok=run["within_2pct_and_not_above"] and least >= 0.98)
     for mine, peer in (("hits_graph", "decode_bmm_graph"), ("hits_eager", "decode_bmm_eager")):
         r = ratio(med(dec, mine), med(peers, peer))
         put(f"ratio_ours_decode_{mine}_over_peer_{peer}", r, 1.0, "ours/peer", ok=r is not None and r < 1.0)
@@ -630,7 +728,9 @@ def print_table(res: dict) -> None:
     for k, v in res["ours"].items():
         if k == "decode":
             for kk, vv in v.items():
-                log(f"ours decode {kk:28s} {vv['median_ms'] * 1e3:10.1f} us")
+                per = vv.get("per_launch_us", vv.get("per_layer_us"))
+                shown = per if per is not None else vv["median_ms"] * 1e3
+                log(f"ours decode {kk:28s} {shown:10.1f} us{' (per launch of 100 back to back)' if per else ''}")
         else:
             log(f"ours {k:35s} {v['median_ms']:10.3f} ms")
     for k, v in res["peers"].items():

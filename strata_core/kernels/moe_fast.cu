@@ -74,7 +74,8 @@ __device__ __forceinline__ float warp_sum(float v) {
 __device__ __forceinline__ float silu(float g) { return g / (1.0f + expf(-g)); }
 
 // One warp picks the top k of E logits (descending, ties to the lower id, as the reference's stable argsort does)
-// and the softmax over them. Results land in lane 0's ids/w (shared memory the caller passes).
+// and the softmax over them. Results land in ids/w, shared memory the caller passes (w holds the raw logits until
+// the softmax at the end, so no per-rank register array is needed). The caller syncs the warp before reading.
 __device__ void warp_topk(const float* __restrict__ logits, int E, int K, int lane, int* ids, float* w) {
     float v[STRATA_TOPK_PER_LANE];
 #pragma unroll
@@ -83,10 +84,8 @@ __device__ void warp_topk(const float* __restrict__ logits, int E, int K, int la
         v[j] = idx < E ? logits[idx] : 0.0f;
     }
     unsigned int taken = 0u;
-    float top[STRATA_FAST_MAXK];
-#pragma unroll
-    for (int r = 0; r < STRATA_FAST_MAXK; ++r) {
-        if (r >= K) break;
+    float top0 = 0.0f;
+    for (int r = 0; r < K; ++r) {
         float best = 0.0f;
         int bid = 0x7fffffff;
 #pragma unroll
@@ -102,17 +101,22 @@ __device__ void warp_topk(const float* __restrict__ logits, int E, int K, int la
             if (oi != 0x7fffffff && (bid == 0x7fffffff || ob > best || (ob == best && oi < bid))) { best = ob; bid = oi; }
         }
         if (bid % STRATA_WARP == lane) taken |= 1u << (bid / STRATA_WARP);
-        top[r] = best;
-        if (lane == 0) ids[r] = bid;
+        if (r == 0) top0 = best;
+        if (lane == 0) { ids[r] = bid; w[r] = best; }
     }
     if (lane == 0) {
-        // unrolled with a guard so top[] stays in registers (a run-time index would move it to local memory)
         float s = 0.0f;
-#pragma unroll
-        for (int r = 0; r < STRATA_FAST_MAXK; ++r) if (r < K) s += expf(top[r] - top[0]);
-#pragma unroll
-        for (int r = 0; r < STRATA_FAST_MAXK; ++r) if (r < K) w[r] = expf(top[r] - top[0]) / s;
+        for (int r = 0; r < K; ++r) s += expf(w[r] - top0);
+        for (int r = 0; r < K; ++r) w[r] = expf(w[r] - top0) / s;
     }
+}
+
+__device__ __forceinline__ void warp_sync_lanes() {
+#ifdef STRATA_HIP
+    __builtin_amdgcn_wave_barrier();
+#else
+    __syncwarp();
+#endif
 }
 
 // Prefill routing: one warp per token; writes ids/weights [T,K], and for each (t,k) its row within its expert's
@@ -128,11 +132,7 @@ extern "C" __global__ void strata_fast_route_count(const float* __restrict__ log
     const int t = blockIdx.x * STRATA_FAST_WARPS + warp;
     if (t >= T) return;  // whole warps leave together; no block barrier follows
     warp_topk(logits + (long long)t * E, E, K, lane, s_ids[warp], s_w[warp]);
-#ifdef STRATA_HIP
-    __builtin_amdgcn_wave_barrier();
-#else
-    __syncwarp();
-#endif
+    warp_sync_lanes();
     if (lane < K) {
         const int e = s_ids[warp][lane];
         ids[(long long)t * K + lane] = e;
@@ -226,80 +226,102 @@ extern "C" __global__ void strata_fast_dequant_q8_0(const signed char* __restric
     }
 }
 
-// Decode, step 1 of 2: route (every block repeats the top-k of one token: 128 logits cost less than a launch),
-// then one warp per FFN row i of expert k: act[k,i] = silu(x . Wg[i]) * (x . Wu[i]), weights read from the cache
-// slot slot_map[id]. Block (0,0) publishes ids and weights for step 2. Grid (ceil(F / warps), K); dynamic shared
-// memory H floats. A slot < 0 (a miss nobody resolved) writes NaN, so a check catches it instead of a wrong answer.
-extern "C" __global__ void strata_fast_decode_gate_up(const float* __restrict__ x, const float* __restrict__ logits,
-                                                      int E, int K, const int* __restrict__ slot_map,
-                                                      const unsigned short* __restrict__ w13, long long slot_stride,
-                                                      int H, int F, float* __restrict__ act, int* __restrict__ ids_out,
-                                                      float* __restrict__ w_out) {
-    extern __shared__ float sx[];
-    __shared__ int s_ids[STRATA_FAST_MAXK];
-    __shared__ float s_w[STRATA_FAST_MAXK];
+// Decode, step 1 of 2: route (every warp repeats the top-k of the one token: 128 logits cost less than a launch
+// and a block barrier), then each warp computes STRATA_DEC_ROWS FFN rows i of expert k:
+// act[k,i] = silu(x . Wg[i]) * (x . Wu[i]), weights read from the cache slot slot_map[id].
+// Grid (ceil(F / (warps * STRATA_DEC_ROWS)), K). Block (0,0) publishes ids and weights for step 2.
+// skip_missing: a k whose slot is < 0 is left alone (its rows are filled by a later launch); otherwise it writes
+// NaN, so a check catches an unresolved miss instead of a wrong answer. refill_from (may be null): only the k whose
+// slot in that map is < 0 run (the second launch of a decode with misses, over the patched map).
+#define STRATA_DEC_ROWS 2
+extern "C" __global__ void __launch_bounds__(STRATA_FAST_THREADS)
+strata_fast_decode_gate_up(const float* __restrict__ x, const float* __restrict__ logits, int E, int K,
+                           const int* __restrict__ slot_map, const int* __restrict__ refill_from, int skip_missing,
+                           const unsigned short* __restrict__ w13, long long slot_stride, int H, int F,
+                           float* __restrict__ act, int* __restrict__ ids_out, float* __restrict__ w_out) {
+    __shared__ int s_ids[STRATA_FAST_WARPS][STRATA_FAST_MAXK];
+    __shared__ float s_w[STRATA_FAST_WARPS][STRATA_FAST_MAXK];
     const int warp = threadIdx.x / STRATA_WARP, lane = threadIdx.x % STRATA_WARP;
-    for (int i = threadIdx.x; i < H; i += blockDim.x) sx[i] = x[i];
-    if (warp == 0) warp_topk(logits, E, K, lane, s_ids, s_w);
-    __syncthreads();
-    if (blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x < K) {
-        ids_out[threadIdx.x] = s_ids[threadIdx.x];
-        w_out[threadIdx.x] = s_w[threadIdx.x];
-    }
     const int k = blockIdx.y;
-    const int row = blockIdx.x * (blockDim.x / STRATA_WARP) + warp;
-    if (row >= F) return;
-    const long long slot = slot_map[s_ids[k]];
+    const int row0 = (blockIdx.x * STRATA_FAST_WARPS + warp) * STRATA_DEC_ROWS;
+    if (row0 >= F) return;  // whole warps; no block barrier in this kernel
+    warp_topk(logits, E, K, lane, s_ids[warp], s_w[warp]);
+    warp_sync_lanes();
+    if (blockIdx.x == 0 && k == 0 && warp == 0 && lane < K) {
+        ids_out[lane] = s_ids[0][lane];
+        w_out[lane] = s_w[0][lane];
+    }
+    const int e = s_ids[warp][k];
+    if (refill_from != 0 && refill_from[e] >= 0) return;
+    const long long slot = slot_map[e];
     if (slot < 0) {
-        if (lane == 0) act[(long long)k * F + row] = __int_as_float(0x7fc00000);
+        if (!skip_missing && lane < STRATA_DEC_ROWS && row0 + lane < F)
+            act[(long long)k * F + row0 + lane] = __int_as_float(0x7fc00000);
         return;
     }
-    const uint4* g = (const uint4*)(w13 + slot * slot_stride + (long long)row * H);
-    const uint4* u = (const uint4*)(w13 + slot * slot_stride + (long long)(F + row) * H);
-    float ag = 0.f, au = 0.f;
-#pragma unroll 4
+    const float4* x4 = (const float4*)x;
+    float acc[2 * STRATA_DEC_ROWS];
+#pragma unroll
+    for (int r = 0; r < 2 * STRATA_DEC_ROWS; ++r) acc[r] = 0.f;
+    const unsigned short* base = w13 + slot * slot_stride;
+#pragma unroll 2
     for (int c = lane; c < H / 8; c += STRATA_WARP) {
-        const uint4 gv = g[c], uv = u[c];
-        ag += dot8(gv, sx + 8 * c);
-        au += dot8(uv, sx + 8 * c);
+        uint4 wv[2 * STRATA_DEC_ROWS];
+#pragma unroll
+        for (int r = 0; r < STRATA_DEC_ROWS; ++r) {
+            const int row = min(row0 + r, F - 1);
+            wv[2 * r] = ((const uint4*)(base + (long long)row * H))[c];
+            wv[2 * r + 1] = ((const uint4*)(base + (long long)(F + row) * H))[c];
+        }
+        const float4 xa = x4[2 * c], xb = x4[2 * c + 1];
+        const float xv[8] = {xa.x, xa.y, xa.z, xa.w, xb.x, xb.y, xb.z, xb.w};
+#pragma unroll
+        for (int r = 0; r < 2 * STRATA_DEC_ROWS; ++r) acc[r] += dot8(wv[r], xv);
     }
-    ag = warp_sum(ag);
-    au = warp_sum(au);
-    if (lane == 0) act[(long long)k * F + row] = silu(ag) * au;
+#pragma unroll
+    for (int r = 0; r < 2 * STRATA_DEC_ROWS; ++r) acc[r] = warp_sum(acc[r]);
+    if (lane == 0) {
+#pragma unroll
+        for (int r = 0; r < STRATA_DEC_ROWS; ++r)
+            if (row0 + r < F) act[(long long)k * F + row0 + r] = silu(acc[2 * r]) * acc[2 * r + 1];
+    }
 }
 
 // Decode, step 2 of 2: one warp per hidden row h: out[h] = sum_k w_k * (Wd[slot_k, h] . act[k]), all K experts in
-// one pass (no atomics, one write). Grid ceil(H / warps); dynamic shared memory K*F floats.
-extern "C" __global__ void strata_fast_decode_down(const float* __restrict__ act, const int* __restrict__ ids,
-                                                   const float* __restrict__ wts, const int* __restrict__ slot_map,
-                                                   const unsigned short* __restrict__ w2, long long slot_stride,
-                                                   int H, int F, int K, float* __restrict__ out) {
-    extern __shared__ float sa[];
-    __shared__ long long s_slot[STRATA_FAST_MAXK];
-    __shared__ float s_w[STRATA_FAST_MAXK];
+// one pass (no atomics, one write). act is read through the cache (the block's warps share it) rather than staged
+// in shared memory, so the weight loads start at once. Grid ceil(H / warps).
+extern "C" __global__ void __launch_bounds__(STRATA_FAST_THREADS)
+strata_fast_decode_down(const float* __restrict__ act, const int* __restrict__ ids, const float* __restrict__ wts,
+                        const int* __restrict__ slot_map, const unsigned short* __restrict__ w2,
+                        long long slot_stride, int H, int F, int K, float* __restrict__ out) {
+    __shared__ long long s_slot[STRATA_FAST_WARPS][STRATA_FAST_MAXK];
+    __shared__ float s_w[STRATA_FAST_WARPS][STRATA_FAST_MAXK];
     const int warp = threadIdx.x / STRATA_WARP, lane = threadIdx.x % STRATA_WARP;
-    for (int i = threadIdx.x; i < K * F; i += blockDim.x) sa[i] = act[i];
-    if (threadIdx.x < K) {
-        s_slot[threadIdx.x] = slot_map[ids[threadIdx.x]];
-        s_w[threadIdx.x] = wts[threadIdx.x];
+    const int h = blockIdx.x * STRATA_FAST_WARPS + warp;
+    if (h >= H) return;  // whole warps; no block barrier in this kernel
+    // the K slot look-ups are independent: one per lane, not a chain of dependent loads per expert
+    if (lane < K) {
+        s_slot[warp][lane] = slot_map[ids[lane]];
+        s_w[warp][lane] = wts[lane];
     }
-    __syncthreads();
-    const int h = blockIdx.x * (blockDim.x / STRATA_WARP) + warp;
-    if (h >= H) return;
+    warp_sync_lanes();
+    for (int k = 0; k < K; ++k) {
+        if (s_slot[warp][k] < 0) {
+            if (lane == 0) out[h] = __int_as_float(0x7fc00000);
+            return;
+        }
+    }
     const int per_row = F / 8;
-    bool missing = false;
-    for (int k = 0; k < K; ++k) missing |= s_slot[k] < 0;
-    if (missing) {
-        if (lane == 0) out[h] = __int_as_float(0x7fc00000);
-        return;
-    }
     float acc = 0.f;
-    // one flat loop over (expert, 16-byte chunk) so several experts' loads are in flight at once
-#pragma unroll 4
+    // one flat loop over (expert, 16-byte chunk), unrolled, so loads of several experts are in flight at once
+#pragma unroll 8
     for (int i = lane; i < K * per_row; i += STRATA_WARP) {
         const int k = i / per_row, c = i - k * per_row;
-        const uint4 v = ((const uint4*)(w2 + s_slot[k] * slot_stride + (long long)h * F))[c];
-        acc += s_w[k] * dot8(v, sa + k * F + 8 * c);
+        const uint4 v = ((const uint4*)(w2 + s_slot[warp][k] * slot_stride + (long long)h * F))[c];
+        const float4* a4 = (const float4*)(act + (long long)k * F);
+        const float4 xa = a4[2 * c], xb = a4[2 * c + 1];
+        const float xv[8] = {xa.x, xa.y, xa.z, xa.w, xb.x, xb.y, xb.z, xb.w};
+        acc += s_w[warp][k] * dot8(v, xv);
     }
     acc = warp_sum(acc);
     if (lane == 0) out[h] = acc;
