@@ -107,6 +107,8 @@ def simulate(scenario, settings, plugins, inject: list[str], extra_requests: lis
                          "fallbacks": [f.to_json() for f in log.fallbacks[before:]]})
         if progress is not None:
             progress.advance("requests")
+    if engine is not None:
+        engine.close()
     out = {
         "schema": SCHEMA,
         "scenario": {"path": scenario.path, "name": scenario.name, "source": scenario.source,
@@ -135,8 +137,6 @@ def simulate(scenario, settings, plugins, inject: list[str], extra_requests: lis
         "device": dm.counters(),
         "log": list(log.lines),
     }
-    if engine is not None:
-        engine.close()
     return out
 
 
