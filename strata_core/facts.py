@@ -148,7 +148,8 @@ def seed_ring_policy(chunk_tokens: int, slot_bytes: int, pinned_fraction: float,
     deep byte-budget ring would only hold idle bytes: it is halved. The two branches are why loan(c) is not monotonic.
     """
     if chunk_tokens <= small_chunk_tokens:
-        return fixed_ring_slots
+        # The fixed ring is counted in slots; with large experts it would hold gigabytes, so bound it in bytes too.
+        return max(min_ring_slots, min(fixed_ring_slots, 2 * ring_budget_bytes // max(1, slot_bytes)))
     budget = ring_budget_bytes if pinned_fraction > 0 else ring_budget_bytes // 2
     return max(min_ring_slots, budget // max(1, slot_bytes))
 

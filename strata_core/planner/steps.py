@@ -21,7 +21,7 @@ KV_DTYPE_SCALE = {"f16": 1.0, "bf16": 1.0, "f32": 2.0, "int8": 0.5, "q8_0": 34 /
 
 
 def _mib(n: int | float) -> str:
-    return f"{n / MIB:,.0f} MiB"
+    return f"{n / MIB:,.0f} MiB" if abs(n) >= 10 * MIB else f"{n / MIB:.3f} MiB"
 
 
 @dataclass
@@ -170,11 +170,16 @@ def _compute(device: DeviceInfo, host: HostInfo, model: ModelSpec, settings: Any
     model.validate()
 
     # Step 4 first (its chunk-independent part): the ring's depth depends on how much of the arena is pinned.
-    limit, cap, floor, arena, exhausted = _pinned_step(device, host, model, settings, defaults, led, bsrc)
+    limit, pin_cap, floor, arena, exhausted = _pinned_step(device, host, model, settings, defaults, led, bsrc)
     pinned_fraction = arena / model.host_arena_bytes if model.host_arena_bytes else 1.0
 
     # Step 1: VRAM and the expert cache.
     free, reserve, kv, workspace, usable, slots = _cache_step(device, model, settings, defaults, knobs, led, bsrc)
+    slots_cap = knobs["expert_cache.slots_cap"]
+    if slots_cap is not None and slots_cap < model.top_k:
+        raise PlanRefused(f"memory.expert_cache={slots_cap} slots cannot hold the {model.top_k} experts (top_k) one "
+                          f"token routes to: short by {_mib((model.top_k - slots_cap) * model.slot_bytes)} of cache; set "
+                          f"memory.expert_cache to at least {model.top_k}, or 'auto'")
     if usable <= 0 or slots < model.top_k:
         short = model.top_k * model.slot_bytes - usable
         raise PlanRefused(f"{device.name}: {_mib(max(free, 0))} free VRAM leaves {_mib(max(usable, 0))} after the "
@@ -306,7 +311,7 @@ def _compute(device: DeviceInfo, host: HostInfo, model: ModelSpec, settings: Any
         host_memory=HostPlan(available_bytes=avail, headroom_bytes=headroom,
                              resident_bytes=resident_experts * model.slot_bytes, resident_experts=resident_experts,
                              borrow_bytes=borrow(chunk), kv_pinned_bytes=kv_pinned),
-        pinned=PinnedPlan(limit_bytes=limit, cap_bytes=cap, arena_bytes=arena, arena_wanted_bytes=model.host_arena_bytes,
+        pinned=PinnedPlan(limit_bytes=limit, cap_bytes=pin_cap, arena_bytes=arena, arena_wanted_bytes=model.host_arena_bytes,
                           floor_bytes=floor, cpu_share_bytes=share_bytes, exhausted=exhausted),
         cpu_share=CpuSharePlan(enabled=enabled, max_chunk=max_share_chunk if enabled else 0, reason=reason),
         loan_model=loans, decisions=tuple(led.decisions), warnings=tuple(led.warnings),
@@ -317,12 +322,13 @@ def _owned_buffers(model: ModelSpec, loans: LoanModel, grid: int, ceiling: int, 
                    led: _Ledger) -> tuple[int, int, int]:
     """No chunk can be lent: give the prompt path its own buffers at the largest chunk that still leaves a cache."""
     for c in reversed(_grid_chunks(grid, ceiling)):
-        need = loans.loan(c).loan_slots * model.slot_bytes
+        # Owned buffers serve every request chunk up to c, and loan(c) is not monotonic: size for the largest.
+        need = _max_loan_upto(loans, grid, c)[0] * model.slot_bytes
         slots = min(model.experts_total, max(0, (usable - need) // model.slot_bytes))
         if slots >= max(min_keep, model.top_k):
             led.note("prompt.chunk", c, f"no chunk can be lent from a cache this small: the prompt path owns "
                      f"{_mib(need)} of buffers and the cache shrinks to {slots} slots", "core")
             return c, slots, need
-    need = loans.loan(grid).loan_slots * model.slot_bytes + max(min_keep, model.top_k) * model.slot_bytes
+    need = _max_loan_upto(loans, grid, grid)[0] * model.slot_bytes + max(min_keep, model.top_k) * model.slot_bytes
     raise PlanRefused(f"the prompt path cannot be lent a chunk and owned buffers for {grid} tokens do not fit: "
                       f"short by {_mib(need - usable)}; lower memory.vram_reserve_mib or kv.max_context")
