@@ -36,8 +36,8 @@ class SyclKernels:
         self.session = session
         self.memory = memory or SyclDeviceMemory(session)
         self._dpctl = session.dpctl
-        # Temporaries of submitted work, kept referenced until their last event completes (dpctl frees USM on
-        # garbage collection, which would pull memory from under a running kernel).
+        # Arguments and temporaries of submitted work, kept referenced until their event completes (dpctl frees USM
+        # on garbage collection, which would pull memory from under a running kernel).
         self._inflight: list[tuple[Any, tuple]] = []
         self._kernels: dict[str, Any] = {}
         with session.lock:
@@ -78,10 +78,12 @@ class SyclKernels:
         # SYCL ranges list the slowest dimension first, the reverse of OpenCL's order.
         gs = list(reversed(global_size))
         ls = list(reversed(local_size)) if local_size is not None else None
-        ev = self.session.queue.submit(self._kernel(name), conv, gs, ls)
+        # submit_async, not submit: dpctl's submit waits for the kernel, which would serialize host and device.
+        ev = self.session.queue.submit_async(self._kernel(name), conv, gs, ls)
         self._retire()
-        if keep:
-            self._inflight.append((ev, keep))
+        # Every USM argument stays referenced until the kernel is done: a caller may drop an intermediate array
+        # right after passing it on, and dpctl frees USM at once on garbage collection.
+        self._inflight.append((ev, (conv, keep)))
         return ev
 
     def _input(self, a: Any, dtype: Any, what: str) -> tuple[UsmArray, tuple]:

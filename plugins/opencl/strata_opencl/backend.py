@@ -132,8 +132,7 @@ def _session(device: DeviceInfo):
 
 
 def offers_host_visible_memory(device: DeviceInfo) -> bool:
-    """Whether the device's platform offers mapped host-visible buffers: tested on a live device, assumed only for
-    unified memory on a profile of another machine."""
+    """Whether the platform offers mapped host-visible buffers (tested live; on a profile: unified memory only)."""
     try:
         return _session(device).offers_host_visible_memory()
     except Exception:  # not on this machine (a profile), or no pyopencl: decide from the facts

@@ -65,8 +65,7 @@ class ClArray:
         return ClArray(shape, self.dtype, self.buf, self.offset_bytes + start * row_bytes, owner=self)
 
     def kernel_arg(self) -> Any:
-        """The buffer a kernel gets: the whole buffer, or a sub-buffer for a view (where the device's alignment
-        allows one; ValueError otherwise)."""
+        """The buffer a kernel gets: the whole buffer, or a sub-buffer for a view (ValueError if misaligned)."""
         if self.offset_bytes == 0:
             return self.buf
         try:
