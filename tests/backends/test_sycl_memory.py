@@ -99,10 +99,15 @@ def test_pinned_upload_on_a_stream_then_event_orders_another_stream(device, mem)
     assert budget.used_bytes == 0
 
 
-def test_unrecorded_event_wait_is_a_no_op(mem):
+def test_waiting_on_an_unrecorded_event_leaves_the_stream_usable(mem):
     s = mem.new_stream()
-    mem.wait(s, mem.new_event())
+    ev = mem.new_event()
+    assert ev.query_done()  # nothing recorded: nothing to wait for
+    mem.wait(s, ev)
+    arr = mem.alloc((5,), np.int32)
+    mem.upload(arr, np.arange(5, dtype=np.int32), stream=s)
     mem.synchronize(s)
+    np.testing.assert_array_equal(mem.download(arr, stream=s), np.arange(5))
 
 
 def test_pinned_alloc_goes_through_the_budget(device):
