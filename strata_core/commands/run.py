@@ -34,7 +34,9 @@ GENERATE_RAM_FRACTION = 0.25
 NOTES = ("attention is out of scope for Strata Core: each layer is RMSNorm, router (top-k, renormalized), routed "
          "SwiGLU experts and the residual; there is no KV cache",
          "device_bytes_allocated counts what the runtime asked DeviceMemory for (cache pool, dense weights, "
-         "per-chunk buffers); kernel outputs come from the backend's own allocator")
+         "per-chunk inputs); kernel outputs come from the backend's own allocator and are counted, from their "
+         "shapes, in device_bytes_peak_estimate; grouped-FFN calls are split so a chunk's buffers stay within the "
+         "plan's workspace")
 
 
 def register(subparsers) -> None:
@@ -249,6 +251,7 @@ def _execute(args: argparse.Namespace, plugins, plan, spec: ModelSpec, load_weig
         "cache_pool_bytes": engine.pool_bytes,
         "dense_device_bytes": engine.dense_device_bytes,
         "workspace_bytes_estimate": stats.workspace_peak_bytes,
+        "device_bytes_peak_estimate": engine.device_bytes_peak_estimate,
         "log": list(log.lines),
         "notes": list(NOTES),
     }
@@ -273,7 +276,8 @@ def _print_summary(r: dict) -> None:
         ("streamed", f"{_mib(r['bytes_streamed'])} ({r['experts_streamed']} experts, {r['ring_batches']} ring batches)"),
         ("loans", f"{r['loans']} ({r['loan_slots']} slots), halvings {r['halvings']}"),
         ("CPU share", f"{'on' if r['cpu_share']['enabled'] else 'off'}, {r['cpu_share']['experts']} experts"),
-        ("device memory", f"{_mib(r['device_bytes_allocated'])} allocated of {_mib(r['device_bytes_planned'])} planned"),
+        ("device memory", f"{_mib(r['device_bytes_allocated'])} allocated, {_mib(r['device_bytes_peak_estimate'])} "
+                          f"peak with kernel outputs, of {_mib(r['device_bytes_planned'])} planned"),
         ("fallbacks", str(len(r["fallbacks"]))),
         ("check", r["check"] + (f" (worst layer rel err {r['check_report']['worst_rel_err']:.2e})"
                                 if r.get("check_report") else "")),

@@ -99,7 +99,7 @@ class Engine:
         self.executor = Executor(dm=self.dm, kernels=kernels, cache=self.cache, store=self.store,
                                  device_pool=self.device_pool, weights=weights, dense_dev=self.dense_dev,
                                  share=self.share, log=log, top_k=model.top_k, hidden=model.hidden,
-                                 accounting_only=accounting_only, seed=seed, observer=observer)
+                                 workspace_bytes=plan.vram.workspace_bytes, accounting_only=accounting_only, seed=seed, observer=observer)
         self.engine_exits = 0
 
     @classmethod
@@ -176,6 +176,11 @@ class Engine:
     def device_bytes_allocated(self) -> int:
         """Peak bytes the runtime asked DeviceMemory for (pool, dense weights, per-chunk buffers)."""
         return self.dm.peak_bytes
+
+    @property
+    def device_bytes_peak_estimate(self) -> int:
+        """Pool, dense weights and the peak of a chunk's buffers (kernel outputs included, from their shapes)."""
+        return self.pool_bytes + self.dense_device_bytes + self.executor.stats.workspace_peak_bytes
 
     @property
     def pool_bytes(self) -> int:

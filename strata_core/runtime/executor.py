@@ -20,12 +20,17 @@ import numpy as np
 
 from ..errors import StrataError
 from ..kernels.reference import ExpertPool
+from ..model import ACTIVATION_BUFFERS, F32_BYTES
 from .cache import EMPTY, ExpertCache
 from .cpu_share import CpuShare
 from .loan import Loan, NoLoan
 from .runlog import RunLog
 from .store import ExpertStore
 from .weights import ModelWeights
+
+
+#: A grouped-FFN call takes at least this many routed rows, however small the workspace.
+MIN_ROWS_PER_CALL = 64
 
 
 class DeviceFull(StrataError):
@@ -72,7 +77,7 @@ class Executor:
 
     def __init__(self, *, dm: Any, kernels: Any, cache: ExpertCache, store: ExpertStore, device_pool: ExpertPool,
                  weights: ModelWeights | None, dense_dev: dict[str, Any] | None, share: CpuShare, log: RunLog,
-                 top_k: int, hidden: int, accounting_only: bool = False, seed: int = 0,
+                 top_k: int, hidden: int, workspace_bytes: int = 0, accounting_only: bool = False, seed: int = 0,
                  observer: LayerObserver | None = None):
         self.dm = dm
         self.k = kernels
@@ -85,6 +90,8 @@ class Executor:
         self.log = log
         self.top_k = int(top_k)
         self.hidden = int(hidden)
+        #: The plan's device workspace: a chunk's buffers beyond the lent slots stay within it where they can.
+        self.workspace_bytes = int(workspace_bytes)
         self.accounting_only = accounting_only
         self.observer = observer
         self.stats = ExecStats()
@@ -141,28 +148,66 @@ class Executor:
 
     # --- one MoE layer -------------------------------------------------------------------------------------
 
-    def _run_groups(self, r: Routing, groups: np.ndarray, slots: np.ndarray, xn: Any, x: Any, temps: list) -> None:
-        """x[rows] += scale * expert(xn[rows]) for these groups, each from its device slot."""
+    def _token_part_bytes(self, tokens: int) -> int:
+        """Device bytes of a chunk's per-token buffers (activations, router logits, top-k), as the plan counts them."""
+        E = self.cache.experts_per_layer
+        return tokens * (ACTIVATION_BUFFERS * self.hidden * F32_BYTES + E * F32_BYTES + self.top_k * 8)
+
+    def _row_bytes(self) -> int:
+        """Device bytes of one routed row: its gathered input, its output, the gate and up intermediates, its index."""
+        return (2 * self.hidden + 2 * self._ffn()) * F32_BYTES + 8
+
+    def _max_rows(self, tokens: int) -> int:
+        """Routed rows one grouped-FFN call may take so the chunk's buffers stay within the plan's workspace."""
+        left = self.workspace_bytes - self._token_part_bytes(tokens)
+        return max(MIN_ROWS_PER_CALL, left // self._row_bytes()) if self.workspace_bytes else 1 << 62
+
+    def _run_groups(self, r: Routing, groups: np.ndarray, slots: np.ndarray, xn: Any, x: Any, temps: list,
+                    tokens: int) -> None:
+        """x[rows] += scale * expert(xn[rows]) for these groups, each from its device slot, in calls of bounded rows."""
         if self.accounting_only or len(groups) == 0:
             return
-        parts = [r.group(int(g)) for g in groups]
-        rows = np.concatenate([p[0] for p in parts]).astype(np.int32)
-        scales = np.concatenate([p[1] for p in parts]).astype(np.float32)
-        offsets = np.concatenate([[0], np.cumsum([len(p[0]) for p in parts])]).astype(np.int32)
-        rows_d = self._put(rows, temps)
-        xg = self.k.gather(xn, rows_d)
-        y = self.k.moe_grouped_ffn(xg, self._put(offsets, temps), self._put(np.asarray(slots, np.int32), temps),
-                                   self.pool)
-        self.k.scatter_add(x, rows_d, y, self._put(scales, temps))
-        n = len(rows)
-        self.stats.workspace_peak_bytes = max(self.stats.workspace_peak_bytes,
-                                              n * (2 * self.hidden + 2 * self._ffn()) * 4 + n * 8)
+        cap = self._max_rows(tokens)
+        pieces: list[tuple[np.ndarray, np.ndarray, int]] = []  # (rows, scales, slot), a group split where too long
+        for g, slot in zip(groups, slots):
+            rows, scale = r.group(int(g))
+            for i in range(0, len(rows), cap):
+                pieces.append((rows[i:i + cap], scale[i:i + cap], int(slot)))
+        call: list[tuple[np.ndarray, np.ndarray, int]] = []
+        n = 0
+        for piece in pieces + [None]:
+            if piece is None or (call and n + len(piece[0]) > cap):
+                self._grouped_call(call, xn, x, tokens)
+                call, n = [], 0
+            if piece is not None:
+                call.append(piece)
+                n += len(piece[0])
+
+    def _grouped_call(self, call: list, xn: Any, x: Any, tokens: int) -> None:
+        """One moe_grouped_ffn over these (rows, scales, slot) groups; its device buffers are freed after it."""
+        if not call:
+            return
+        temps: list = []
+        try:
+            rows = np.concatenate([p[0] for p in call]).astype(np.int32)
+            scales = np.concatenate([p[1] for p in call]).astype(np.float32)
+            offsets = np.concatenate([[0], np.cumsum([len(p[0]) for p in call])]).astype(np.int32)
+            rows_d = self._put(rows, temps)
+            xg = self.k.gather(xn, rows_d)
+            y = self.k.moe_grouped_ffn(xg, self._put(offsets, temps),
+                                       self._put(np.array([p[2] for p in call], np.int32), temps), self.pool)
+            self.k.scatter_add(x, rows_d, y, self._put(scales, temps))
+            del xg, y
+        finally:
+            self._free(temps)
+        self.stats.workspace_peak_bytes = max(self.stats.workspace_peak_bytes, self._token_part_bytes(tokens)
+                                              + len(rows) * self._row_bytes())
 
     def _ffn(self) -> int:
         return self.weights.expert_ffn if self.weights is not None else 0
 
     def _stream_through_ring(self, layer: int, r: Routing, groups: np.ndarray, ring: np.ndarray, xn: Any, x: Any,
-                             temps: list) -> None:
+                             temps: list, tokens: int) -> None:
         """Stream missed experts into the ring's two halves in turn: copy one half while the other computes."""
         if len(groups) == 0:
             return
@@ -180,14 +225,14 @@ class Executor:
             copied = self.dm.new_event()
             self.dm.record(copied, self.copy_stream)
             self.dm.wait(None, copied)
-            self._run_groups(r, batch, slots, xn, x, temps)
+            self._run_groups(r, batch, slots, xn, x, temps, tokens)
             done = self.dm.new_event()
             self.dm.record(done, None)
             ready[h] = done
             self.stats.ring_batches += 1
 
     def _admit_and_run(self, layer: int, r: Routing, groups: np.ndarray, keep: np.ndarray, xn: Any, x: Any,
-                       temps: list) -> None:
+                       temps: list, tokens: int) -> None:
         """Misses without a ring (decode, short prompts): admit them into the cache, evicting the coldest, and run."""
         todo = groups
         while len(todo):
@@ -202,7 +247,7 @@ class Executor:
             copied = self.dm.new_event()
             self.dm.record(copied, self.copy_stream)
             self.dm.wait(None, copied)
-            self._run_groups(r, todo[ok], slots[ok], xn, x, temps)
+            self._run_groups(r, todo[ok], slots[ok], xn, x, temps, tokens)
             keep = np.concatenate([keep, slots[ok]])
             todo = todo[~ok]
 
@@ -239,23 +284,27 @@ class Executor:
                     groups.append((self.store.expert(int(self.cache.row(layer, int(r.experts[g])))), rows, scale))
                 job = self.share.start(xh, groups, out, self.store.pool.dtype)
         device_misses = np.setdiff1d(misses, cpu, assume_unique=True)
-        self._run_groups(r, hits, slots[hits], xn, x, temps)
+        self._run_groups(r, hits, slots[hits], xn, x, temps, tokens)
         if ring is not None and len(ring):
-            self._stream_through_ring(layer, r, device_misses, ring, xn, x, temps)
+            self._stream_through_ring(layer, r, device_misses, ring, xn, x, temps, tokens)
         else:
-            self._admit_and_run(layer, r, device_misses, slots[hits], xn, x, temps)
+            self._admit_and_run(layer, r, device_misses, slots[hits], xn, x, temps, tokens)
         if job is not None:
             err = job.join()
             if err is None:
-                self.k.scatter_add(x, self._put(np.arange(tokens, dtype=np.int32), temps),
-                                   self._put(out, temps), self._put(np.ones(tokens, np.float32), temps))
+                share_temps: list = []
+                try:
+                    self.k.scatter_add(x, self._put(np.arange(tokens, dtype=np.int32), share_temps),
+                                       self._put(out, share_temps), self._put(np.ones(tokens, np.float32), share_temps))
+                finally:
+                    self._free(share_temps)
             else:
                 # the share's result is lost: turn it off for the run and run its experts on the device path
                 self.share.turn_off(f"its thread failed ({type(err).__name__}: {err}); off for this run")
                 if ring is not None and len(ring):
-                    self._stream_through_ring(layer, r, cpu, ring, xn, x, temps)
+                    self._stream_through_ring(layer, r, cpu, ring, xn, x, temps, tokens)
                 else:
-                    self._admit_and_run(layer, r, cpu, slots[hits], xn, x, temps)
+                    self._admit_and_run(layer, r, cpu, slots[hits], xn, x, temps, tokens)
         if x_in is not None:
             self.observer(phase, layer, x_in, np.asarray(self.dm.download(x)))
 
@@ -294,9 +343,6 @@ class Executor:
             self.stats.prefill_tokens += n
             if self.progress:
                 self.progress("prefill", n)
-            self.stats.workspace_peak_bytes = max(self.stats.workspace_peak_bytes,
-                                                  n * (3 * self.hidden + self.cache.experts_per_layer
-                                                       + 2 * self.top_k) * 4)
         return logits
 
     def decode_step(self, token: int) -> np.ndarray | None:

@@ -36,6 +36,7 @@ def test_default_run_on_the_cpu_backend_passes_its_check_and_streams_through_loa
     assert r["loans"] >= 1 and r["bytes_streamed"] > 0 and 0 < r["cache_hit_rate"] < 1
     assert r["cache_pool_bytes"] == r["plan"]["vram"]["expert_cache_bytes"]
     assert r["device_bytes_allocated"] <= r["device_bytes_planned"]
+    assert r["device_bytes_peak_estimate"] <= r["device_bytes_planned"]
     assert r["check_report"]["layers_checked"] > 0 and r["check_report"]["worst_rel_err"] <= 2e-3
     assert any("attention" in n for n in r["notes"])
 

@@ -34,6 +34,7 @@ def test_prefill_with_a_lent_ring_and_decode_match_the_reference(dtype):
     planned = (plan.vram.expert_cache_bytes + plan.vram.dense_bytes + plan.vram.workspace_bytes
                + plan.vram.kv_bytes)
     assert eng.device_bytes_allocated <= planned, "the runtime asked the device for more than the plan"
+    assert eng.device_bytes_peak_estimate <= planned, "a chunk's buffers outgrew the plan's workspace"
     eng.close()
     assert dm.live_allocations == 0, "every device array the runtime allocated was freed"
 
