@@ -369,27 +369,17 @@ def main() -> int:
     res["kernels"] = moe.kernel_report()
     log(f"kernels: {res['kernels']}")
     with Guard(res, "warm_variants"):
-        # cached experts in batched GEMMs of at most 32 experts (each batch padded to its own largest group)
-        moe.hit_batch_experts = 32
-        moe.prefill_layer(x_cp, logits_cp, pool, slot_of, out=poisoned())
-        st.synchronize()
-        check("ours_warm_f16_batch32", out_cp)
-        res["ours"]["warm_prefill_f16_batch32"] = tm.cupy(
-            lambda: moe.prefill_layer(x_cp, logits_cp, pool, slot_of, out=out_cp), st)
-        moe.hit_batch_experts = 0
-    with Guard(res, "traces"):
-        # where the time goes: events at each stage of one call (after the timed runs, so everything is warm)
-        traces = {}
-        for name, call in (("warm_f16", lambda: moe.prefill_layer(x_cp, logits_cp, pool, slot_of, out=out_cp)),
-                           ("cold_f16", lambda: moe.prefill_layer(x_cp, logits_cp, pool, all_miss, host_pool, ring,
-                                                                  out=out_cp))):
-            moe.trace = []
-            call()
-            traces[name] = [(n, round(t, 4)) for n, t in moe.trace_report()]
-            moe.trace = None
-        res["traces"] = traces
-        log(f"trace warm: {traces['warm_f16']}")
-        log(f"trace cold (first/last marks): {traces['cold_f16'][:6]} ... {traces['cold_f16'][-6:]}")
+        # cached experts in batched GEMMs of at most N experts (each batch padded to its own largest group)
+        default_batch = moe.hit_batch_experts
+        for nb in (0, 16, 64):
+            moe.hit_batch_experts = nb
+            moe.prefill_layer(x_cp, logits_cp, pool, slot_of, out=poisoned())
+            st.synchronize()
+            check(f"ours_warm_f16_batch{nb}", out_cp)
+            res["ours"][f"warm_prefill_f16_batch{nb}"] = tm.cupy(
+                lambda: moe.prefill_layer(x_cp, logits_cp, pool, slot_of, out=out_cp), st)
+        moe.hit_batch_experts = default_batch
+        res["ours"]["warm_prefill_f16"]["hit_batch_experts"] = default_batch
     with Guard(res, "cold_f16"):
         # cold f16
         moe.prefill_layer(x_cp, logits_cp, pool, all_miss, host_pool, ring, out=poisoned())
@@ -413,6 +403,22 @@ def main() -> int:
             st.synchronize()
             check("ours_warm_q8_0", out_cp, ref_q8)
             res["ours"]["warm_prefill_q8_0"] = tm.cupy(lambda: moe.prefill_layer(x_cp, logits_cp, pool_q8, ident, out=out_cp), st)
+    with Guard(res, "traces"):
+        # where the time goes: events at each stage of one call (after the timed runs, so everything is warm; the
+        # events themselves add a little)
+        traces = {}
+        for name, call in (("warm_f16", lambda: moe.prefill_layer(x_cp, logits_cp, pool, slot_of, out=out_cp)),
+                           ("cold_f16", lambda: moe.prefill_layer(x_cp, logits_cp, pool, all_miss, host_pool, ring,
+                                                                  out=out_cp)),
+                           ("cold_q8_0", lambda: moe.prefill_layer(x_cp, logits_cp, ring_q8, all_miss, host_pool_q8,
+                                                                   (0, RING_SLOTS), out=out_cp))):
+            moe.trace = []
+            call()
+            traces[name] = [(n, round(t, 4)) for n, t in moe.trace_report()]
+            moe.trace = None
+        res["traces"] = traces
+        log(f"trace warm: {traces['warm_f16']}")
+        log(f"trace cold (first/last marks): {traces['cold_f16'][:6]} ... {traces['cold_f16'][-6:]}")
     log(f"ours: {json.dumps({k: round(v['median_ms'], 3) for k, v in res['ours'].items()})}")
 
     # decode: one token, all hits (eager and as a graph), then with m misses
@@ -446,7 +452,7 @@ def main() -> int:
                 dec["gate_up_kernel_back_to_back"] = tm.cupy(
                     lambda: [moe._gate_up(x1, lg1, pool, slot_map, None, 0) for _ in range(100)], st)
                 dec["down_kernel_back_to_back"] = tm.cupy(
-                    lambda: [moe._down(pool, slot_map, b["out"]) for _ in range(100)], st)
+                    lambda: [moe._down(pool, slot_map, None, 0, b["out"]) for _ in range(100)], st)
             for kname in ("gate_up_kernel_back_to_back", "down_kernel_back_to_back"):
                 dec[kname]["per_launch_us"] = dec[kname]["median_ms"] * 10
             routed = [int(e) for e in moe.decode_buffers()["ids"].get()]

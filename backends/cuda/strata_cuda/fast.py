@@ -12,10 +12,12 @@ executor can call it with the cache's own pool, slot maps and lent ring slots:
 - `decode_layer`: one token, every routed expert cached: two kernels (route + gate/up GEMV + SwiGLU, then the
   down GEMV over all top-k experts), routing and slot look-up on the device, no host sync; `capture_decode`
   records the two launches as a CUDA graph.
-- `decode_layer_misses`: one token with misses: the first kernel routes and runs the cached experts, the ids
-  come to the host (one sync), the misses' gate/up then down matrices are copied into ring slots (two events),
-  the device slot map is patched, the first kernel fills the missed experts' rows as soon as their gate/up
-  matrices land and the down kernel runs when the rest has landed.
+- `decode_layer_misses`: one token with misses: a one-block routing kernel, the ids to the host (one event
+  sync), then the misses' gate/up and down matrices are copied into ring slots (two events) while the two
+  kernels run the cached experts; the missed experts' rows are filled as soon as their gate/up matrices land,
+  and their share of the down product is added once the rest has landed.
+Work buffers are grown once and addressed by pointer, and the small tables travel through page-locked staging,
+so the host's share of a layer stays a few tens of microseconds.
 cupy is imported inside the constructor: this module imports without it.
 """
 
@@ -99,11 +101,27 @@ class LayerStats:
     routed_rows: int = 0
 
 
+class _Grown:
+    """A device buffer that only grows (so pointers into it stay valid within a call and no call frees mid-run)."""
+
+    def __init__(self, cp: Any):
+        self._cp = cp
+        self.mem = None
+        self.nbytes = 0
+
+    def ptr(self, nbytes: int) -> int:
+        """The buffer's address, grown first to at least nbytes."""
+        if nbytes > self.nbytes:
+            self.mem = self._cp.cuda.alloc(nbytes)
+            self.nbytes = nbytes
+        return int(self.mem.ptr)
+
+
 class FastMoE:
     """Fast MoE layer paths for one shape (E experts, top-k, hidden H, FFN F) on the current cupy device."""
 
     def __init__(self, experts: int, top_k: int, hidden: int, ffn: int, group_experts: int = 8,
-                 hit_batch_experts: int = 0):
+                 hit_batch_experts: int = 32):
         import cupy
         from cupy.cuda import runtime
         from cupy_backends.cuda.libs import cublas
@@ -117,9 +135,10 @@ class FastMoE:
         self.experts, self.top_k, self.hidden, self.ffn = experts, top_k, hidden, ffn
         #: most experts per streamed copy group (the ring must hold 4 groups for it; smaller rings take smaller)
         self.group_experts = int(group_experts)
-        #: most cached experts per batched GEMM (0: a whole run of consecutive slots in one GEMM)
+        #: most cached experts per batched GEMM, each batch padded to its own largest group (0: a whole run of
+        #: consecutive slots in one GEMM)
         self.hit_batch_experts = int(hit_batch_experts)
-        #: when a list, prefill_layer appends (name, stream, event) at its stages; trace_report() reads them
+        #: when a list, prefill_layer appends (name, event) at its stages; trace_report() reads them
         self.trace: list | None = None
         self._module = cupy.RawModule(code=kernel_source(), options=COMPILE_OPTIONS)
         self._k = {n: self._module.get_function(n) for n in KERNEL_NAMES}
@@ -129,11 +148,14 @@ class FastMoE:
         # alpha/beta live on the host for the whole life of the object: cuBLAS reads them at enqueue time
         self._one = np.ones(1, dtype=np.float32)
         self._zero = np.zeros(1, dtype=np.float32)
-        # page-locked staging for the tiny host->device tables (block map, slot map), so their copies are async
-        self._stage = cupy.cuda.alloc_pinned_memory(4 * 4 * max(experts, 64))
-        self._stage_np = np.frombuffer(self._stage, dtype=np.int32, count=4 * max(experts, 64))
-        self._ids_host_mem = cupy.cuda.alloc_pinned_memory(4 * MAX_TOPK)
-        self._ids_host = np.frombuffer(self._ids_host_mem, dtype=np.int32, count=MAX_TOPK)
+        # page-locked staging: small tables to the device (block map, slot map) and counts/ids back, all async
+        n_stage = 4 * max(experts, 64)
+        self._stage_mem = cupy.cuda.alloc_pinned_memory(4 * n_stage)
+        self._stage = np.frombuffer(self._stage_mem, dtype=np.int32, count=n_stage)
+        self._back_mem = cupy.cuda.alloc_pinned_memory(4 * max(experts, MAX_TOPK))
+        self._back = np.frombuffer(self._back_mem, dtype=np.int32, count=max(experts, MAX_TOPK))
+        self._synced = cupy.cuda.Event(disable_timing=True)
+        self._ws = {n: _Grown(cupy) for n in ("route", "xs", "gu", "act", "ys")}
         self.stats = LayerStats()
 
     # -- small helpers -----------------------------------------------------------------------------------------
@@ -166,7 +188,6 @@ class FastMoE:
         """(stage, ms since the first mark) for every mark of the traced calls (synchronizes the device)."""
         if not self.trace:
             return []
-        self.trace[-1][1].synchronize()
         self._cp.cuda.Device().synchronize()
         t0 = self.trace[0][1]
         return [(n, self._cp.cuda.get_elapsed_time(t0, ev)) for n, ev in self.trace]
@@ -176,28 +197,53 @@ class FastMoE:
         return {n: {"regs": int(k.num_regs), "local_bytes": int(k.local_size_bytes),
                     "shared_bytes": int(k.shared_size_bytes)} for n, k in self._k.items()}
 
-    def _upload_i32(self, dst: Any, values: np.ndarray, offset: int = 0) -> None:
-        """Copy a small int32 table to the device through page-locked staging, async on the current stream."""
+    def _upload_i32(self, dst_ptr: int, values: np.ndarray, offset: int = 0) -> None:
+        """Copy a small int32 table to the device through page-locked staging, async on the current stream. The
+        caller has synchronized since the last use of this staging range (every path here syncs once per call)."""
         n = int(values.size)
-        self._stage_np[offset:offset + n] = values
-        self._rt.memcpyAsync(dst.data.ptr, self._stage_np.ctypes.data + 4 * offset, 4 * n, _MEMCPY_H2D,
+        self._stage[offset:offset + n] = values
+        self._rt.memcpyAsync(dst_ptr, self._stage.ctypes.data + 4 * offset, 4 * n, _MEMCPY_H2D,
                              self._cp.cuda.get_current_stream().ptr)
+
+    def _download_i32(self, src_ptr: int, n: int) -> np.ndarray:
+        """Copy n int32 from the device into page-locked memory and wait for just that copy (not later work)."""
+        st = self._cp.cuda.get_current_stream()
+        self._rt.memcpyAsync(self._back.ctypes.data, src_ptr, 4 * n, 2, st.ptr)
+        self._synced.record(st)
+        self._synced.synchronize()
+        return self._back[:n]
 
     # -- routing -----------------------------------------------------------------------------------------------
 
-    def route(self, logits: Any) -> tuple[Any, Any, Any, Any]:
-        """[T,E] f32 logits -> (ids [T,K] int32, weights [T,K] f32, pos [T,K] int32, counts [E] int32) on device."""
-        cp = self._cp
-        t = int(logits.shape[0])
-        ids = cp.empty((t, self.top_k), dtype=cp.int32)
-        wts = cp.empty((t, self.top_k), dtype=cp.float32)
-        pos = cp.empty((t, self.top_k), dtype=cp.int32)
-        counts = cp.zeros(self.experts, dtype=cp.int32)
+    def _route_ptrs(self, t: int) -> tuple[int, int, int, int, int]:
+        """(ids, weights, pos, rowidx, counts) pointers of a t-token routing workspace."""
+        tk = t * self.top_k
+        base = self._ws["route"].ptr(4 * (4 * tk + self.experts))
+        return base, base + 4 * tk, base + 8 * tk, base + 12 * tk, base + 16 * tk
+
+    def _launch_route(self, logits: Any, t: int) -> tuple[int, int, int, int, int]:
+        ids, wts, pos, rowidx, counts = self._route_ptrs(t)
+        st = self._cp.cuda.get_current_stream()
+        self._rt.memsetAsync(counts, 0, 4 * self.experts, st.ptr)
         warps = THREADS // WARP_LANES
         self._k["strata_fast_route_count"](((t + warps - 1) // warps,), (THREADS,),
                                            (logits, np.int32(t), np.int32(self.experts), np.int32(self.top_k),
-                                            ids, wts, pos, counts))
-        return ids, wts, pos, counts
+                                            np.uint64(ids), np.uint64(wts), np.uint64(pos), np.uint64(counts)))
+        return ids, wts, pos, rowidx, counts
+
+    def route(self, logits: Any) -> tuple[Any, Any, Any, Any]:
+        """[T,E] f32 logits -> (ids [T,K] int32, weights [T,K] f32, pos [T,K] int32, counts [E] int32), as new
+        device arrays (copies of the workspace), on the current stream."""
+        cp = self._cp
+        t = int(logits.shape[0])
+        ids, wts, pos, _, counts = self._launch_route(logits, t)
+        out = []
+        for ptr, shape, dt in ((ids, (t, self.top_k), cp.int32), (wts, (t, self.top_k), cp.float32),
+                               (pos, (t, self.top_k), cp.int32), (counts, (self.experts,), cp.int32)):
+            a = cp.empty(shape, dtype=dt)
+            self._rt.memcpyAsync(a.data.ptr, ptr, a.nbytes, 3, cp.cuda.get_current_stream().ptr)
+            out.append(a)
+        return tuple(out)
 
     # -- prefill -----------------------------------------------------------------------------------------------
 
@@ -211,11 +257,8 @@ class FastMoE:
         ring[0]..ring[0]+ring[1]-1, whose earlier contents are no longer needed. Runs on `compute_stream`;
         `out` (a [T,H] f32 device array) is written in place when given.
         """
-        cp = self._cp
-        st = self.compute_stream
-        with st:
-            return self._prefill(cp, x, logits, pool, np.asarray(slot_of_expert, dtype=np.int64), host_pool, ring,
-                                out)
+        with self.compute_stream:
+            return self._prefill(x, logits, pool, np.asarray(slot_of_expert, dtype=np.int64), host_pool, ring, out)
 
     def warm_prefill_layer(self, x: Any, logits: Any, pool: ExpertPool, slot_of_expert: np.ndarray) -> Any:
         """prefill_layer with every routed expert cached (raises if one is not)."""
@@ -226,14 +269,16 @@ class FastMoE:
         """prefill_layer with every expert missed and streamed through the ring."""
         return self.prefill_layer(x, logits, pool, np.full(self.experts, -1, dtype=np.int64), host_pool, ring)
 
-    def _prefill(self, cp: Any, x: Any, logits: Any, pool: ExpertPool, slot_of: np.ndarray,
+    def _prefill(self, x: Any, logits: Any, pool: ExpertPool, slot_of: np.ndarray,
                  host_pool: ExpertPool | None, ring: tuple[int, int] | None, out: Any) -> Any:
+        cp = self._cp
         t, h = int(x.shape[0]), self.hidden
         f, kk, e_n = self.ffn, self.top_k, self.experts
         self._mark("start")
-        ids, wts, pos, counts = self.route(logits)
+        ids, wts, pos, rowidx, counts = self._launch_route(logits, t)
+        self._mark("routed")
         # the one host sync of a prefill layer: row counts decide the padded height and which experts to fetch
-        counts_h = counts.get()
+        counts_h = self._download_i32(counts, e_n).astype(np.int64)
         used = counts_h > 0
         hits = np.nonzero(used & (slot_of >= 0))[0]
         hits = hits[np.argsort(slot_of[hits], kind="stable")]
@@ -242,7 +287,7 @@ class FastMoE:
             raise ValueError(f"prefill_layer: {misses.size} experts are not cached and no host pool/ring was given")
         order = np.concatenate([hits, misses])
         g_n = int(order.size)
-        count_of_block = counts_h[order].astype(np.int32)
+        count_of_block = counts_h[order]
         mpad = int(-(-int(counts_h.max()) // ROW_ALIGN) * ROW_ALIGN) if g_n else ROW_ALIGN
         self.stats = LayerStats(experts_used=g_n, hits=int(hits.size), misses=int(misses.size), mpad_rows=mpad,
                                 routed_rows=t * kk, routed_rows_hit=int(counts_h[hits].sum()))
@@ -254,85 +299,81 @@ class FastMoE:
         table = np.zeros(2 * e_n, dtype=np.int32)
         table[order] = np.arange(g_n, dtype=np.int32)
         table[e_n:e_n + g_n] = count_of_block
-        maps = cp.empty(2 * e_n, dtype=cp.int32)
+        maps = self._ws.setdefault("maps", _Grown(cp)).ptr(8 * e_n)
         self._upload_i32(maps, table)
-        block_of_d, count_of_block_d = maps[:e_n], maps[e_n:]
-        xs = cp.empty((g_n, mpad, h), dtype=cp.float16)
-        rowidx = cp.empty((t, kk), dtype=cp.int32)
+        block_of_d, count_of_block_d = maps, maps + 4 * e_n
+        xs = self._ws["xs"].ptr(2 * g_n * mpad * h)
         self._mark("planned")
         # ring copies may begin once the compute stream is past every earlier reader of the ring (previous layers)
         start = cp.cuda.Event(disable_timing=True)
         start.record()
         self._k["strata_fast_gather"]((t * kk,), (THREADS,),
-                                      (x, ids, pos, block_of_d, np.int32(t), np.int32(kk), np.int32(h),
-                                       np.int32(mpad), xs, rowidx))
-        gu = cp.empty((g_n, mpad, 2 * f), dtype=cp.float16)
-        act = cp.empty((g_n, mpad, f), dtype=cp.float16)
-        ys = cp.empty((g_n, mpad, h), dtype=cp.float16)
-        bufs = (xs, gu, act, ys, count_of_block_d)
+                                      (x, np.uint64(ids), np.uint64(pos), np.uint64(block_of_d), np.int32(t),
+                                       np.int32(kk), np.int32(h), np.int32(mpad), np.uint64(xs), np.uint64(rowidx)))
+        bufs = (xs, self._ws["gu"].ptr(2 * g_n * mpad * 2 * f), self._ws["act"].ptr(2 * g_n * mpad * f),
+                self._ws["ys"].ptr(2 * g_n * mpad * h), count_of_block_d)
 
         def run_hits() -> None:
             if hits.size:
-                self._run_hits(cp, pool, slot_of, hits, count_of_block, mpad, bufs)
+                self._run_hits(pool, slot_of, hits, count_of_block, mpad, bufs)
 
         if misses.size:
-            # the first copy is queued before the hits' GEMMs, so the link starts now
-            self._stream_misses(cp, [int(e) for e in misses], pool, host_pool, ring, int(hits.size),
-                                count_of_block, mpad, bufs, start, run_hits)
+            # the first copies are queued before the hits' GEMMs, so the link starts at once
+            self._stream_misses(misses.tolist(), pool, host_pool, ring, int(hits.size), count_of_block, mpad, bufs,
+                                start, run_hits)
         else:
             run_hits()
-        self._k["strata_fast_combine"]((t,), (THREADS,), (ys, rowidx, wts, np.int32(t), np.int32(kk), np.int32(h), out))
+        self._k["strata_fast_combine"]((t,), (THREADS,), (np.uint64(bufs[3]), np.uint64(rowidx), np.uint64(wts),
+                                                          np.int32(t), np.int32(kk), np.int32(h), out))
         self._mark("end")
         return out
 
-    def _run_hits(self, cp: Any, pool: ExpertPool, slot_of: np.ndarray, hits: np.ndarray,
-                  count_of_block: np.ndarray, mpad: int, bufs: tuple) -> None:
-        """The cached experts: one GEMM pair per run of consecutive slots (Q8_0: dequantized a group at a time)."""
+    def _run_hits(self, pool: ExpertPool, slot_of: np.ndarray, hits: np.ndarray, count_of_block: np.ndarray,
+                  mpad: int, bufs: tuple) -> None:
+        """The cached experts: GEMM pairs over runs of consecutive slots, at most hit_batch_experts per batch (each
+        padded to its own largest group); Q8_0 pools dequantize group_experts at a time into scratch."""
         if pool.dtype == "q8_0":
             step = self.group_experts
         else:
             step = self.hit_batch_experts or len(hits)
+        step = max(1, step)
         for first, slot0, n in slot_runs(slot_of[hits].tolist()):
-            for sub in range(0, n, max(1, step)):
-                m = min(n - sub, max(1, step))
+            for sub in range(0, n, step):
+                m = min(n - sub, step)
                 rows = int(count_of_block[first + sub:first + sub + m].max())
-                self._group(cp, pool, slot0 + sub, first + sub, m, rows, mpad, *bufs)
+                self._group(pool, slot0 + sub, first + sub, m, rows, mpad, *bufs)
         self._mark("hits_done")
 
-    def _weights_f16(self, cp: Any, pool: ExpertPool, slot0: int, m: int) -> tuple[int, int]:
+    def _weights_f16(self, pool: ExpertPool, slot0: int, m: int) -> tuple[int, int]:
         """Device pointers of m consecutive slots' f16 weights (Q8_0: dequantized into scratch on this stream)."""
         h, f = self.hidden, self.ffn
-        if pool.dtype == "f16":
-            return (pool.arrays["w_gate_up"][slot0].data.ptr, pool.arrays["w_down"][slot0].data.ptr)
-        scratch = self._scratch(cp, m)
         a = pool.arrays
+        if pool.dtype == "f16":
+            return (a["w_gate_up"].data.ptr + slot0 * 2 * f * h * 2, a["w_down"].data.ptr + slot0 * h * f * 2)
         n13, n2 = m * 2 * f * h, m * h * f
-        self._k["strata_fast_dequant_q8_0"]((self._stride_blocks(n13 // 16),), (THREADS,),
-                                            (a["gate_up_q"][slot0], a["gate_up_d"][slot0], np.int64(n13), scratch[0]))
-        self._k["strata_fast_dequant_q8_0"]((self._stride_blocks(n2 // 16),), (THREADS,),
-                                            (a["down_q"][slot0], a["down_d"][slot0], np.int64(n2), scratch[1]))
-        return scratch[0].data.ptr, scratch[1].data.ptr
+        scratch = self._ws.setdefault("scratch", _Grown(self._cp)).ptr(2 * (n13 + n2))
+        s13, s2 = scratch, scratch + 2 * n13
+        for q, d, n, dst, q_row, d_row in ((a["gate_up_q"], a["gate_up_d"], n13, s13, 2 * f * h, 2 * f * h // QK8_0),
+                                           (a["down_q"], a["down_d"], n2, s2, h * f, h * f // QK8_0)):
+            self._k["strata_fast_dequant_q8_0"]((self._stride_blocks(n // 16),), (THREADS,),
+                                                (np.uint64(q.data.ptr + slot0 * q_row),
+                                                 np.uint64(d.data.ptr + slot0 * d_row * 2), np.int64(n),
+                                                 np.uint64(dst)))
+        return s13, s2
 
-    def _scratch(self, cp: Any, m: int) -> tuple[Any, Any]:
-        have = getattr(self, "_scr", None)
-        if have is None or have[0].shape[0] < m:
-            self._scr = (cp.empty((max(m, self.group_experts), 2 * self.ffn, self.hidden), dtype=cp.float16),
-                         cp.empty((max(m, self.group_experts), self.hidden, self.ffn), dtype=cp.float16))
-        return self._scr
-
-    def _group(self, cp: Any, pool: ExpertPool, slot0: int, blk0: int, m: int, rows: int, mpad: int,
-               xs: Any, gu: Any, act: Any, ys: Any, count_of_block_d: Any) -> None:
+    def _group(self, pool: ExpertPool, slot0: int, blk0: int, m: int, rows: int, mpad: int,
+               xs: int, gu: int, act: int, ys: int, count_of_block_d: int) -> None:
         """Run m experts in consecutive slots slot0.. over stack blocks blk0.. (rows: their largest group)."""
         h, f = self.hidden, self.ffn
-        w13, w2 = self._weights_f16(cp, pool, slot0, m)
-        self._gemm_tn(2 * f, rows, h, w13, h, 2 * f * h, xs[blk0].data.ptr, h, mpad * h,
-                      gu[blk0].data.ptr, 2 * f, mpad * 2 * f, m)
+        w13, w2 = self._weights_f16(pool, slot0, m)
+        self._gemm_tn(2 * f, rows, h, w13, h, 2 * f * h, xs + 2 * blk0 * mpad * h, h, mpad * h,
+                      gu + 2 * blk0 * mpad * 2 * f, 2 * f, mpad * 2 * f, m)
         n = m * mpad * (f // 8)
         self._k["strata_fast_swiglu"]((self._stride_blocks(n),), (THREADS,),
-                                      (gu, count_of_block_d, np.int32(blk0), np.int32(m), np.int32(mpad),
-                                       np.int32(f), act))
-        self._gemm_tn(h, rows, f, w2, f, h * f, act[blk0].data.ptr, f, mpad * f,
-                      ys[blk0].data.ptr, h, mpad * h, m)
+                                      (np.uint64(gu), np.uint64(count_of_block_d), np.int32(blk0), np.int32(m),
+                                       np.int32(mpad), np.int32(f), np.uint64(act)))
+        self._gemm_tn(h, rows, f, w2, f, h * f, act + 2 * blk0 * mpad * f, f, mpad * f,
+                      ys + 2 * blk0 * mpad * h, h, mpad * h, m)
 
     def _copy_experts(self, pool: ExpertPool, host_pool: ExpertPool, experts: list[int], slot0: int,
                       names: Sequence[str] | None = None) -> int:
@@ -343,9 +384,9 @@ class FastMoE:
         for first, e0, n in slot_runs(experts):
             for name in names or pool.arrays:
                 dev, src = pool.arrays[name], host_pool.arrays[name]
-                per = int(src[0].nbytes)
-                self._rt.memcpyAsync(dev[slot0 + first].data.ptr, src.ctypes.data + e0 * per, n * per, _MEMCPY_H2D,
-                                     stream)
+                per = int(src.strides[0])
+                self._rt.memcpyAsync(dev.data.ptr + (slot0 + first) * int(dev.strides[0]), src.ctypes.data + e0 * per,
+                                     n * per, _MEMCPY_H2D, stream)
                 total += n * per
         return total
 
@@ -359,41 +400,59 @@ class FastMoE:
         sizes = [head // groups + (1 if i < head % groups else 0) for i in range(groups)] if groups else []
         return sizes + tail
 
-    def _stream_misses(self, cp: Any, misses: list[int], pool: ExpertPool, host_pool: ExpertPool,
-                       ring: tuple[int, int], blk_base: int, count_of_block: np.ndarray, mpad: int,
-                       bufs: tuple, start: Any, run_hits: Any) -> None:
+    def _stream_misses(self, misses: list[int], pool: ExpertPool, host_pool: ExpertPool, ring: tuple[int, int],
+                       blk_base: int, count_of_block: np.ndarray, mpad: int, bufs: tuple, start: Any,
+                       run_hits: Any) -> None:
+        cp = self._cp
         ring0, ring_n = int(ring[0]), int(ring[1])
         sizes = self.miss_groups(len(misses), ring_n)
         if max(sizes) > ring_n:
             raise ValueError(f"prefill_layer: a ring of {ring_n} slots cannot hold a copy group of {max(sizes)}")
-        cs, st = self.copy_stream, self.compute_stream
-        # ring slots may still be read by earlier work on the compute stream (the previous layer): start after it
-        cs.wait_event(start)
-        last_user: list[Any] = [None] * ring_n  # per ring slot: the event of the last group computed in it
-        cursor, j, streamed = 0, 0, 0
+        # place the groups on the ring (wrapping where one does not fit) and find, for each, the groups that last
+        # used its slots: its copy must wait until they have computed
+        place, deps, last_user, cursor = [], [], [-1] * ring_n, 0
         for g, size in enumerate(sizes):
             if cursor + size > ring_n:
                 cursor = 0
-            waits = {id(ev): ev for ev in last_user[cursor:cursor + size] if ev is not None}
-            for ev in waits.values():
-                cs.wait_event(ev)  # the groups that last used these slots have finished computing
-            streamed += self._copy_experts(pool, host_pool, misses[j:j + size], ring0 + cursor)
-            landed = cp.cuda.Event(disable_timing=True)
-            landed.record(cs)
-            self._mark(f"copied_{g}", cs)
-            if g == 0:
-                run_hits()  # the hits compute while the first copies fly
-            st.wait_event(landed)
-            blk0 = blk_base + j
-            rows = int(count_of_block[blk0:blk0 + size].max())
-            self._group(cp, pool, ring0 + cursor, blk0, size, rows, mpad, *bufs)
-            done = cp.cuda.Event(disable_timing=True)
-            done.record(st)
-            self._mark(f"computed_{g}")
+            place.append(cursor)
+            deps.append(sorted({u for u in last_user[cursor:cursor + size] if u >= 0}))
             for i in range(cursor, cursor + size):
-                last_user[i] = done
+                last_user[i] = g
             cursor += size
-            j += size
+        first_of = np.concatenate([[0], np.cumsum(sizes)]).astype(int)
+        cs, st = self.copy_stream, self.compute_stream
+        cs.wait_event(start)  # ring slots may still be read by earlier work on the compute stream
+        landed = [cp.cuda.Event(disable_timing=True) for _ in sizes]
+        done = [cp.cuda.Event(disable_timing=True) for _ in sizes]
+        streamed = 0
+        next_copy = 0
+
+        def queue_copies(computed: int) -> int:
+            # queue every copy whose ring slots are free once the groups enqueued so far have computed: the copy
+            # stream then holds several groups ahead, so a slow host moment does not leave the link idle
+            nonlocal next_copy
+            moved = 0
+            while next_copy < len(sizes) and all(d < computed for d in deps[next_copy]):
+                g = next_copy
+                for d in deps[g]:
+                    cs.wait_event(done[d])
+                a = first_of[g]
+                moved += self._copy_experts(pool, host_pool, misses[a:a + sizes[g]], ring0 + place[g])
+                landed[g].record(cs)
+                self._mark(f"copied_{g}", cs)
+                next_copy += 1
+            return moved
+
+        streamed += queue_copies(0)
+        run_hits()  # the hits compute while the first copies fly
+        for g, size in enumerate(sizes):
+            st.wait_event(landed[g])
+            blk0 = blk_base + int(first_of[g])
+            rows = int(count_of_block[blk0:blk0 + size].max())
+            self._group(pool, ring0 + place[g], blk0, size, rows, mpad, *bufs)
+            done[g].record(st)
+            self._mark(f"computed_{g}")
+            streamed += queue_copies(g + 1)
         self.stats.bytes_streamed = streamed
 
     # -- decode ------------------------------------------------------------------------------------------------
@@ -409,6 +468,8 @@ class FastMoE:
                    "w": cp.empty(self.top_k, dtype=cp.float32),
                    "out": cp.empty((1, self.hidden), dtype=cp.float32),
                    "map": cp.empty(self.experts, dtype=cp.int32),
+                   "pos": cp.empty(self.top_k, dtype=cp.int32),
+                   "counts": cp.zeros(self.experts, dtype=cp.int32),
                    "ev_gate_up": cp.cuda.Event(disable_timing=True),
                    "ev_down": cp.cuda.Event(disable_timing=True)}
             self._dec = buf
@@ -425,13 +486,15 @@ class FastMoE:
                                                np.int64(2 * f * h), np.int32(h), np.int32(f), b["act"], b["ids"],
                                                b["w"]))
 
-    def _down(self, pool: ExpertPool, slot_map: Any, out: Any) -> None:
+    def _down(self, pool: ExpertPool, slot_map: Any, only_missing_in: Any, skip_missing: int, out: Any) -> None:
         b = self.decode_buffers()
         h, f, kk = self.hidden, self.ffn, self.top_k
         warps = THREADS // WARP_LANES
         self._k["strata_fast_decode_down"](((h + warps - 1) // warps,), (THREADS,),
-                                           (b["act"], b["ids"], b["w"], slot_map, pool.arrays["w_down"],
-                                            np.int64(h * f), np.int32(h), np.int32(f), np.int32(kk), out))
+                                           (b["act"], b["ids"], b["w"], slot_map,
+                                            only_missing_in if only_missing_in is not None else np.uint64(0),
+                                            np.int32(skip_missing), pool.arrays["w_down"], np.int64(h * f),
+                                            np.int32(h), np.int32(f), np.int32(kk), out))
 
     def _check_decode_pool(self, pool: ExpertPool) -> None:
         if pool.dtype != "f16":
@@ -439,12 +502,12 @@ class FastMoE:
 
     def decode_layer(self, x: Any, logits: Any, pool: ExpertPool, slot_map: Any, out: Any = None) -> Any:
         """One token, every routed expert cached: x [1,H] f32, logits [1,E] f32, slot_map [E] int32 (device)
-        -> y [1,H] f32. No host sync; runs on `compute_stream`."""
+        -> y [1,H] f32. No host sync; runs on `compute_stream`. |x| must stay in the f16 range (see the source)."""
         self._check_decode_pool(pool)
         out = self.decode_buffers()["out"] if out is None else out
         with self.compute_stream:
             self._gate_up(x, logits, pool, slot_map, None, 0)
-            self._down(pool, slot_map, out)
+            self._down(pool, slot_map, None, 0, out)
         return out
 
     def capture_decode(self, x: Any, logits: Any, pool: ExpertPool, slot_map: Any) -> Any:
@@ -455,7 +518,7 @@ class FastMoE:
         with s:
             s.begin_capture()
             self._gate_up(x, logits, pool, slot_map, None, 0)
-            self._down(pool, slot_map, out)
+            self._down(pool, slot_map, None, 0, out)
             graph = s.end_capture()
         self._graph_stream = s
         return graph
@@ -467,35 +530,45 @@ class FastMoE:
         self._check_decode_pool(pool)
         b = self.decode_buffers()
         st = self.compute_stream
+        kk = self.top_k
         with st:
             if out is None:
                 out = self._cp.empty((1, self.hidden), dtype=self._cp.float32)
+            # route with one block, bring the ids back and wait for that copy only; meanwhile the hits run
+            self._k["strata_fast_route_count"]((1,), (THREADS,), (logits, np.int32(1), np.int32(self.experts),
+                                                                  np.int32(kk), b["ids"], b["w"], b["pos"],
+                                                                  b["counts"]))
+            self._rt.memcpyAsync(self._back.ctypes.data, b["ids"].data.ptr, 4 * kk, 2, st.ptr)
+            self._synced.record(st)
             self._gate_up(x, logits, pool, slot_map, None, 1)
-            self._rt.memcpyAsync(self._ids_host.ctypes.data, b["ids"].data.ptr, 4 * self.top_k, 2, st.ptr)
-            st.synchronize()  # also: nothing earlier on this stream still reads the ring
-            routed = self._ids_host[:self.top_k]
-            missing = np.asarray(slot_of_expert)[routed] < 0
-            misses = sorted(int(e) for e in routed[missing])
-            self.stats = LayerStats(experts_used=self.top_k, hits=self.top_k - len(misses), misses=len(misses),
-                                    routed_rows=self.top_k, routed_rows_hit=self.top_k - len(misses))
-            if not misses:
-                self._down(pool, slot_map, out)
+            self._down(pool, slot_map, None, 1, out)
+            self._synced.synchronize()
+            routed = self._back[:kk]
+            slot_h = np.asarray(slot_of_expert)
+            misses = np.unique(routed[slot_h[routed] < 0])
+            n_miss = int(misses.size)
+            self.stats = LayerStats(experts_used=kk, hits=kk - n_miss, misses=n_miss, routed_rows=kk,
+                                    routed_rows_hit=kk - n_miss)
+            if not n_miss:
                 return out
-            if len(misses) > int(ring[1]):
-                raise ValueError(f"decode_layer_misses: {len(misses)} misses and a ring of {ring[1]} slots")
+            if n_miss > int(ring[1]):
+                raise ValueError(f"decode_layer_misses: {n_miss} misses and a ring of {ring[1]} slots")
+            # the ring's earlier readers ran before this call's sync point on this stream: the copy may start now
+            self.copy_stream.wait_event(self._synced)
+            miss_list = misses.tolist()
             names = list(pool.arrays)
-            gate_names = [n for n in names if n.startswith("w_gate_up") or n.startswith("gate_up")]
+            gate_names = [n for n in names if "gate_up" in n]
             down_names = [n for n in names if n not in gate_names]
-            streamed = self._copy_experts(pool, host_pool, misses, int(ring[0]), gate_names)
+            streamed = self._copy_experts(pool, host_pool, miss_list, int(ring[0]), gate_names)
             b["ev_gate_up"].record(self.copy_stream)
-            streamed += self._copy_experts(pool, host_pool, misses, int(ring[0]), down_names)
+            streamed += self._copy_experts(pool, host_pool, miss_list, int(ring[0]), down_names)
             b["ev_down"].record(self.copy_stream)
             self.stats.bytes_streamed = streamed
-            patched = np.asarray(slot_of_expert, dtype=np.int32).copy()
-            patched[misses] = int(ring[0]) + np.arange(len(misses), dtype=np.int32)
-            self._upload_i32(b["map"], patched, offset=2 * self.experts)
+            patched = slot_h.astype(np.int32)
+            patched[misses] = int(ring[0]) + np.arange(n_miss, dtype=np.int32)
+            self._upload_i32(b["map"].data.ptr, patched, offset=2 * self.experts)
             st.wait_event(b["ev_gate_up"])
             self._gate_up(x, logits, pool, b["map"], slot_map, 0)
             st.wait_event(b["ev_down"])
-            self._down(pool, b["map"], out)
+            self._down(pool, b["map"], slot_map, 0, out)
         return out
