@@ -397,3 +397,131 @@ DEFINE_LINEAR(linear_w_f16, half, LOAD_F16)
 
 DEFINE_LINEAR_PLAIN(linear_plain_w_f32, float, LOAD_F32)
 DEFINE_LINEAR_PLAIN(linear_plain_w_f16, half, LOAD_F16)
+
+/* ------------------------------------------------------------------------------------------------ tiled grouped FFN */
+
+/* The grouped FFN tiled like `linear`: a FFN_TILE x FFN_TILE work-group computes FFN_TILE outputs of FFN_TILE rows
+ * through local memory when all its rows lie in one group (so they share one expert's weights: the usual case in a
+ * prompt chunk, where a group holds many tokens). A tile that straddles groups, or whose rows are in no group, runs
+ * the per-item loop of the plain kernels. The test is the same for every work-item of a group, so the barriers of
+ * the tiled branch are reached by all of them or by none. */
+#define FFN_TILE 16
+
+/* A weight element (row, col) of a [rows, C] matrix: half weights, or Q8_0 quants times their block's scale. */
+#define W_F16(row, col, C) vload_half((size_t)(row) * (C) + (col), w)
+#define W_Q8_0(row, col, C) \
+    ((float)wq[(size_t)(row) * (C) + (col)] * vload_half((size_t)(row) * ((C) / QK8_0) + (col) / QK8_0, wd))
+
+/* The slot shared by every row of the tile starting at n0, or -1 when the tile straddles groups (or has none). */
+inline int tile_slot(__global const int* offsets, __global const int* slots, const int G, const int S, const int N,
+                     const int n0)
+{
+    const int g_first = group_of_row(offsets, G, n0);
+    const int g_last = group_of_row(offsets, G, min(n0 + FFN_TILE, N) - 1);
+    if (g_first < 0 || g_first != g_last)
+        return -1;
+    const int s = slots[g_first];
+    return (s >= 0 && s < S) ? s : -1;
+}
+
+#define DEFINE_FFN_GATE_UP_TILED(NAME, WLOAD, ...)                                                                   \
+    __kernel __attribute__((reqd_work_group_size(FFN_TILE, FFN_TILE, 1)))                                           \
+    void NAME(__global const float* x, __global const int* offsets, __global const int* slots,                      \
+              const int G, const int S, const int N, const int H, const int F, __VA_ARGS__, __global float* act)    \
+    {                                                                                                               \
+        __local float xs[FFN_TILE][FFN_TILE + 1];                                                                   \
+        __local float gs[FFN_TILE][FFN_TILE + 1];                                                                   \
+        __local float us[FFN_TILE][FFN_TILE + 1];                                                                   \
+        const int lo = get_local_id(0), lt = get_local_id(1);                                                       \
+        const int f0 = get_group_id(0) * FFN_TILE, n0 = get_group_id(1) * FFN_TILE;                                 \
+        const int f = f0 + lo, n = n0 + lt;                                                                         \
+        if (n0 >= N)                                                                                                \
+            return;                                                                                                 \
+        const int st = tile_slot(offsets, slots, G, S, N, n0);                                                      \
+        if (st >= 0) {                                                                                              \
+            const size_t gate_row = (size_t)st * 2 * F + f0 + lt, up_row = gate_row + F;                            \
+            const bool row_ok = f0 + lt < F;                                                                        \
+            float a = 0.0f, b = 0.0f;                                                                               \
+            for (int h0 = 0; h0 < H; h0 += FFN_TILE) {                                                              \
+                const int h = h0 + lo;                                                                              \
+                xs[lt][lo] = (n < N && h < H) ? x[(size_t)n * H + h] : 0.0f;                                        \
+                gs[lt][lo] = (row_ok && h < H) ? WLOAD(gate_row, h, H) : 0.0f;                                      \
+                us[lt][lo] = (row_ok && h < H) ? WLOAD(up_row, h, H) : 0.0f;                                        \
+                barrier(CLK_LOCAL_MEM_FENCE);                                                                       \
+                for (int k = 0; k < FFN_TILE; ++k) {                                                                \
+                    a += xs[lt][k] * gs[lo][k];                                                                     \
+                    b += xs[lt][k] * us[lo][k];                                                                     \
+                }                                                                                                   \
+                barrier(CLK_LOCAL_MEM_FENCE);                                                                       \
+            }                                                                                                       \
+            if (f < F && n < N)                                                                                     \
+                act[(size_t)n * F + f] = silu_f32(a) * b;                                                           \
+            return;                                                                                                 \
+        }                                                                                                           \
+        if (f >= F || n >= N)                                                                                       \
+            return;                                                                                                 \
+        const int sl = slot_of_row(offsets, slots, G, S, n);                                                        \
+        if (sl < 0) {                                                                                               \
+            act[(size_t)n * F + f] = 0.0f;                                                                          \
+            return;                                                                                                 \
+        }                                                                                                           \
+        const size_t gate_row = (size_t)sl * 2 * F + f, up_row = gate_row + F;                                      \
+        __global const float* xr = x + (size_t)n * H;                                                               \
+        float a = 0.0f, b = 0.0f;                                                                                   \
+        for (int h = 0; h < H; ++h) {                                                                               \
+            a += xr[h] * WLOAD(gate_row, h, H);                                                                     \
+            b += xr[h] * WLOAD(up_row, h, H);                                                                       \
+        }                                                                                                           \
+        act[(size_t)n * F + f] = silu_f32(a) * b;                                                                   \
+    }
+
+#define DEFINE_FFN_DOWN_TILED(NAME, WLOAD, ...)                                                                      \
+    __kernel __attribute__((reqd_work_group_size(FFN_TILE, FFN_TILE, 1)))                                           \
+    void NAME(__global const float* act, __global const int* offsets, __global const int* slots,                    \
+              const int G, const int S, const int N, const int H, const int F, __VA_ARGS__, __global float* y)      \
+    {                                                                                                               \
+        __local float as[FFN_TILE][FFN_TILE + 1];                                                                   \
+        __local float ws[FFN_TILE][FFN_TILE + 1];                                                                   \
+        const int lo = get_local_id(0), lt = get_local_id(1);                                                       \
+        const int h0 = get_group_id(0) * FFN_TILE, n0 = get_group_id(1) * FFN_TILE;                                 \
+        const int h = h0 + lo, n = n0 + lt;                                                                         \
+        if (n0 >= N)                                                                                                \
+            return;                                                                                                 \
+        const int st = tile_slot(offsets, slots, G, S, N, n0);                                                      \
+        if (st >= 0) {                                                                                              \
+            const size_t down_row = (size_t)st * H + h0 + lt;                                                       \
+            const bool row_ok = h0 + lt < H;                                                                        \
+            float acc = 0.0f;                                                                                       \
+            for (int c0 = 0; c0 < F; c0 += FFN_TILE) {                                                              \
+                const int c = c0 + lo;                                                                              \
+                as[lt][lo] = (n < N && c < F) ? act[(size_t)n * F + c] : 0.0f;                                      \
+                ws[lt][lo] = (row_ok && c < F) ? WLOAD(down_row, c, F) : 0.0f;                                      \
+                barrier(CLK_LOCAL_MEM_FENCE);                                                                       \
+                for (int k = 0; k < FFN_TILE; ++k)                                                                  \
+                    acc += as[lt][k] * ws[lo][k];                                                                   \
+                barrier(CLK_LOCAL_MEM_FENCE);                                                                       \
+            }                                                                                                       \
+            if (h < H && n < N)                                                                                     \
+                y[(size_t)n * H + h] = acc;                                                                         \
+            return;                                                                                                 \
+        }                                                                                                           \
+        if (h >= H || n >= N)                                                                                       \
+            return;                                                                                                 \
+        const int sl = slot_of_row(offsets, slots, G, S, n);                                                        \
+        if (sl < 0) {                                                                                               \
+            y[(size_t)n * H + h] = 0.0f;                                                                            \
+            return;                                                                                                 \
+        }                                                                                                           \
+        const size_t down_row = (size_t)sl * H + h;                                                                 \
+        __global const float* ar = act + (size_t)n * F;                                                             \
+        float acc = 0.0f;                                                                                           \
+        for (int c = 0; c < F; ++c)                                                                                 \
+            acc += ar[c] * WLOAD(down_row, c, F);                                                                   \
+        y[(size_t)n * H + h] = acc;                                                                                 \
+    }
+
+/* The weight parameters come last (variadic) because the Q8_0 kernels take two: quants and scales. */
+DEFINE_FFN_GATE_UP_TILED(ffn_gate_up_f16_tiled, W_F16, __global const half* w)
+DEFINE_FFN_DOWN_TILED(ffn_down_f16_tiled, W_F16, __global const half* w)
+DEFINE_FFN_GATE_UP_TILED(ffn_gate_up_q8_0_tiled, W_Q8_0, __global const char* wq, __global const half* wd)
+DEFINE_FFN_DOWN_TILED(ffn_down_q8_0_tiled, W_Q8_0, __global const char* wq, __global const half* wd)

@@ -232,10 +232,36 @@ def test_poisoned_allocations_read_back_as_nan(ks):
 def test_linear_untiled_kernel_for_small_work_groups(mem, wdtype):
     # Devices whose work-groups hold fewer than 16 x 16 items run the plain kernel; it must agree as well.
     k = SyclKernels(mem.session, memory=PoisonedMemory(mem.session))
-    k._linear_tiled = False
+    k._tiled = False
     rng = np.random.default_rng()
     x = rng.standard_normal((19, 33)).astype(np.float32)
     w = rng.standard_normal((21, 33)).astype(wdtype)
     out = mem.download(k.linear(mem.to_device(x), mem.to_device(w)))
     assert _all_written(out)
     assert ref.relative_error(out, ref.linear(x, w)) < FP32_BOUND
+
+
+@pytest.mark.parametrize("tiled", [True, False], ids=["tiled", "plain"])
+@pytest.mark.parametrize("dtype", ["f16", "q8_0"])
+def test_moe_grouped_ffn_large_groups_on_both_kernel_paths(mem, tiled, dtype):
+    # Groups of tens of rows give tiles inside one group (the tiled branch) beside tiles that straddle two.
+    k = SyclKernels(mem.session, memory=PoisonedMemory(mem.session))
+    k._tiled = tiled
+    rng = np.random.default_rng()
+    s, h, f = 3, 64, 96
+    gate_up = rng.standard_normal((s, 2 * f, h)) / np.sqrt(h)
+    down = rng.standard_normal((s, h, f)) / np.sqrt(f)
+    if dtype == "f16":
+        arrays = {"w_gate_up": gate_up.astype(np.float16), "w_down": down.astype(np.float16)}
+    else:
+        (gq, gd), (dq, dd) = ref.quantize_q8_0(gate_up), ref.quantize_q8_0(down)
+        arrays = {"gate_up_q": gq, "gate_up_d": gd, "down_q": dq, "down_d": dd}
+    pool = ref.ExpertPool(dtype, arrays)
+    offsets = np.array([3, 43, 43, 76, 93], np.int32)  # rows 0..2 and 93.. are in no group
+    slots = np.array([2, 0, 1, 2], np.int32)
+    x = rng.standard_normal((100, h)).astype(np.float32)
+    dpool = ref.ExpertPool(dtype, {n: mem.to_device(a) for n, a in arrays.items()})
+    y = mem.download(k.moe_grouped_ffn(mem.to_device(x), mem.to_device(offsets), mem.to_device(slots), dpool))
+    assert _all_written(y)
+    assert ref.relative_error(y, ref.moe_grouped_ffn(x, offsets, slots, pool)) < FP16_BOUND
+    assert np.all(y[:3] == 0.0) and np.all(y[93:] == 0.0)

@@ -19,7 +19,7 @@ from .memory import ClArray, ClDeviceMemory
 from .runtime import Session
 
 _I32_MAX = 2**31 - 1
-#: Side of the square work-group of the tiled linear kernel (LINEAR_TILE in moe.cl).
+#: Side of the square work-group of the tiled kernels (LINEAR_TILE and FFN_TILE in moe.cl).
 LINEAR_TILE = 16
 
 
@@ -46,8 +46,9 @@ class ClKernels:
         self._kernels: dict[str, Any] = {}
         wg = int(session.device.max_work_group_size)
         self._reduce_local = 1 << min(6, wg.bit_length() - 1)  # a power of two <= 64 for the tree reductions
-        # The tiled linear kernel needs LINEAR_TILE^2 work-items in one group; smaller devices get the plain one.
-        self._linear_tiled = wg >= LINEAR_TILE * LINEAR_TILE
+        # The tiled kernels (linear, grouped FFN) need LINEAR_TILE^2 work-items in one group; smaller devices get
+        # the plain ones.
+        self._tiled = wg >= LINEAR_TILE * LINEAR_TILE
         self._align_bytes = max(1, int(session.device.mem_base_addr_align) // 8)  # reported in bits
 
     # --------------------------------------------------------------------------------------------- launching
@@ -207,9 +208,16 @@ class ClKernels:
         self._check_sizes(n * f, n * h, s_slots * two_f * h)
         act = self._empty((n, f), np.float32)
         sizes = [np.int32(g), np.int32(s_slots), np.int32(n), np.int32(h), np.int32(f)]
-        self._launch(f"ffn_gate_up_{suffix}", (f, n), None, [xd, od, sd, *sizes, *up_args, act])
-        self._launch(f"ffn_down_{suffix}", (h, n), None, [act, od, sd, *sizes, *down_args, y],
-                     k1 + k2 + k3 + kw + (act,))
+        keep = k1 + k2 + k3 + kw + (act,)
+        if self._tiled:
+            t = LINEAR_TILE
+            self._launch(f"ffn_gate_up_{suffix}_tiled", (_round_up(f, t), _round_up(n, t)), (t, t),
+                         [xd, od, sd, *sizes, *up_args, act])
+            self._launch(f"ffn_down_{suffix}_tiled", (_round_up(h, t), _round_up(n, t)), (t, t),
+                         [act, od, sd, *sizes, *down_args, y], keep)
+        else:
+            self._launch(f"ffn_gate_up_{suffix}", (f, n), None, [xd, od, sd, *sizes, *up_args, act])
+            self._launch(f"ffn_down_{suffix}", (h, n), None, [act, od, sd, *sizes, *down_args, y], keep)
         return y
 
     def dequantize_q8_0(self, qs, d):
@@ -257,7 +265,7 @@ class ClKernels:
         if t_rows and o:
             suffix = "w_f16" if wdt == np.float16 else "w_f32"
             args = [xd, wd, np.int32(t_rows), np.int32(h), np.int32(o), out]
-            if self._linear_tiled:
+            if self._tiled:
                 gs = (_round_up(o, LINEAR_TILE), _round_up(t_rows, LINEAR_TILE))
                 self._launch(f"linear_{suffix}", gs, (LINEAR_TILE, LINEAR_TILE), args, k1 + k2)
             else:
