@@ -158,7 +158,7 @@ def test_register_is_refused_on_a_gpu_device(device, mem):
     from types import SimpleNamespace
 
     from strata_sycl.memory import UsmPinnedAllocator
-    gpu = SimpleNamespace(device_type=SimpleNamespace(name="gpu"))
+    gpu = SimpleNamespace(device_type=SimpleNamespace(name="gpu"), has_aspect_usm_host_allocations=True)
     p = UsmPinnedAllocator(SimpleNamespace(device=gpu, dpctl=mem.session.dpctl, queue=mem.session.queue),
                            PinnedBudget(8 * MIB))
     assert p.register(np.zeros(1024, np.uint8)) is None
@@ -225,3 +225,14 @@ def test_kernels_run_on_views(device, mem):
 def test_to_device_without_room_returns_none(mem, device, monkeypatch):
     monkeypatch.setattr(mem, "alloc", lambda shape, dtype: None)
     assert mem.to_device(np.zeros(4, np.float32)) is None
+
+
+def test_a_device_without_usm_host_memory_pins_nothing(mem):
+    from types import SimpleNamespace
+
+    from strata_sycl.memory import UsmPinnedAllocator
+    dev = SimpleNamespace(device_type=SimpleNamespace(name="gpu"), has_aspect_usm_host_allocations=False)
+    p = UsmPinnedAllocator(SimpleNamespace(device=dev, dpctl=mem.session.dpctl, queue=mem.session.queue),
+                           PinnedBudget(8 * MIB))
+    assert p.alloc(MIB) is None and p.register(np.zeros(64, np.uint8)) is None
+    assert p.budget.used_bytes == 0

@@ -87,13 +87,16 @@ def probe() -> ProbeResult:
         if not devs:
             seen = all_device_names(dpctl)
             why = ("no SYCL device found" if not seen else
-                   "no OpenCL-backend SYCL device (the kernels are OpenCL C); found: " + ", ".join(seen))
+                   "no OpenCL-backend SYCL device with USM device memory (the kernels are OpenCL C); found: "
+                   + ", ".join(seen))
             return ProbeResult.unavailable(why + "; the Intel OpenCL CPU runtime comes with intel-opencl-rt",
                                            version=version)
         infos = tuple(device_info(d, i) for i, d in enumerate(devs))
     except Exception as e:
         return ProbeResult.unavailable(f"SYCL device query failed: {type(e).__name__}: {e}", version=version)
-    described = ", ".join(f"{d.arch} {d.name}" for d in infos)
+    usm_host = {i: bool(d.has_aspect_usm_host_allocations) for i, d in enumerate(devs)}
+    described = ", ".join(f"{d.arch} {d.name}" + ("" if usm_host[d.index] else " (no USM host memory: nothing pinned)")
+                          for d in infos)
     return ProbeResult(available=True, reason=f"{len(infos)} SYCL device(s) via OpenCL: {described}",
                        devices=infos, score=max(score_for(d) for d in infos), version=version)
 

@@ -222,11 +222,12 @@ class UsmPinnedAllocator:
         self.session = session
         self.budget = budget
         self.host_device = session.device.device_type.name == "cpu"
+        self.usm_host = bool(session.device.has_aspect_usm_host_allocations)
 
     def alloc(self, nbytes, from_floor=False):
-        """USM host memory of nbytes through the budget, or None when the budget or the runtime says no."""
+        """USM host memory of nbytes through the budget, or None (no USM host support, budget or runtime says no)."""
         nbytes = int(nbytes)
-        if nbytes <= 0 or not self.budget.take(nbytes, from_floor=from_floor):
+        if not self.usm_host or nbytes <= 0 or not self.budget.take(nbytes, from_floor=from_floor):
             return None
         try:
             mem = self.session.dpctl.memory.MemoryUSMHost(nbytes, queue=self.session.queue)

@@ -77,8 +77,9 @@ def excluded(dev: Any) -> bool:
 
 
 def usable_devices(dpctl: ModuleType) -> list[Any]:
-    """The SYCL devices our OpenCL C kernels can run on (OpenCL backend, PoCL excepted), GPUs first."""
-    devs = [d for d in dpctl.get_devices() if d.backend.name == "opencl" and not excluded(d)]
+    """The SYCL devices our kernels can run on (OpenCL backend, USM device memory, PoCL excepted), GPUs first."""
+    devs = [d for d in dpctl.get_devices()
+            if d.backend.name == "opencl" and not excluded(d) and d.has_aspect_usm_device_allocations]
     rank = {"gpu": 0, "accelerator": 1, "cpu": 2}
     return sorted(devs, key=lambda d: (rank.get(d.device_type.name, 3), d.filter_string))
 
