@@ -8,6 +8,7 @@ outputs are always device arrays (UsmArray).
 from __future__ import annotations
 
 import ctypes
+from collections import deque
 from typing import Any
 
 import numpy as np
@@ -38,7 +39,7 @@ class SyclKernels:
         self._dpctl = session.dpctl
         # Arguments and temporaries of submitted work, kept referenced until their event completes (dpctl frees USM
         # on garbage collection, which would pull memory from under a running kernel).
-        self._inflight: list[tuple[Any, tuple]] = []
+        self._inflight: deque[tuple[Any, tuple]] = deque()
         self._kernels: dict[str, Any] = {}
         with session.lock:
             if session.program is None:
@@ -59,7 +60,9 @@ class SyclKernels:
         return k
 
     def _retire(self) -> None:
-        self._inflight = [(ev, keep) for ev, keep in self._inflight if ev.execution_status.name != "complete"]
+        # One in-order queue completes its kernels in order: the finished ones are at the front.
+        while self._inflight and self._inflight[0][0].execution_status.name == "complete":
+            self._inflight.popleft()
 
     def _launch(self, name: str, global_size: tuple[int, ...], local_size: tuple[int, ...] | None,
                 args: list[Any], keep: tuple = ()) -> Any:
