@@ -89,7 +89,15 @@ def gather(x: np.ndarray, rows: np.ndarray) -> np.ndarray:
 
 def scatter_add(out: np.ndarray, rows: np.ndarray, y: np.ndarray, scale: np.ndarray) -> None:
     """out[rows[i]] += scale[i] * y[i], in place (out [T,H] f32)."""
-    np.add.at(out, np.asarray(rows, dtype=np.int64), (y * scale[:, None]).astype(np.float32))
+    rows = np.asarray(rows, dtype=np.int64)
+    if rows.size == 0:
+        return
+    # np.add.at is unbuffered and slow; sum each row's contributions in one sorted pass instead.
+    order = np.argsort(rows, kind="stable")
+    sorted_rows = rows[order]
+    starts = np.flatnonzero(np.r_[True, sorted_rows[1:] != sorted_rows[:-1]])
+    contrib = (np.asarray(y, dtype=np.float32)[order] * np.asarray(scale, dtype=np.float32)[order, None])
+    out[sorted_rows[starts]] += np.add.reduceat(contrib, starts, axis=0)
 
 
 def rmsnorm(x: np.ndarray, w: np.ndarray, eps: float = 1e-6) -> np.ndarray:
