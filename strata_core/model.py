@@ -94,7 +94,7 @@ F32_BYTES = 4
 
 #: KV element cost relative to f16, as (numerator, denominator) so the math stays in ints. q8_0 carries one f16 scale
 #: per 32 values (ggml's block_q8_0: 34 bytes per 32 values); int8 is one byte a value (its per-row scales are
-#: negligible). The planner's KV_DTYPE_SCALE uses the same ratios.
+#: negligible). The planner reads KV bytes through kv_bytes_per_token below.
 KV_DTYPE_RATIO = {"f32": (4, 2), "f16": (1, 1), "bf16": (1, 1), "q8_0": (34, 64), "int8": (1, 2)}
 
 

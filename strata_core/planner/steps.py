@@ -10,15 +10,11 @@ from typing import Any, Callable
 
 from ..errors import PlanRefused
 from ..facts import GIB, MIB, DeviceInfo, HostInfo, PlatformDefaults
-from ..model import ModelSpec
+from ..model import ModelSpec, kv_bytes_per_token
 from .draft import PlanDraft
 from .invariants import check_all
 from .plan import (CachePlan, CpuSharePlan, Decision, HostPlan, LoanModel, LoanRow, PinnedPlan, Plan, PromptPlan,
                    VramPlan)
-
-#: KV bytes per element relative to f16 (ModelSpec.kv_bytes_per_token is given at f16).
-KV_DTYPE_SCALE = {"f16": 1.0, "bf16": 1.0, "f32": 2.0, "int8": 0.5, "q8_0": 34 / 64}
-
 
 def _mib(n: int | float) -> str:
     return f"{n / MIB:,.0f} MiB" if abs(n) >= 10 * MIB else f"{n / MIB:.3f} MiB"
@@ -116,11 +112,10 @@ def _cache_step(device: DeviceInfo, model: ModelSpec, settings: Any, defaults: P
     reserve = knobs["vram.reserve_bytes"]
     led.note("vram.reserve_bytes", reserve, "kept free for the driver, the display and fragmentation",
              "setting memory.vram_reserve_mib" if settings.memory.vram_reserve_mib is not None else bsrc)
-    kv_scale = KV_DTYPE_SCALE.get(settings.kv.dtype, 1.0)
     cells = settings.kv.max_context
     if settings.kv.resident_cells is not None:
         cells = min(cells, settings.kv.resident_cells)
-    kv = int(model.kv_bytes_per_token * kv_scale) * cells
+    kv = kv_bytes_per_token(model, settings.kv.dtype) * cells
     stream_min = settings.prefill.stream_min_tokens if settings.prefill.stream_min_tokens is not None \
         else defaults.stream_min_tokens
     workspace = stream_min * model.prompt_bytes_per_token
@@ -238,10 +233,9 @@ def _compute(device: DeviceInfo, host: HostInfo, model: ModelSpec, settings: Any
     # Step 3: host RAM. Resident experts + the prompt path's host borrow + pinned KV + headroom <= available.
     headroom = knobs["host_memory.headroom_bytes"]
     resident_experts = (model.experts_total - slots) if settings.memory.resident_experts else 0
-    kv_scale = KV_DTYPE_SCALE.get(settings.kv.dtype, 1.0)
     kv_pinned = 0
     if settings.kv.resident_cells is not None and settings.kv.resident_cells < settings.kv.max_context:
-        kv_pinned = int(model.kv_bytes_per_token * kv_scale) * (settings.kv.max_context - settings.kv.resident_cells)
+        kv_pinned = kv_bytes_per_token(model, settings.kv.dtype) * (settings.kv.max_context - settings.kv.resident_cells)
 
     def borrow(c: int) -> int:
         if not defaults.host_borrow or owned or c <= 0:
