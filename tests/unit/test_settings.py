@@ -351,13 +351,16 @@ def test_set_without_equals_is_bad_input(clean_strata_env):
 # ------------------------------------------------------------------ partial settings (scenarios)
 
 
-@pytest.mark.parametrize("path", sorted(SCENARIOS.glob("*.json")), ids=lambda p: p.stem)
-def test_every_shared_scenario_settings_block_loads(path):
-    block = json.loads(path.read_text())["settings"]
-    s = settings_from_partial(block)
-    for group, values in block.items():
-        for k, v in values.items():
-            assert getattr(getattr(s, group), k) == v
+def test_every_shared_scenario_settings_block_loads():
+    paths = sorted(SCENARIOS.glob("*.json"))
+    if not paths:
+        pytest.skip(f"the shared scenarios are not at {SCENARIOS} (they live beside the repository, not in it)")
+    for path in paths:
+        block = json.loads(path.read_text())["settings"]
+        s = settings_from_partial(block, where=path.name)
+        for group, values in block.items():
+            for k, v in values.items():
+                assert getattr(getattr(s, group), k) == v, f"{path.name}: {group}.{k}"
 
 
 def test_partial_settings_keep_defaults_elsewhere():
