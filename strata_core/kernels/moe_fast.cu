@@ -66,26 +66,6 @@ __device__ __forceinline__ float dot8(uint4 w, const float* x) {
            lo_h(w.z) * x[4] + hi_h(w.z) * x[5] + lo_h(w.w) * x[6] + hi_h(w.w) * x[7];
 }
 
-// The decode loops are bound by memory and by conversion throughput: instead of one cvt per half (a slower
-// pipe), a half's 15 exponent+mantissa bits are moved into a float's bits 13..27 with integer ops (full rate).
-// That float is the half times 2^-112 exactly, subnormals and zero included (inf/nan are not weights); the other
-// operand carries the 2^112 (STRATA_X_SCALE), so each product is exact as before and only the f16 range (|x| < 65504,
-// as the prefill path's f16 activations have) is assumed.
-#define STRATA_X_SCALE 5.192296858534828e33f  // 2^112
-__device__ __forceinline__ float lo_s(unsigned int w) {
-    return __uint_as_float(((w << 13) & 0x0fffe000u) | ((w << 16) & 0x80000000u));
-}
-__device__ __forceinline__ float hi_s(unsigned int w) {
-    return __uint_as_float(((w >> 3) & 0x0fffe000u) | (w & 0x80000000u));
-}
-// dot of 8 halves (one 16-byte load) with 8 floats that carry the 2^112 scale
-__device__ __forceinline__ float dot8s(uint4 w, const float* x) {
-    float a = lo_s(w.x) * x[0];
-    a = fmaf(hi_s(w.x), x[1], a); a = fmaf(lo_s(w.y), x[2], a); a = fmaf(hi_s(w.y), x[3], a);
-    a = fmaf(lo_s(w.z), x[4], a); a = fmaf(hi_s(w.z), x[5], a); a = fmaf(lo_s(w.w), x[6], a);
-    return fmaf(hi_s(w.w), x[7], a);
-}
-
 __device__ __forceinline__ float warp_sum(float v) {
     for (int m = STRATA_WARP / 2; m > 0; m >>= 1) v += STRATA_SHFL_XOR(v, m);
     return v;
@@ -249,17 +229,18 @@ extern "C" __global__ void strata_fast_dequant_q8_0(const signed char* __restric
 // Decode, step 1 of 2: route (every warp repeats the top-k of the one token: 128 logits cost less than a launch
 // and a block barrier), then each warp computes STRATA_DEC_ROWS FFN rows i of expert k:
 // act[k,i] = silu(x . Wg[i]) * (x . Wu[i]), weights read from the cache slot slot_map[id].
-// Grid (ceil(F / (warps * STRATA_DEC_ROWS)), K). Block (0,0) publishes ids and weights for step 2. act is written
-// times 2^112 (STRATA_X_SCALE), the scale the down kernel's integer conversions expect.
-// skip_missing: a k whose slot is < 0 is left alone (its rows are filled by a later launch); otherwise it writes
-// NaN, so a check catches an unresolved miss instead of a wrong answer. refill_from (may be null): only the k whose
-// slot in that map is < 0 run (the second launch of a decode with misses, over the patched map).
+// Grid (ceil(F / (warps * STRATA_DEC_ROWS)), K). Block (0,0) publishes ids and weights for step 2.
+// A missed expert (slot < 0) is read straight from page-locked host memory when host_w13 is not null (the SMs'
+// own loads over the link: no host round trip, so a decode with misses stays one pair of launches and can be a
+// graph); otherwise skip_missing leaves its rows alone (a later launch fills them), or else it writes NaN so a
+// check catches an unresolved miss. refill_from (may be null): only the k whose slot in that map is < 0 run.
 #define STRATA_DEC_ROWS 2
 extern "C" __global__ void __launch_bounds__(STRATA_FAST_THREADS)
 strata_fast_decode_gate_up(const float* __restrict__ x, const float* __restrict__ logits, int E, int K,
                            const int* __restrict__ slot_map, const int* __restrict__ refill_from, int skip_missing,
-                           const unsigned short* __restrict__ w13, long long slot_stride, int H, int F,
-                           float* __restrict__ act, int* __restrict__ ids_out, float* __restrict__ w_out) {
+                           const unsigned short* __restrict__ w13, const unsigned short* __restrict__ host_w13,
+                           long long slot_stride, int H, int F, float* __restrict__ act, int* __restrict__ ids_out,
+                           float* __restrict__ w_out) {
     __shared__ int s_ids[STRATA_FAST_WARPS][STRATA_FAST_MAXK];
     __shared__ float s_w[STRATA_FAST_WARPS][STRATA_FAST_MAXK];
     const int warp = threadIdx.x / STRATA_WARP, lane = threadIdx.x % STRATA_WARP;
@@ -275,7 +256,12 @@ strata_fast_decode_gate_up(const float* __restrict__ x, const float* __restrict_
     const int e = s_ids[warp][k];
     if (refill_from != 0 && refill_from[e] >= 0) return;
     const long long slot = slot_map[e];
-    if (slot < 0) {
+    const unsigned short* base;
+    if (slot >= 0) {
+        base = w13 + slot * slot_stride;
+    } else if (host_w13 != 0) {
+        base = host_w13 + (long long)e * slot_stride;
+    } else {
         if (!skip_missing && lane < STRATA_DEC_ROWS && row0 + lane < F)
             act[(long long)k * F + row0 + lane] = __int_as_float(0x7fc00000);
         return;
@@ -284,7 +270,6 @@ strata_fast_decode_gate_up(const float* __restrict__ x, const float* __restrict_
     float acc[2 * STRATA_DEC_ROWS];
 #pragma unroll
     for (int r = 0; r < 2 * STRATA_DEC_ROWS; ++r) acc[r] = 0.f;
-    const unsigned short* base = w13 + slot * slot_stride;
 #pragma unroll 2
     for (int c = lane; c < H / 8; c += STRATA_WARP) {
         uint4 wv[2 * STRATA_DEC_ROWS];
@@ -295,69 +280,75 @@ strata_fast_decode_gate_up(const float* __restrict__ x, const float* __restrict_
             wv[2 * r + 1] = ((const uint4*)(base + (long long)(F + row) * H))[c];
         }
         const float4 xa = x4[2 * c], xb = x4[2 * c + 1];
-        const float xv[8] = {xa.x * STRATA_X_SCALE, xa.y * STRATA_X_SCALE, xa.z * STRATA_X_SCALE,
-                             xa.w * STRATA_X_SCALE, xb.x * STRATA_X_SCALE, xb.y * STRATA_X_SCALE,
-                             xb.z * STRATA_X_SCALE, xb.w * STRATA_X_SCALE};
+        const float xv[8] = {xa.x, xa.y, xa.z, xa.w, xb.x, xb.y, xb.z, xb.w};
 #pragma unroll
-        for (int r = 0; r < 2 * STRATA_DEC_ROWS; ++r) acc[r] += dot8s(wv[r], xv);
+        for (int r = 0; r < 2 * STRATA_DEC_ROWS; ++r) acc[r] += dot8(wv[r], xv);
     }
 #pragma unroll
     for (int r = 0; r < 2 * STRATA_DEC_ROWS; ++r) acc[r] = warp_sum(acc[r]);
     if (lane == 0) {
 #pragma unroll
         for (int r = 0; r < STRATA_DEC_ROWS; ++r)
-            // act is stored times 2^112: the down kernel's weights come scaled by 2^-112
-            if (row0 + r < F) act[(long long)k * F + row0 + r] = silu(acc[2 * r]) * acc[2 * r + 1] * STRATA_X_SCALE;
+            if (row0 + r < F) act[(long long)k * F + row0 + r] = silu(acc[2 * r]) * acc[2 * r + 1];
     }
 }
 
 // Decode, step 2 of 2: one warp per hidden row h: out[h] = sum_k w_k * (Wd[slot_k, h] . act[k]), all K experts in
-// one pass (no atomics, one write). act (scaled by 2^112, from step 1) is read through the cache: the block's warps
-// share it, and the weight loads start at once. Grid ceil(H / warps).
-// only_missing_in (may be null): only the k whose slot in that map is < 0 are summed and out[h] is added to (the
-// second launch of a decode with misses); skip_missing: k whose slot is < 0 are left out (the first launch);
-// otherwise a k with slot < 0 writes NaN.
+// one pass (no atomics, one write). act is read through the cache (the block's warps share it), so the weight loads
+// start at once. Grid ceil(H / warps). Missed experts as in step 1 (host_w2 null: skip_missing leaves them out,
+// else NaN). only_missing_in (may be null): only the k whose slot in that map is < 0 are summed and out[h] is
+// added to (the second launch of a decode whose misses were copied to the device).
 extern "C" __global__ void __launch_bounds__(STRATA_FAST_THREADS)
 strata_fast_decode_down(const float* __restrict__ act, const int* __restrict__ ids, const float* __restrict__ wts,
                         const int* __restrict__ slot_map, const int* __restrict__ only_missing_in, int skip_missing,
-                        const unsigned short* __restrict__ w2, long long slot_stride, int H, int F, int K,
-                        float* __restrict__ out) {
-    __shared__ long long s_slot[STRATA_FAST_WARPS][STRATA_FAST_MAXK];
+                        const unsigned short* __restrict__ w2, const unsigned short* __restrict__ host_w2,
+                        long long slot_stride, int H, int F, int K, float* __restrict__ out) {
+    __shared__ const unsigned short* s_base[STRATA_FAST_WARPS][STRATA_FAST_MAXK];
     __shared__ float s_w[STRATA_FAST_WARPS][STRATA_FAST_MAXK];
+    __shared__ int s_nan[STRATA_FAST_WARPS];
     const int warp = threadIdx.x / STRATA_WARP, lane = threadIdx.x % STRATA_WARP;
     const int h = blockIdx.x * STRATA_FAST_WARPS + warp;
     if (h >= H) return;  // whole warps; no block barrier in this kernel
-    // the K slot look-ups are independent: one per lane, not a chain of dependent loads per expert; an expert
-    // this launch leaves out gets weight 0 and slot 0 (its loads are harmless reads of slot 0)
+    // the K look-ups are independent: one per lane, not a chain of dependent loads per expert; an expert this
+    // launch leaves out gets weight 0 and reads slot 0's row (harmless)
+    if (lane == 0) s_nan[warp] = 0;
+    warp_sync_lanes();
     if (lane < K) {
         const int e = ids[lane];
-        long long slot = slot_map[e];
+        const long long slot = slot_map[e];
         float w = wts[lane];
+        const unsigned short* base = w2;
         const bool take = only_missing_in ? only_missing_in[e] < 0 : true;
-        if (!take || (slot < 0 && skip_missing)) { w = 0.f; slot = 0; }
-        s_slot[warp][lane] = slot;
+        if (!take) {
+            w = 0.f;
+        } else if (slot >= 0) {
+            base = w2 + slot * slot_stride;
+        } else if (host_w2 != 0) {
+            base = host_w2 + (long long)e * slot_stride;
+        } else if (skip_missing) {
+            w = 0.f;
+        } else {
+            s_nan[warp] = 1;
+        }
+        s_base[warp][lane] = base;
         s_w[warp][lane] = w;
     }
     warp_sync_lanes();
-    for (int k = 0; k < K; ++k) {
-        if (s_slot[warp][k] < 0) {
-            if (lane == 0) out[h] = __int_as_float(0x7fc00000);
-            return;
-        }
+    if (s_nan[warp]) {
+        if (lane == 0) out[h] = __int_as_float(0x7fc00000);
+        return;
     }
     const int per_row = F / 8;
-    const float inv_per_row = 1.0f / (float)per_row;
     float acc = 0.f;
-    // one flat loop over (expert, 16-byte chunk), unrolled, so loads of several experts are in flight at once;
-    // k = i / per_row through a float reciprocal (exact here: i < 2^20 and the margin is half a row)
-#pragma unroll 8
+    // one flat loop over (expert, 16-byte chunk), unrolled, so loads of several experts are in flight at once
+#pragma unroll 4
     for (int i = lane; i < K * per_row; i += STRATA_WARP) {
-        const int k = (int)(((float)i + 0.5f) * inv_per_row), c = i - k * per_row;
-        const uint4 v = ((const uint4*)(w2 + s_slot[warp][k] * slot_stride + (long long)h * F))[c];
+        const int k = i / per_row, c = i - k * per_row;
+        const uint4 v = ((const uint4*)(s_base[warp][k] + (long long)h * F))[c];
         const float4* a4 = (const float4*)(act + (long long)k * F);
         const float4 xa = a4[2 * c], xb = a4[2 * c + 1];
         const float xv[8] = {xa.x, xa.y, xa.z, xa.w, xb.x, xb.y, xb.z, xb.w};
-        acc = fmaf(s_w[warp][k], dot8s(v, xv), acc);
+        acc += s_w[warp][k] * dot8(v, xv);
     }
     acc = warp_sum(acc);
     if (lane == 0) out[h] = only_missing_in ? out[h] + acc : acc;

@@ -9,10 +9,10 @@ executor can call it with the cache's own pool, slot maps and lent ring slots:
   groups first, small ones last, so little compute is left once the last byte lands), while the compute stream
   runs the hits and every group whose copy has landed (events, no host waits). Q8_0 experts are copied as quants
   and scales (about half the bytes) and dequantized on the compute stream into f16 scratch.
-- `decode_layer`: one token, every routed expert cached: two kernels (route + gate/up GEMV + SwiGLU, then the
-  down GEMV over all top-k experts), routing and slot look-up on the device, no host sync; `capture_decode`
-  records the two launches as a CUDA graph.
-- `decode_layer_misses`: one token with misses: a one-block routing kernel, the ids to the host (one event
+- `decode_layer`: one token: two kernels (route + gate/up GEMV + SwiGLU, then the down GEMV over all top-k
+  experts), routing and slot look-up on the device, no host sync, replayed as a CUDA graph per set of buffers.
+  A missed expert is read by the kernels straight from page-locked, mapped host memory (no round trip, no copy).
+- `decode_layer_misses`: the alternative for host memory the device cannot map: a one-block routing kernel, the ids to the host (one event
   sync), then the misses' gate/up and down matrices are copied into ring slots (two events) while the two
   kernels run the cached experts; the missed experts' rows are filled as soon as their gate/up matrices land,
   and their share of the down product is added once the rest has landed.
@@ -45,6 +45,8 @@ MAX_TOPK = 16
 STRIDE_MAX_BLOCKS = 8192
 #: FFN rows per warp of the decode gate/up kernel (STRATA_DEC_ROWS in the source).
 DECODE_ROWS_PER_WARP = 2
+#: Captured decode graphs kept (one per set of buffers a caller uses; the executor uses a few).
+MAX_DECODE_GRAPHS = 64
 #: cuBLAS / CUDA enums (cublas_api.h, library_types.h): fixed by the ABI.
 _CUBLAS_OP_N, _CUBLAS_OP_T = 0, 1
 _CUDA_R_16F = 2
@@ -156,6 +158,10 @@ class FastMoE:
         self._back = np.frombuffer(self._back_mem, dtype=np.int32, count=max(experts, MAX_TOPK))
         self._synced = cupy.cuda.Event(disable_timing=True)
         self._ws = {n: _Grown(cupy) for n in ("route", "xs", "gu", "act", "ys")}
+        #: decode_layer replays a captured graph per set of buffers (False: two plain launches per call)
+        self.decode_graphs = True
+        self._graphs: dict[tuple, Any] = {}
+        self._capture_stream = cupy.cuda.Stream(non_blocking=True)
         self.stats = LayerStats()
 
     # -- small helpers -----------------------------------------------------------------------------------------
@@ -475,58 +481,104 @@ class FastMoE:
             self._dec = buf
         return buf
 
-    def _gate_up(self, x: Any, logits: Any, pool: ExpertPool, slot_map: Any, refill_from: Any, skip_missing: int) -> None:
+    def host_device_ptrs(self, host_pool: ExpertPool | None) -> tuple[int, int] | None:
+        """Device-side addresses of a page-locked f16 host pool's two arrays (the same as the host's under unified
+        addressing), or None when the memory is not mapped for the device (then misses go through copies)."""
+        if host_pool is None or host_pool.dtype != "f16":
+            return None
+        key = (host_pool.arrays["w_gate_up"].ctypes.data, host_pool.arrays["w_down"].ctypes.data)
+        cache = self.__dict__.setdefault("_host_ptrs", {})
+        if key not in cache:
+            try:
+                cache[key] = tuple(int(self._rt.hostGetDevicePointer(p, 0)) for p in key)
+            except Exception:  # not page-locked or not mapped: the caller falls back to copying the misses
+                cache[key] = None
+        return cache[key]
+
+    def _gate_up(self, x: Any, logits: Any, pool: ExpertPool, slot_map: Any, refill_from: Any, skip_missing: int,
+                 host_w13: int = 0) -> None:
         b = self.decode_buffers()
         h, f, kk = self.hidden, self.ffn, self.top_k
         rows_per_block = (THREADS // WARP_LANES) * DECODE_ROWS_PER_WARP
         self._k["strata_fast_decode_gate_up"](((f + rows_per_block - 1) // rows_per_block, kk), (THREADS,),
                                               (x, logits, np.int32(self.experts), np.int32(kk), slot_map,
                                                refill_from if refill_from is not None else np.uint64(0),
-                                               np.int32(skip_missing), pool.arrays["w_gate_up"],
+                                               np.int32(skip_missing), pool.arrays["w_gate_up"], np.uint64(host_w13),
                                                np.int64(2 * f * h), np.int32(h), np.int32(f), b["act"], b["ids"],
                                                b["w"]))
 
-    def _down(self, pool: ExpertPool, slot_map: Any, only_missing_in: Any, skip_missing: int, out: Any) -> None:
+    def _down(self, pool: ExpertPool, slot_map: Any, only_missing_in: Any, skip_missing: int, out: Any,
+              host_w2: int = 0) -> None:
         b = self.decode_buffers()
         h, f, kk = self.hidden, self.ffn, self.top_k
         warps = THREADS // WARP_LANES
         self._k["strata_fast_decode_down"](((h + warps - 1) // warps,), (THREADS,),
                                            (b["act"], b["ids"], b["w"], slot_map,
                                             only_missing_in if only_missing_in is not None else np.uint64(0),
-                                            np.int32(skip_missing), pool.arrays["w_down"], np.int64(h * f),
-                                            np.int32(h), np.int32(f), np.int32(kk), out))
+                                            np.int32(skip_missing), pool.arrays["w_down"], np.uint64(host_w2),
+                                            np.int64(h * f), np.int32(h), np.int32(f), np.int32(kk), out))
 
     def _check_decode_pool(self, pool: ExpertPool) -> None:
         if pool.dtype != "f16":
             raise NotImplementedError("decode_layer: the fused decode kernels read f16 pools only (Q8_0: not yet)")
 
-    def decode_layer(self, x: Any, logits: Any, pool: ExpertPool, slot_map: Any, out: Any = None) -> Any:
-        """One token, every routed expert cached: x [1,H] f32, logits [1,E] f32, slot_map [E] int32 (device)
-        -> y [1,H] f32. No host sync; runs on `compute_stream`. |x| must stay in the f16 range (see the source)."""
+    def _decode_pair(self, x: Any, logits: Any, pool: ExpertPool, slot_map: Any, out: Any,
+                     host: tuple[int, int] | None) -> None:
+        h13, h2 = host or (0, 0)
+        self._gate_up(x, logits, pool, slot_map, None, 0, h13)
+        self._down(pool, slot_map, None, 0, out, h2)
+
+    def decode_layer(self, x: Any, logits: Any, pool: ExpertPool, slot_map: Any, out: Any = None,
+                     host_pool: ExpertPool | None = None) -> Any:
+        """One token: x [1,H] f32, logits [1,E] f32, slot_map [E] int32 (device, -1 = not cached) -> y [1,H] f32.
+
+        Routing and slot look-up on the device, no host sync; runs on `compute_stream`. Missed experts are read
+        from host_pool (page-locked, mapped) by the kernels themselves; without one every routed expert must be
+        cached. With `decode_graphs` on (the default) the two launches are captured once per set of buffers and
+        replayed after, since a step's launches cost more host time than the device takes for them. |x| must
+        stay in the f16 range.
+        """
         self._check_decode_pool(pool)
         out = self.decode_buffers()["out"] if out is None else out
-        with self.compute_stream:
-            self._gate_up(x, logits, pool, slot_map, None, 0)
-            self._down(pool, slot_map, None, 0, out)
+        host = self.host_device_ptrs(host_pool)
+        if host_pool is not None and host is None:
+            raise ValueError("decode_layer: host_pool is not mapped for the device; use decode_layer_misses")
+        if not self.decode_graphs:
+            with self.compute_stream:
+                self._decode_pair(x, logits, pool, slot_map, out, host)
+            return out
+        key = (x.data.ptr, logits.data.ptr, slot_map.data.ptr, pool.arrays["w_gate_up"].data.ptr,
+               pool.arrays["w_down"].data.ptr, out.data.ptr, host)
+        graph = self._graphs.get(key)
+        if graph is None:
+            if len(self._graphs) >= MAX_DECODE_GRAPHS:
+                self._graphs.clear()
+            graph = self._capture(lambda: self._decode_pair(x, logits, pool, slot_map, out, host))
+            self._graphs[key] = graph
+        graph.launch(self.compute_stream)
         return out
 
-    def capture_decode(self, x: Any, logits: Any, pool: ExpertPool, slot_map: Any) -> Any:
-        """A CUDA graph of decode_layer on these very buffers (launch(stream) replays it; output in decode_buffers)."""
-        self._check_decode_pool(pool)
-        out = self.decode_buffers()["out"]
-        s = self._cp.cuda.Stream(non_blocking=True)
+    def _capture(self, body: Any) -> Any:
+        s = self._capture_stream
         with s:
             s.begin_capture()
-            self._gate_up(x, logits, pool, slot_map, None, 0)
-            self._down(pool, slot_map, None, 0, out)
-            graph = s.end_capture()
-        self._graph_stream = s
-        return graph
+            body()
+            return s.end_capture()
+
+    def capture_decode(self, x: Any, logits: Any, pool: ExpertPool, slot_map: Any,
+                       host_pool: ExpertPool | None = None) -> Any:
+        """A CUDA graph of one decode step on these very buffers (launch(stream) replays it; output in
+        decode_buffers()["out"])."""
+        self._check_decode_pool(pool)
+        out = self.decode_buffers()["out"]
+        host = self.host_device_ptrs(host_pool)
+        return self._capture(lambda: self._decode_pair(x, logits, pool, slot_map, out, host))
 
     def decode_layer_misses(self, x: Any, logits: Any, pool: ExpertPool, slot_of_expert: np.ndarray,
                             slot_map: Any, host_pool: ExpertPool, ring: tuple[int, int], out: Any = None) -> Any:
-        """One token with possible misses (see the module docstring). slot_of_expert is the host copy of slot_map;
-        both are left as they were (the ring is scratch, not cache). Runs on `compute_stream`."""
+        """One token with possible misses, through copies (see the module docstring): for host memory the device
+        cannot map. slot_of_expert is the host copy of slot_map; both are left as they were (the ring is scratch,
+        not cache). Runs on `compute_stream`."""
         self._check_decode_pool(pool)
         b = self.decode_buffers()
         st = self.compute_stream
@@ -534,38 +586,48 @@ class FastMoE:
         with st:
             if out is None:
                 out = self._cp.empty((1, self.hidden), dtype=self._cp.float32)
-            # route with one block, bring the ids back and wait for that copy only; meanwhile the hits run
+            # route with one block and bring the ids back; only that copy is waited for
             self._k["strata_fast_route_count"]((1,), (THREADS,), (logits, np.int32(1), np.int32(self.experts),
                                                                   np.int32(kk), b["ids"], b["w"], b["pos"],
                                                                   b["counts"]))
             self._rt.memcpyAsync(self._back.ctypes.data, b["ids"].data.ptr, 4 * kk, 2, st.ptr)
             self._synced.record(st)
-            self._gate_up(x, logits, pool, slot_map, None, 1)
-            self._down(pool, slot_map, None, 1, out)
             self._synced.synchronize()
             routed = self._back[:kk]
             slot_h = np.asarray(slot_of_expert)
-            misses = np.unique(routed[slot_h[routed] < 0])
-            n_miss = int(misses.size)
+            missing = slot_h[routed] < 0
+            n_miss = int(np.count_nonzero(missing))
             self.stats = LayerStats(experts_used=kk, hits=kk - n_miss, misses=n_miss, routed_rows=kk,
                                     routed_rows_hit=kk - n_miss)
             if not n_miss:
+                self._gate_up(x, logits, pool, slot_map, None, 0)
+                self._down(pool, slot_map, None, 0, out)
                 return out
+            misses = sorted(set(routed[missing].tolist()))
+            n_miss = len(misses)
             if n_miss > int(ring[1]):
                 raise ValueError(f"decode_layer_misses: {n_miss} misses and a ring of {ring[1]} slots")
-            # the ring's earlier readers ran before this call's sync point on this stream: the copy may start now
-            self.copy_stream.wait_event(self._synced)
-            miss_list = misses.tolist()
-            names = list(pool.arrays)
-            gate_names = [n for n in names if "gate_up" in n]
-            down_names = [n for n in names if n not in gate_names]
-            streamed = self._copy_experts(pool, host_pool, miss_list, int(ring[0]), gate_names)
-            b["ev_gate_up"].record(self.copy_stream)
-            streamed += self._copy_experts(pool, host_pool, miss_list, int(ring[0]), down_names)
-            b["ev_down"].record(self.copy_stream)
+            # the copies go first, gate/up matrices before down ones; the ring's earlier readers ran before the
+            # sync point on this stream, so the copy stream may start at once
+            cs = self.copy_stream
+            cs.wait_event(self._synced)
+            ring0 = int(ring[0])
+            streamed = 0
+            for names, ev in ((("w_gate_up",), b["ev_gate_up"]), (("w_down",), b["ev_down"])):
+                for name in names:
+                    dev, src = pool.arrays[name], host_pool.arrays[name]
+                    per_d, per_h = int(dev.strides[0]), int(src.strides[0])
+                    d0, h0 = dev.data.ptr + ring0 * per_d, src.ctypes.data
+                    for i, e in enumerate(misses):
+                        self._rt.memcpyAsync(d0 + i * per_d, h0 + e * per_h, per_h, _MEMCPY_H2D, cs.ptr)
+                        streamed += per_h
+                ev.record(cs)
             self.stats.bytes_streamed = streamed
+            # the cached experts compute while the copies fly
+            self._gate_up(x, logits, pool, slot_map, None, 1)
+            self._down(pool, slot_map, None, 1, out)
             patched = slot_h.astype(np.int32)
-            patched[misses] = int(ring[0]) + np.arange(n_miss, dtype=np.int32)
+            patched[misses] = ring0 + np.arange(n_miss, dtype=np.int32)
             self._upload_i32(b["map"].data.ptr, patched, offset=2 * self.experts)
             st.wait_event(b["ev_gate_up"])
             self._gate_up(x, logits, pool, b["map"], slot_map, 0)
