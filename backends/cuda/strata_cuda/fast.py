@@ -490,7 +490,12 @@ class FastMoE:
         cache = self.__dict__.setdefault("_host_ptrs", {})
         if key not in cache:
             try:
-                cache[key] = tuple(int(self._rt.hostGetDevicePointer(p, 0)) for p in key)
+                ptrs = []
+                for p in key:
+                    attrs = self._rt.pointerGetAttributes(p)
+                    # cudaMemoryTypeHost (1): page-locked and known to the driver; devicePointer is its mapping
+                    ptrs.append(int(attrs.devicePointer) if int(attrs.type) == 1 else 0)
+                cache[key] = tuple(ptrs) if all(ptrs) else None
             except Exception:  # not page-locked or not mapped: the caller falls back to copying the misses
                 cache[key] = None
         return cache[key]
