@@ -520,6 +520,17 @@ def main() -> int:
                     lambda: [moe._down(pool, slot_map, None, 0, b["out"]) for _ in range(100)], st)
             for kname in ("gate_up_kernel_back_to_back", "down_kernel_back_to_back"):
                 dec[kname]["per_launch_us"] = dec[kname]["median_ms"] * 10
+            # variants of the gate/up kernel: FFN rows per warp (2 is the default)
+            for rows in (1, 4):
+                alt = FastMoE(E, K, H, F, group_experts=GROUP_EXPERTS, decode_rows_per_warp=rows)
+                alt_out = alt.decode_buffers()["out"]
+                run_check(f"ours_decode_f16_rows{rows}", lambda: alt.decode_layer(x1, lg1, pool, slot_map), alt_out)
+                g_alt = alt.capture_decode(x1, lg1, pool, slot_map)
+                dec[f"hits_graph_back_to_back_rows{rows}"] = tm.cupy(
+                    lambda: [g_alt.launch(alt.compute_stream) for _ in range(100)], alt.compute_stream)
+                dec[f"hits_graph_back_to_back_rows{rows}"]["per_layer_us"] = \
+                    dec[f"hits_graph_back_to_back_rows{rows}"]["median_ms"] * 10
+                del alt, g_alt
             routed = [int(e) for e in moe.decode_buffers()["ids"].get()]
             # m misses: read by the kernels from mapped page-locked host memory (the default), and through copies
             mapped = moe.host_device_ptrs(host_pool) is not None

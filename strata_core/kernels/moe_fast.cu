@@ -234,7 +234,9 @@ extern "C" __global__ void strata_fast_dequant_q8_0(const signed char* __restric
 // own loads over the link: no host round trip, so a decode with misses stays one pair of launches and can be a
 // graph); otherwise skip_missing leaves its rows alone (a later launch fills them), or else it writes NaN so a
 // check catches an unresolved miss. refill_from (may be null): only the k whose slot in that map is < 0 run.
-#define STRATA_DEC_ROWS 2
+#ifndef STRATA_DEC_ROWS
+#define STRATA_DEC_ROWS 2  // FFN rows per warp (fast.py passes its own choice with -D)
+#endif
 extern "C" __global__ void __launch_bounds__(STRATA_FAST_THREADS)
 strata_fast_decode_gate_up(const float* __restrict__ x, const float* __restrict__ logits, int E, int K,
                            const int* __restrict__ slot_map, const int* __restrict__ refill_from, int skip_missing,

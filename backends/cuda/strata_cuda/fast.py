@@ -123,7 +123,7 @@ class FastMoE:
     """Fast MoE layer paths for one shape (E experts, top-k, hidden H, FFN F) on the current cupy device."""
 
     def __init__(self, experts: int, top_k: int, hidden: int, ffn: int, group_experts: int = 8,
-                 hit_batch_experts: int = 32):
+                 hit_batch_experts: int = 32, decode_rows_per_warp: int = DECODE_ROWS_PER_WARP):
         import cupy
         from cupy.cuda import runtime
         from cupy_backends.cuda.libs import cublas
@@ -142,7 +142,10 @@ class FastMoE:
         self.hit_batch_experts = int(hit_batch_experts)
         #: when a list, prefill_layer appends (name, event) at its stages; trace_report() reads them
         self.trace: list | None = None
-        self._module = cupy.RawModule(code=kernel_source(), options=COMPILE_OPTIONS)
+        #: FFN rows each warp of the decode gate/up kernel computes (compiled in)
+        self.decode_rows_per_warp = int(decode_rows_per_warp)
+        self._module = cupy.RawModule(code=kernel_source(),
+                                      options=COMPILE_OPTIONS + (f"-DSTRATA_DEC_ROWS={self.decode_rows_per_warp}",))
         self._k = {n: self._module.get_function(n) for n in KERNEL_NAMES}
         self.compute_stream = cupy.cuda.Stream(non_blocking=True)
         self.copy_stream = cupy.cuda.Stream(non_blocking=True)
@@ -504,7 +507,7 @@ class FastMoE:
                  host_w13: int = 0) -> None:
         b = self.decode_buffers()
         h, f, kk = self.hidden, self.ffn, self.top_k
-        rows_per_block = (THREADS // WARP_LANES) * DECODE_ROWS_PER_WARP
+        rows_per_block = (THREADS // WARP_LANES) * self.decode_rows_per_warp
         self._k["strata_fast_decode_gate_up"](((f + rows_per_block - 1) // rows_per_block, kk), (THREADS,),
                                               (x, logits, np.int32(self.experts), np.int32(kk), slot_map,
                                                refill_from if refill_from is not None else np.uint64(0),
