@@ -26,6 +26,9 @@ def test_prefill_with_a_lent_ring_and_decode_match_the_reference(dtype):
     check.check_tokens(int(prompt[-1]), res.tokens)
     assert check.report.passed, check.report.failures
     assert check.report.layers_checked == plan.model.moe_layers * (1 + 4)
+    assert check.report.tokens_checked == 1 + 4, "the LM head is checked after prefill and every decode step"
+    # numpy on both sides: the independent reference trajectory is the run's
+    assert check.report.trajectory_tokens_matching == len(res.tokens) == 5
     st = eng.executor.stats
     assert st.experts_streamed > 0 and st.ring_batches > 0, "misses must have streamed through the ring"
     assert eng.cache.slots_on_loan == 0, "the loan was given back"
