@@ -19,7 +19,7 @@ from ..kernels.reference import ExpertPool
 from .cache import ExpertCache
 from .cpu_share import CpuShare
 from .devmem import CountingMemory
-from .executor import Executor, LayerObserver
+from .executor import DeviceFull, Executor, LayerObserver
 from .loan import Loan, PromptLoan
 from .pinned import PinnedPool
 from .runlog import Fallback, RunLog
@@ -204,15 +204,28 @@ class Engine:
         if res.refused_reason:
             return res
         before = len(self.log.fallbacks)
-        loan = self.loans.lend(n)
-        self.cache.untrim()
-        res.chunk, res.halvings = loan.chunk_tokens, loan.halvings
-        res.loan_slots, res.larger_than_auto = loan.loan_slots, loan.larger_than_auto
         t0 = time.perf_counter()
-        try:
-            logits = self.executor.prefill(prompt, loan)
-        finally:
-            self.loans.give_back(loan)
+        max_chunk: int | None = None
+        extra_halvings = 0
+        while True:
+            loan = self.loans.lend(n, max_chunk=max_chunk)
+            self.cache.untrim()
+            res.chunk, res.halvings = loan.chunk_tokens, loan.halvings + extra_halvings
+            res.loan_slots, res.larger_than_auto = loan.loan_slots, loan.larger_than_auto
+            try:
+                logits = self.executor.prefill(prompt, loan)
+                break
+            except DeviceFull as e:
+                # no attention, no KV: the prompt can be read again from the start with smaller chunks
+                if loan.chunk_tokens <= 1:
+                    raise
+                max_chunk = max(1, loan.chunk_tokens // 2)
+                extra_halvings += 1
+                self.loans.halvings += 1
+                self.log.say(f"prompt buffers: {e} for a chunk of {loan.chunk_tokens} tokens: this request reads "
+                             f"again with chunks of {max_chunk} tokens")
+            finally:
+                self.loans.give_back(loan)
         self.dm.synchronize()
         res.prefill_s = time.perf_counter() - t0
         t0 = time.perf_counter()

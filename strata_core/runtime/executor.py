@@ -298,11 +298,16 @@ class Executor:
                     groups.append((self.store.expert(int(self.cache.row(layer, int(r.experts[g])))), rows, scale))
                 job = self.share.start(xh, groups, out, self.store.pool.dtype)
         device_misses = np.setdiff1d(misses, cpu, assume_unique=True)
-        self._run_groups(r, hits, slots[hits], xn, x, temps, tokens)
-        if ring is not None and len(ring):
-            self._stream_through_ring(layer, r, device_misses, ring, xn, x, temps, tokens)
-        else:
-            self._admit_and_run(layer, r, device_misses, slots[hits], xn, x, temps, tokens)
+        try:
+            self._run_groups(r, hits, slots[hits], xn, x, temps, tokens)
+            if ring is not None and len(ring):
+                self._stream_through_ring(layer, r, device_misses, ring, xn, x, temps, tokens)
+            else:
+                self._admit_and_run(layer, r, device_misses, slots[hits], xn, x, temps, tokens)
+        except BaseException:
+            if job is not None:
+                job.join()  # the share writes into a buffer the next attempt reuses: let it finish first
+            raise
         if job is not None:
             err = job.join()
             if err is None:

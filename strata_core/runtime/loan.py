@@ -72,10 +72,15 @@ class PromptLoan:
         keep = self.plan.prompt.min_keep_slots
         return need_slots <= self.cache.available_slots and self.cache.slots - need_slots >= keep
 
-    def lend(self, prompt_tokens: int) -> Loan | NoLoan:
-        """The loan for a request of prompt_tokens: its chunk's slots, halving the chunk until they can be lent."""
+    def lend(self, prompt_tokens: int, max_chunk: int | None = None) -> Loan | NoLoan:
+        """The loan for a request of prompt_tokens: its chunk's slots, halving the chunk until they can be lent.
+
+        `max_chunk` caps the chunk (a retry after the device refused a chunk's buffers).
+        """
         assert self.outstanding is None, "a loan is still outstanding"
         chunk = self.plan.request_chunk(prompt_tokens)
+        if max_chunk is not None and chunk > max_chunk:
+            chunk = max(1, max_chunk)
         if not self.plan.streams(prompt_tokens):
             why = ("the plan gives the prompt path its own buffers" if self.plan.prompt.owned_buffers else
                    f"prompts shorter than {self.plan.prompt.stream_min_tokens} tokens are read without a loan")

@@ -27,8 +27,11 @@ def tiny_weights(dtype: str = "f16"):
     return generate_weights(spec, seed=0, dtype=dtype)
 
 
-def tiny_engine(settings: dict | None = None, faults=(), dtype: str = "f16", observer=None):
-    """(engine, plan, log, device memory) of the tiny model with half its experts cached, on a simulated device."""
+def tiny_engine(settings: dict | None = None, faults=(), dtype: str = "f16", observer=None, wrap=None):
+    """(engine, plan, log, device memory) of the tiny model with half its experts cached, on a simulated device.
+
+    `wrap`, when given, wraps the simulated DeviceMemory (a test double in front of it).
+    """
     w = tiny_weights(dtype)
     s = {"memory": {"expert_cache": tiny_cache_slots(w.spec)}}
     for group, values in (settings or {}).items():
@@ -38,6 +41,6 @@ def tiny_engine(settings: dict | None = None, faults=(), dtype: str = "f16", obs
     budget = PinnedBudget(plan.pinned.limit_bytes, plan.pinned.floor_bytes)
     dm = SimDeviceMemory(plan.device.vram_free_bytes, faults=fp)
     log = RunLog()
-    eng = Engine(plan, dm=dm, allocator=SimPinnedAllocator(budget, None, faults=fp), kernels=ReferenceKernels(),
+    eng = Engine(plan, dm=wrap(dm) if wrap else dm, allocator=SimPinnedAllocator(budget, None, faults=fp), kernels=ReferenceKernels(),
                  budget=budget, weights=w, log=log, observer=observer)
     return eng, plan, log, dm

@@ -49,7 +49,7 @@ def test_ring_slots_are_the_lent_cache_slots():
     eng.executor._upload_expert = lambda row, slot: (seen.append(slot), orig(row, slot))
     loans = []
     orig_lend = eng.loans.lend
-    eng.loans.lend = lambda n: loans.append(orig_lend(n)) or loans[-1]
+    eng.loans.lend = lambda n, **kw: loans.append(orig_lend(n, **kw)) or loans[-1]
     eng.serve(np.arange(1100) % eng.weights.vocab, decode_tokens=0)
     assert isinstance(loans[0], Loan)
     assert set(seen) <= set(loans[0].ring.tolist()), "prefill misses are copied into the lent ring slots only"
@@ -73,4 +73,38 @@ def test_a_prompt_longer_than_the_context_is_refused_before_it_starts():
     res = eng.serve(np.zeros(600, dtype=np.int64), decode_tokens=2)
     assert not res.completed and "kv.max_context" in res.refused_reason
     assert eng.executor.stats.prefill_tokens == 0 and eng.loans.loans == 0
+    eng.close()
+
+
+class RefusingMemory:
+    """A DeviceMemory in front of the sim's that refuses new arrays above `limit_bytes` once armed."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.limit_bytes = None
+        self.refused = 0
+
+    def to_device(self, src):
+        if self.limit_bytes is not None and src.nbytes > self.limit_bytes:
+            self.refused += 1
+            return None
+        return self.inner.to_device(src)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def test_a_chunk_whose_buffers_the_device_refuses_is_read_again_with_half_the_chunk():
+    check = ReferenceCheck(tiny_weights())
+    holder = {}
+    eng, plan, log, dm = tiny_engine(observer=check, wrap=lambda d: holder.setdefault("m", RefusingMemory(d)))
+    mem = holder["m"]
+    chunk = plan.request_chunk(3000)
+    mem.limit_bytes = chunk * plan.model.hidden * 4 - 1  # the chunk's residual stream no longer fits
+    res = eng.serve(np.arange(3000) % eng.weights.vocab, decode_tokens=2)
+    assert res.completed and mem.refused >= 1
+    assert res.chunk <= chunk // 2 and res.halvings >= 1 and eng.loans.halvings >= 1
+    assert log.lines_matching("reads again with chunks of")
+    assert check.report.passed, check.report.failures
+    assert eng.cache.slots_on_loan == 0
     eng.close()
