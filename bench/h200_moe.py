@@ -4,7 +4,8 @@ Shape: 128 experts, top-8, hidden 2048, expert FFN 768 (9.44 MB of f16 per exper
 4096-token prefill chunk and 1-token decode. Every figure is timed with CUDA events after warm-up, the median of
 --reps runs, on random data; every output is checked against a float64 numpy reference on a subset of tokens.
 Writes h200_moe.json (card, driver, versions, commit, every figure, pass/fail per target) and the cache-size sweep
-PNG into --out. Reproduce: see bench/README.md.
+PNG into --out. Reproduce: see bench/README.md (put the tree's folders before any --target site folder on
+PYTHONPATH: a copy of strata_core or strata_cuda installed there by another run would shadow the tree's).
 """
 
 from __future__ import annotations
@@ -482,7 +483,7 @@ def main() -> int:
     log(f"ours: {json.dumps({k: round(v['median_ms'], 3) for k, v in res['ours'].items()})}")
 
     # decode: one token, all hits (plain launches, decode_layer's cached graph, an explicit graph), then m misses
-    dec = {}
+    dec = res["ours"]["decode"] = {}  # filled as it goes, so a failure later in the section keeps what ran
     with Guard(res, "decode"):
         if "decode" not in skip:
             t0 = int(chk[0])
@@ -552,7 +553,6 @@ def main() -> int:
                 dec[f"misses_{m}_copies"] = tm.cupy(
                     lambda: moe.decode_layer_misses(x1, lg1, pool, so, smap, host_pool, ring, out=o1), st)
                 dec[f"misses_{m}_copies"]["bytes_streamed"] = moe.stats.bytes_streamed
-            res["ours"]["decode"] = dec
             log(f"decode: {json.dumps({k: round(v['median_ms'] * 1e3, 1) for k, v in dec.items()})} us")
     cupy.cuda.Device().synchronize()
 
