@@ -288,5 +288,5 @@ def _print_summary(r: dict) -> None:
     for f in r["fallbacks"]:
         c.print(f"fallback: {f['what']}: {f['why']}", markup=False)
     c.print(f"tokens: {' '.join(str(x) for x in r['tokens'][:16])}{' ...' if len(r['tokens']) > 16 else ''}",
-            markup=False)
-    c.print(f"note: {r['notes'][0]}", markup=False)
+            markup=False, highlight=False)
+    c.print(f"note: {r['notes'][0]}", markup=False, highlight=False)

@@ -114,3 +114,16 @@ def test_the_table_output(clean_strata_env, capsys):
     rc = main(["simulate", "--scenario", str(_scenario("seed2090-rtx4070ti-reserve1000.json"))])
     out = capsys.readouterr().out
     assert rc == 0 and "engine exits: 0" in out and "loan slots" in out
+
+
+def test_seed_1756_with_the_share_on_it_takes_its_buffer_from_the_kept_floor(clean_strata_env, capsys):
+    rc, r = _simulate(capsys, "--scenario", str(_scenario("seed1756-rtx3090-windows-pinned.json")),
+                      "--set", "prefill.cpu_share=on")
+    assert rc == 0 and r["engine_exits"] == 0 and r["completed"] == len(r["requests"])
+    assert r["pinned"]["budget_exhausted"] and r["plan"]["cpu_share"]["enabled"]
+    share = r["cpu_share"]
+    assert share["enabled"] and share["experts"] > 0, "the 900- and 300-token prompts arm the share"
+    assert share["allocations"] == [["cpu-share activations", share["buffer_bytes"]]]
+    assert share["buffer_bytes"] <= r["plan"]["pinned"]["floor_bytes"]
+    lines = [ln for ln in r["log"] if ln.startswith("CPU share")]
+    assert len(lines) == 1 and "kept floor" in lines[0] and "exhausted" in lines[0]

@@ -108,3 +108,23 @@ def test_a_chunk_whose_buffers_the_device_refuses_is_read_again_with_half_the_ch
     assert check.report.passed, check.report.failures
     assert eng.cache.slots_on_loan == 0
     eng.close()
+
+
+def test_elastic_slots_trim_idle_slots_between_requests():
+    eng, plan, log, _ = tiny_engine(settings={"memory": {"elastic_slots_gib": 0.005}})
+    cap = int(0.005 * (1 << 30)) // plan.model.slot_bytes
+    eng.serve(np.arange(300) % eng.weights.vocab, decode_tokens=1)
+    trimmed = int(eng.cache.trimmed.sum())
+    assert 0 < trimmed <= cap
+    assert (eng.cache.expert_in[eng.cache.trimmed] == -1).all(), "a trimmed slot holds no expert"
+    res = eng.serve(np.arange(1100) % eng.weights.vocab, decode_tokens=1)
+    assert res.completed and eng.cache.slots_on_loan == 0
+    eng.cache.check()
+    eng.close()
+
+
+def test_no_elastic_trimming_by_default():
+    eng, _, _, _ = tiny_engine()
+    eng.serve(np.arange(300) % eng.weights.vocab, decode_tokens=1)
+    assert int(eng.cache.trimmed.sum()) == 0
+    eng.close()
