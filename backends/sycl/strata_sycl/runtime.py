@@ -28,7 +28,7 @@ def find_intel_opencl_runtime() -> Path | None:
     try:
         for f in md.files("intel-opencl-rt") or ():
             if f.name in _INTEL_OCL_NAMES:
-                p = Path(f.locate())
+                p = Path(f.locate()).resolve()
                 if p.is_file():
                     return p
     except md.PackageNotFoundError:

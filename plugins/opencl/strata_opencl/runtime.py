@@ -27,7 +27,7 @@ def find_intel_opencl_runtime() -> Path | None:
     try:
         for f in md.files("intel-opencl-rt") or ():
             if f.name in _INTEL_OCL_NAMES:
-                p = Path(f.locate())
+                p = Path(f.locate()).resolve()
                 if p.is_file():
                     return p
     except md.PackageNotFoundError:
@@ -39,15 +39,27 @@ def find_intel_opencl_runtime() -> Path | None:
     return None
 
 
-def _prepare_runtime_env() -> None:
-    """Tell the OpenCL ICD loader about the runtime intel-opencl-rt installed, before pyopencl loads it.
+#: Where the ICD loader looks for the system's OpenCL drivers (ocl-icd and the Khronos loader on Linux).
+SYSTEM_VENDORS_DIR = Path("/etc/OpenCL/vendors")
 
-    The one place this plugin touches the environment, and it only writes: a pip-installed runtime is not in
-    /etc/OpenCL/vendors, so without this the loader would not find it. A value the user set is left alone, and
-    nothing happens when the package is not installed (the system's ICDs are then used as they are).
+
+def _prepare_runtime_env() -> None:
+    """Point the OpenCL ICD loader at the runtime intel-opencl-rt installed, before pyopencl loads it.
+
+    The one place this plugin touches the environment, and it only writes: a pip-installed runtime is not in the
+    system's vendors directory, so without this the loader would not find it. OCL_ICD_VENDORS replaces that
+    directory (pyopencl's bundled loader reads no OCL_ICD_FILENAMES), so it is set only where the system registers
+    no driver of its own: a GPU's ICD is never hidden. A value the user set is left alone, and nothing happens when
+    the package is not installed.
     """
     lib = find_intel_opencl_runtime()
-    if lib is not None:
+    if lib is None:
+        return
+    try:
+        system_icds = any(SYSTEM_VENDORS_DIR.glob("*.icd"))
+    except OSError:
+        system_icds = False
+    if not system_icds:
         os.environ.setdefault("OCL_ICD_VENDORS", str(lib))
 
 
