@@ -113,7 +113,7 @@ def test_a_chunk_whose_buffers_the_device_refuses_is_read_again_with_half_the_ch
 def test_elastic_slots_trim_idle_slots_between_requests():
     eng, plan, log, _ = tiny_engine(settings={"memory": {"elastic_slots_gib": 0.005}})
     cap = int(0.005 * (1 << 30)) // plan.model.slot_bytes
-    eng.serve(np.arange(300) % eng.weights.vocab, decode_tokens=1)
+    eng.serve(np.arange(8), decode_tokens=1)  # a short request leaves most cached experts idle
     trimmed = int(eng.cache.trimmed.sum())
     assert 0 < trimmed <= cap
     assert (eng.cache.expert_in[eng.cache.trimmed] == -1).all(), "a trimmed slot holds no expert"
@@ -125,6 +125,6 @@ def test_elastic_slots_trim_idle_slots_between_requests():
 
 def test_no_elastic_trimming_by_default():
     eng, _, _, _ = tiny_engine()
-    eng.serve(np.arange(300) % eng.weights.vocab, decode_tokens=1)
+    eng.serve(np.arange(8), decode_tokens=1)
     assert int(eng.cache.trimmed.sum()) == 0
     eng.close()
