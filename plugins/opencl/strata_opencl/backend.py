@@ -180,6 +180,12 @@ def strata_backends():
 
 
 @hookimpl
+def strata_probe(backend):
+    """The OpenCL probe for this plugin's backend; None for any other."""
+    return probe() if backend.name == NAME else None
+
+
+@hookimpl
 def strata_platform_defaults(device, host):
     """OpenCL platform defaults for an opencl device."""
     if device.backend != NAME:
