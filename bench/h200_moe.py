@@ -536,6 +536,8 @@ def main() -> int:
             # m misses: read by the kernels from mapped page-locked host memory (the default), and through copies
             mapped = moe.host_device_ptrs(host_pool) is not None
             res["host_pool_mapped"] = mapped
+            res["host_pool_mapping"] = moe.host_mapping_report(
+                (host_pool.arrays["w_gate_up"].ctypes.data, host_pool.arrays["w_down"].ctypes.data))
             log(f"host pool mapped for the device: {mapped}")
             for m in (1, 2, 4, 8):
                 so = slot_of.copy()

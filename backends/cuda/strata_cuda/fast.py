@@ -16,6 +16,8 @@ executor can call it with the cache's own pool, slot maps and lent ring slots:
   sync), then the misses' gate/up and down matrices are copied into ring slots (two events) while the two
   kernels run the cached experts; the missed experts' rows are filled as soon as their gate/up matrices land,
   and their share of the down product is added once the rest has landed.
+- `grouped_ffn`: the KernelSet's `moe_grouped_ffn` contract (rows already grouped by expert) on the same steps:
+  pack into the padded stack by slot order, batched GEMMs over runs of consecutive slots, unpack to f32.
 Work buffers are grown once and addressed by pointer, and the small tables travel through page-locked staging,
 so the host's share of a layer stays a few tens of microseconds.
 cupy is imported inside the constructor: this module imports without it.
@@ -337,6 +339,57 @@ class FastMoE:
         self._mark("end")
         return out
 
+    def grouped_ffn(self, x: Any, offsets: Any, slots: Any, pool: ExpertPool) -> Any:
+        """The KernelSet's moe_grouped_ffn on this path: rows offsets[g]:offsets[g+1] of x [N,H] f32 run slot
+        slots[g] -> y [N,H] f32 (rows outside every group are 0), on the caller's current stream."""
+        cp = self._cp
+        off = np.asarray(offsets.get() if hasattr(offsets, "get") else offsets, dtype=np.int64).reshape(-1)
+        sl = np.asarray(slots.get() if hasattr(slots, "get") else slots, dtype=np.int64).reshape(-1)
+        x = cp.ascontiguousarray(x, dtype=cp.float32)
+        n, h, f = int(x.shape[0]), self.hidden, self.ffn
+        y = cp.zeros((n, h), dtype=cp.float32)
+        counts = np.diff(off)
+        live = np.nonzero(counts > 0)[0]
+        if n == 0 or live.size == 0:
+            return y
+        # blocks of the padded stack in slot order, so runs of consecutive slots share one batched GEMM
+        order = live[np.argsort(sl[live], kind="stable")]
+        g_n = int(order.size)
+        block_of_group = np.zeros(sl.size, dtype=np.int32)
+        block_of_group[order] = np.arange(g_n, dtype=np.int32)
+        count_of_block = counts[order]
+        mpad = int(-(-int(count_of_block.max()) // ROW_ALIGN) * ROW_ALIGN)
+        r0, r1 = int(off[0]), int(off[-1])  # offsets ascend: the groups cover rows r0..r1-1 exactly
+        gid = np.repeat(np.arange(sl.size, dtype=np.int32), counts.clip(min=0))
+        pos = (np.arange(r0, r1, dtype=np.int64) - off[gid]).astype(np.int32)
+        table = np.zeros(sl.size + g_n, dtype=np.int32)
+        table[:sl.size] = block_of_group
+        table[sl.size:] = count_of_block
+        tab_d, gid_d, pos_d = cp.asarray(table), cp.asarray(gid), cp.asarray(pos)
+        ws = self.__dict__.setdefault("_ws_grouped", {k: _Grown(cp) for k in ("xs", "gu", "act", "ys", "rowidx")})
+        xs = ws["xs"].ptr(2 * g_n * mpad * h)
+        rowidx = ws["rowidx"].ptr(4 * (r1 - r0))
+        rows = r1 - r0
+        # pack: the gather kernel with one 'route' per row (K = 1): row r goes to block_of[group] * Mpad + pos
+        self._k["strata_fast_gather"]((rows,), (THREADS,),
+                                      (np.uint64(x.data.ptr + 4 * r0 * h), gid_d, pos_d, tab_d, np.int32(rows),
+                                       np.int32(1), np.int32(h), np.int32(mpad), np.uint64(xs), np.uint64(rowidx)))
+        bufs = (xs, ws["gu"].ptr(2 * g_n * mpad * 2 * f), ws["act"].ptr(2 * g_n * mpad * f),
+                ws["ys"].ptr(2 * g_n * mpad * h), tab_d.data.ptr + 4 * sl.size)
+        step = self.group_experts if pool.dtype == "q8_0" else (self.hit_batch_experts or g_n)
+        step = max(1, step)
+        for first, slot0, run in slot_runs(sl[order].tolist()):
+            for sub in range(0, run, step):
+                m = min(run - sub, step)
+                top = int(count_of_block[first + sub:first + sub + m].max())
+                self._group(pool, slot0 + sub, first + sub, m, top, mpad, *bufs)
+        # unpack: the combine kernel with K = 1 and weight 1 turns each row's f16 result back into f32
+        ones = cp.ones(rows, dtype=cp.float32)
+        self._k["strata_fast_combine"]((rows,), (THREADS,),
+                                       (np.uint64(bufs[3]), np.uint64(rowidx), ones, np.int32(rows), np.int32(1),
+                                        np.int32(h), np.uint64(y.data.ptr + 4 * r0 * h)))
+        return y
+
     def _run_hits(self, pool: ExpertPool, slot_of: np.ndarray, hits: np.ndarray, count_of_block: np.ndarray,
                   mpad: int, bufs: tuple) -> None:
         """The cached experts: GEMM pairs over runs of consecutive slots, at most hit_batch_experts per batch (each
@@ -492,16 +545,32 @@ class FastMoE:
         key = (host_pool.arrays["w_gate_up"].ctypes.data, host_pool.arrays["w_down"].ctypes.data)
         cache = self.__dict__.setdefault("_host_ptrs", {})
         if key not in cache:
-            try:
-                ptrs = []
-                for p in key:
-                    attrs = self._rt.pointerGetAttributes(p)
-                    # cudaMemoryTypeHost (1): page-locked and known to the driver; devicePointer is its mapping
-                    ptrs.append(int(attrs.devicePointer) if int(attrs.type) == 1 else 0)
-                cache[key] = tuple(ptrs) if all(ptrs) else None
-            except Exception:  # not page-locked or not mapped: the caller falls back to copying the misses
-                cache[key] = None
+            report = self.host_mapping_report(key)
+            cache[key] = tuple(r["device_ptr"] for r in report) if all(r["device_ptr"] for r in report) else None
         return cache[key]
+
+    def host_mapping_report(self, host_ptrs: Sequence[int]) -> list[dict]:
+        """For each host address: what the driver says of it (memory type, its device-side address) and the
+        address the kernels may use (0: none, the memory is pageable or unknown to the driver)."""
+        try:
+            # cudaDevAttrCanUseHostPointerForRegisteredMem (91): registered memory is reachable at its host address
+            same_address = bool(self._rt.deviceGetAttribute(91, self._cp.cuda.Device().id))
+        except Exception:  # an old runtime without the attribute: rely on devicePointer alone
+            same_address = False
+        out = []
+        for p in host_ptrs:
+            row = {"host_ptr": int(p), "type": None, "device_pointer": 0, "same_address_ok": same_address,
+                   "device_ptr": 0, "error": ""}
+            try:
+                attrs = self._rt.pointerGetAttributes(int(p))
+                row["type"], row["device_pointer"] = int(attrs.type), int(attrs.devicePointer)
+                # cudaMemoryTypeHost (1): page-locked and known to the driver
+                if row["type"] == 1:
+                    row["device_ptr"] = row["device_pointer"] or (int(p) if same_address else 0)
+            except Exception as e:  # pageable or foreign memory: the caller copies the misses instead
+                row["error"] = f"{type(e).__name__}: {e}"
+            out.append(row)
+        return out
 
     def _gate_up(self, x: Any, logits: Any, pool: ExpertPool, slot_map: Any, refill_from: Any, skip_missing: int,
                  host_w13: int = 0) -> None:
