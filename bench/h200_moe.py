@@ -338,7 +338,8 @@ def main() -> int:
         hq[n].copy_(t)
     host_pool_q8 = ExpertPool("q8_0", {n: t.numpy() for n, t in hq.items()})
     layer_bytes_q8 = sum(t.numel() * t.element_size() for t in hq.values())
-    ring_q8 = ExpertPool("q8_0", {n: cupy.empty((RING_SLOTS,) + tuple(t.shape[1:]), dtype=cupy.dtype(str(t.numpy().dtype)))
+    ring_q8 = ExpertPool("q8_0", {n: cupy.empty((RING_SLOTS,) + tuple(t.shape[1:]),
+                                              dtype=cupy.dtype(str(t.numpy().dtype)))
                                   for n, t in hq.items()})
     torch.cuda.synchronize()
 
@@ -404,7 +405,8 @@ def main() -> int:
         "pcie_floor_q8_0_from_bw_ms": layer_bytes_q8 / link_bw * 1e3,
         "compute_floor_ms": flops / (gemm_tflops * 1e12) * 1e3, "prefill_flops": flops,
         "decode_floor_us": K * expert_bytes / hbm_bw * 1e6}
-    log(f"floors: link {link_bw / 1e9:.1f} GB/s (f16 layer {link['median_ms']:.2f} ms, q8 {link_q8['median_ms']:.2f} ms),"
+    log(f"floors: link {link_bw / 1e9:.1f} GB/s (f16 layer {link['median_ms']:.2f} ms, "
+        f"q8 {link_q8['median_ms']:.2f} ms),"
         f" pageable {res['floors']['link_pageable_h2d_bytes_per_s'] / 1e9:.1f} GB/s, gemm {gemm_tflops:.0f} TFLOP/s,"
         f" hbm {hbm_bw / 1e12:.2f} TB/s")
 
@@ -425,7 +427,8 @@ def main() -> int:
         moe.prefill_layer(x_cp, logits_cp, pool, slot_of, out=poisoned())
         st.synchronize()
         check("ours_warm_f16", out_cp)
-        res["ours"]["warm_prefill_f16"] = tm.cupy(lambda: moe.prefill_layer(x_cp, logits_cp, pool, slot_of, out=out_cp), st)
+        res["ours"]["warm_prefill_f16"] = tm.cupy(
+            lambda: moe.prefill_layer(x_cp, logits_cp, pool, slot_of, out=out_cp), st)
         res["ours"]["warm_prefill_f16"]["mpad_rows"] = moe.stats.mpad_rows
     res["kernels"] = moe.kernel_report()
     log(f"kernels: {res['kernels']}")
@@ -455,7 +458,8 @@ def main() -> int:
             st.synchronize()
             check("ours_cold_q8_0", out_cp, ref_q8)
             res["ours"]["cold_prefill_q8_0"] = tm.cupy(
-                lambda: moe.prefill_layer(x_cp, logits_cp, ring_q8, all_miss, host_pool_q8, (0, RING_SLOTS), out=out_cp), st)
+                lambda: moe.prefill_layer(x_cp, logits_cp, ring_q8, all_miss, host_pool_q8, (0, RING_SLOTS),
+                                          out=out_cp), st)
             res["ours"]["cold_prefill_q8_0"]["bytes_streamed"] = moe.stats.bytes_streamed
             pool_q8 = ExpertPool("q8_0", {"gate_up_q": cupy.asarray(q13), "gate_up_d": cupy.asarray(d13),
                                           "down_q": cupy.asarray(q2), "down_d": cupy.asarray(d2)})
@@ -463,7 +467,8 @@ def main() -> int:
             moe.prefill_layer(x_cp, logits_cp, pool_q8, ident, out=poisoned())
             st.synchronize()
             check("ours_warm_q8_0", out_cp, ref_q8)
-            res["ours"]["warm_prefill_q8_0"] = tm.cupy(lambda: moe.prefill_layer(x_cp, logits_cp, pool_q8, ident, out=out_cp), st)
+            res["ours"]["warm_prefill_q8_0"] = tm.cupy(
+                lambda: moe.prefill_layer(x_cp, logits_cp, pool_q8, ident, out=out_cp), st)
     with Guard(res, "traces"):
         # where the time goes: events at each stage of one call (after the timed runs, so everything is warm; the
         # events themselves add a little)
@@ -595,7 +600,8 @@ def main() -> int:
 
             gm_dtype = torch.float16
             try:
-                torch._grouped_mm(x16[:16].contiguous(), w13[:1].transpose(1, 2), offs=torch.tensor([16], device=dev, dtype=torch.int32))
+                torch._grouped_mm(x16[:16].contiguous(), w13[:1].transpose(1, 2),
+                                  offs=torch.tensor([16], device=dev, dtype=torch.int32))
             except Exception as exc:  # some builds take bf16 only; record it and use bf16 copies
                 gm_dtype = torch.bfloat16
                 log(f"_grouped_mm refused f16 ({str(exc).splitlines()[0]}); peer runs bf16")
@@ -622,7 +628,8 @@ def main() -> int:
                 del g13, g2
 
             copy_stream = torch.cuda.Stream()
-            bufs = [(torch.empty(2 * F, H, dtype=torch.float16, device=dev), torch.empty(H, F, dtype=torch.float16, device=dev))
+            bufs = [(torch.empty(2 * F, H, dtype=torch.float16, device=dev),
+                     torch.empty(H, F, dtype=torch.float16, device=dev))
                     for _ in range(2)]
             ready = [torch.cuda.Event() for _ in range(2)]
             free = [torch.cuda.Event() for _ in range(2)]
@@ -850,8 +857,9 @@ def evaluate(res: dict) -> None:
 def print_table(res: dict) -> None:
     """The short table the README shows."""
     fl = res["floors"]
-    log(f"\nlink {fl['link_pinned_h2d_bytes_per_s'] / 1e9:.1f} GB/s; floors: PCIe f16 {fl['pcie_floor_f16_ms']:.2f} ms, "
-        f"q8_0 {fl['pcie_floor_q8_0_ms']:.2f} ms, compute {fl['compute_floor_ms']:.3f} ms, decode {fl['decode_floor_us']:.1f} us")
+    log(f"\nlink {fl['link_pinned_h2d_bytes_per_s'] / 1e9:.1f} GB/s; floors: PCIe f16 "
+        f"{fl['pcie_floor_f16_ms']:.2f} ms, q8_0 {fl['pcie_floor_q8_0_ms']:.2f} ms, compute "
+        f"{fl['compute_floor_ms']:.3f} ms, decode {fl['decode_floor_us']:.1f} us")
     for k, v in res["ours"].items():
         if k == "decode":
             for kk, vv in v.items():
@@ -885,7 +893,8 @@ def draw_sweep(sweep: list[dict], path: Path) -> None:
     ax[2].set(xlabel="experts cached (%)", ylabel="tokens/s per MoE layer", title="decode, 1 token", yscale="log")
     for a in ax:
         a.grid(alpha=0.3)
-    fig.suptitle("Qwen3-30B-A3B MoE layer on the H200: cache-size sweep (skewed routing, rest streamed from pinned RAM)")
+    fig.suptitle("Qwen3-30B-A3B MoE layer on the H200: cache-size sweep "
+                 "(skewed routing, rest streamed from pinned RAM)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 

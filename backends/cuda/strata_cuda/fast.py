@@ -1,6 +1,6 @@
 """The fast MoE paths on a CUDA (or ROCm) device: strata_core/kernels/moe_fast.cu through cupy, GEMMs in cuBLAS.
 
-`FastMoE` runs one MoE layer three ways, each on ExpertPool-layout device arrays, so the runtime's KernelSet and
+`FastMoE` runs MoE layers on ExpertPool-layout device arrays, so the runtime's KernelSet and
 executor can call it with the cache's own pool, slot maps and lent ring slots:
 - `prefill_layer`: route on the device, one small host sync for the per-expert row counts, then the rows gathered
   into a padded [groups, Mpad, H] f16 stack, two strided batched GEMMs per run of consecutive slots (f16 in, f32
@@ -12,10 +12,10 @@ executor can call it with the cache's own pool, slot maps and lent ring slots:
 - `decode_layer`: one token: two kernels (route + gate/up GEMV + SwiGLU, then the down GEMV over all top-k
   experts), routing and slot look-up on the device, no host sync, replayed as a CUDA graph per set of buffers.
   A missed expert is read by the kernels straight from page-locked, mapped host memory (no round trip, no copy).
-- `decode_layer_misses`: the alternative for host memory the device cannot map: a one-block routing kernel, the ids to the host (one event
-  sync), then the misses' gate/up and down matrices are copied into ring slots (two events) while the two
-  kernels run the cached experts; the missed experts' rows are filled as soon as their gate/up matrices land,
-  and their share of the down product is added once the rest has landed.
+- `decode_layer_misses`: the alternative for host memory the device cannot map: a one-block routing kernel,
+  the ids to the host (one event sync), then the misses' gate/up and down matrices are copied into ring slots
+  (two events) while the two kernels run the cached experts; the missed experts' rows are filled as soon as
+  their gate/up matrices land, and their share of the down product is added once the rest has landed.
 - `grouped_ffn`: the KernelSet's `moe_grouped_ffn` contract (rows already grouped by expert) on the same steps:
   pack into the padded stack by slot order, batched GEMMs over runs of consecutive slots, unpack to f32.
 Work buffers are grown once and addressed by pointer, and the small tables travel through page-locked staging,
