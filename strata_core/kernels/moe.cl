@@ -10,8 +10,8 @@
  * - Q8_0: blocks of QK8_0 int8 quants along the last axis with one half scale per block, value = q * d.
  */
 
-/* Contraction to fma would make the f32 kernels round differently from the numpy oracle (scatter_add is meant to
- * match it bit for bit), so products and sums are rounded separately, as numpy does. */
+/* Contraction to fma would round the f32 kernels differently from the numpy oracle, which rounds every product
+ * and every sum; the pragma asks for the same here (a compiler may still contract, within the tolerances). */
 #pragma OPENCL FP_CONTRACT OFF
 
 #define QK8_0 32
@@ -106,7 +106,8 @@ __kernel void gather_b2(__global const ushort* x, __global const int* rows, cons
  *   scatter_scan    starts[t] = exclusive prefix sum of counts, starts[T] = total
  *   scatter_fill    idx[starts[t] ...] = the i of token t, in arbitrary order
  *   scatter_sort    sort each token's i ascending (lists are short: a token appears once per routed expert)
- *   scatter_apply   out[t,h] += scale[i] * y[i,h] over the token's i in ascending order, as numpy's add.at does. */
+ *   scatter_apply   out[t,h] += scale[i] * y[i,h] over the token's i in ascending order: a fixed order, so the
+ *                   same inputs always give the same bits. */
 
 __kernel void scatter_count(__global const int* rows, const int N, const int T, __global int* counts)
 {

@@ -113,9 +113,17 @@ def test_scatter_add_matches_and_is_deterministic(ks, mem, seed, t, h, n):
 
 
 def test_scatter_add_into_a_host_array_updates_it_in_place(ks):
-    out = np.zeros((3, 2), np.float32)
-    ks.scatter_add(out, np.array([1, 1, 2], np.int32), np.ones((3, 2), np.float32), np.array([1, 2, 3], np.float32))
-    np.testing.assert_array_equal(out, [[0, 0], [3, 3], [3, 3]])
+    rng = np.random.default_rng()
+    out = rng.standard_normal((6, 5)).astype(np.float32)
+    rows = np.array([1, 1, 4, 0, 1], np.int32)
+    y = rng.standard_normal((5, 5)).astype(np.float32)
+    scale = rng.random(5).astype(np.float32)
+    expect = out.copy()
+    ref.scatter_add(expect, rows, y, scale)
+    same_object = out
+    ks.scatter_add(out, rows, y, scale)
+    assert out is same_object
+    assert ref.relative_error(out, expect) < FP32_BOUND
 
 
 def _groups(rng: np.random.Generator, n: int, g: int, slots: int) -> tuple[np.ndarray, np.ndarray]:
