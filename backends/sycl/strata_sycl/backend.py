@@ -4,10 +4,12 @@ Platform rules of this backend (each a default of ours; settings and site plugin
 - chunk ceiling 8192 tokens;
 - free VRAM is trusted to 90 %: Intel's drivers let allocations spill into host memory, so the reported free figure
   is not a hard wall, and a plan that fills it to the byte would page;
-- pinned host memory is SYCL USM host memory (page-locked by the runtime); dpctl cannot lock memory in place;
+- pinned host memory is SYCL USM host memory (page-locked by the runtime), where the device offers it; dpctl cannot
+  lock existing memory in place, so registration is refused on a GPU (on a CPU device it is budget accounting only);
 - a CPU device (the Intel OpenCL CPU runtime) is the host itself: the CPU share is off by default.
-Only OpenCL-backend SYCL devices are used, because the kernels are OpenCL C (strata_core/kernels/moe.cl) built
-through dpctl.program. This module imports without dpctl; the probe then says why the backend is unavailable.
+Only OpenCL-backend SYCL devices with USM device memory are used, because the kernels are OpenCL C
+(strata_core/kernels/moe.cl) built through dpctl.program; PoCL's platform is kept out (it can abort SYCL).
+This module imports without dpctl; the probe then says why the backend is unavailable.
 """
 
 from __future__ import annotations
