@@ -15,7 +15,6 @@ import os
 import sys
 from typing import Any
 
-from strata_core import API_VERSION
 from strata_core.backend_api import Backend, ProbeResult
 from strata_core.facts import DeviceInfo, HostInfo, PlatformDefaults
 from strata_core.hookspecs import hookimpl
@@ -23,6 +22,9 @@ from strata_core.hookspecs import hookimpl
 from . import INSTALL_HINT, __version__
 
 NAME = "opencl"
+
+#: The strata hook API this plugin was written against: a core of another major version refuses it, as it should.
+API_VERSION = "1.0"
 
 #: Largest prompt chunk the auto choice may take on an OpenCL device, in tokens.
 CHUNK_CEILING_TOKENS = 4096
