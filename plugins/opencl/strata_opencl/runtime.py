@@ -10,6 +10,7 @@ import importlib.metadata as md
 import os
 import sys
 import threading
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
@@ -119,7 +120,7 @@ class Session:
     context: Any
     queue: Any
     allocated_bytes: int = 0
-    streams: list = field(default_factory=list)
+    streams: "weakref.WeakSet[ClStream]" = field(default_factory=weakref.WeakSet)
     program: Any = None
     host_visible: bool | None = None
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -127,13 +128,13 @@ class Session:
     def new_stream(self) -> ClStream:
         """A new in-order queue on this session's context."""
         s = ClStream(self.cl.CommandQueue(self.context, self.device))
-        self.streams.append(s)
+        self.streams.add(s)
         return s
 
     def finish_all(self) -> None:
         """Block until every queue of the session is idle."""
         self.queue.finish()
-        for s in self.streams:
+        for s in list(self.streams):
             s.queue.finish()
 
     def offers_host_visible_memory(self) -> bool:
