@@ -279,6 +279,11 @@ class Executor:
         if self.observer is not None and not self.accounting_only:
             x_in = np.asarray(self.dm.download(x))
         r = self._route(layer, xn, tokens)
+        # copies into ring or evicted slots must not overtake kernels of earlier layers that still read those slots;
+        # this layer's own hits never sit in them, so their compute still overlaps the copies
+        fence = self.dm.new_event()
+        self.dm.record(fence, None)
+        self.dm.wait(self.copy_stream, fence)
         slots = self.cache.lookup(layer, r.experts, r.counts)
         hits = np.flatnonzero(slots != EMPTY)
         misses = np.flatnonzero(slots == EMPTY)

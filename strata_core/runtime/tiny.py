@@ -61,6 +61,7 @@ def generate_weights(spec: ModelSpec, seed: int = 0, dtype: str = "f16") -> Mode
     L, E, H, F, V = spec.moe_layers, spec.experts_per_layer, spec.hidden, spec.expert_ffn, max(spec.vocab, 2)
 
     def matrix(*shape: int) -> np.ndarray:
+        """A random [.., fan_in] matrix scaled by 1/sqrt(fan_in), so activations stay O(1)."""
         return rng.standard_normal(shape, dtype=np.float32) / np.float32(np.sqrt(shape[-1]))
 
     rows = L * E
