@@ -14,6 +14,7 @@ import sys
 import time
 import traceback
 from contextlib import contextmanager
+from dataclasses import replace
 from typing import Any, Iterator
 
 import numpy as np
@@ -36,7 +37,9 @@ NOTES = ("attention is out of scope for Strata Core: each layer is RMSNorm, rout
          "device_bytes_allocated counts what the runtime asked DeviceMemory for (cache pool, dense weights, "
          "per-chunk inputs); kernel outputs come from the backend's own allocator and are counted, from their "
          "shapes, in device_bytes_peak_estimate; grouped-FFN calls are split so a chunk's buffers stay within the "
-         "plan's workspace")
+         "plan's workspace",
+         "a GGUF model is planned with the device bytes this runtime uses: its dense weights without the embedding "
+         "(kept on the host) and no KV cache")
 
 
 def register(subparsers) -> None:
@@ -124,7 +127,13 @@ def resolve_run_model(name: str | None, loaded, seed: int) -> tuple[ModelSpec, A
             settings = settings.model_copy(update={"memory": mem})
         return spec, (lambda: generate_weights(spec, seed)), settings
     if str(name).lower().endswith(".gguf"):
+        from ..runtime.tiny import device_dense_bytes
         spec = model_from_gguf(name)
+        # plan what this runtime puts on the device: no KV (it runs no attention) and the dense weights it uploads
+        # (routers, norms, LM head; the embedding stays on the host), so the plan's figures are the run's
+        spec = replace(spec, kv_bytes_per_token=0,
+                       dense_bytes=device_dense_bytes(spec.moe_layers, spec.experts_per_layer, spec.hidden,
+                                                      max(spec.vocab, 1)))
         return spec, (lambda: weights_from_gguf(name, spec)), settings
     preset = model_from_name(name)
     from ..runtime.tiny import model_spec

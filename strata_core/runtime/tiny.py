@@ -27,7 +27,7 @@ TINY_VOCAB = 2048
 TINY_CACHE_FRACTION = 0.5
 
 
-def _dense_bytes(layers: int, experts: int, hidden: int, vocab: int) -> int:
+def device_dense_bytes(layers: int, experts: int, hidden: int, vocab: int) -> int:
     """Device bytes of the dense weights: f32 norms and routers per layer, f32 final norm, f16 LM head."""
     return layers * (hidden * 4 + experts * hidden * 4) + hidden * 4 + vocab * hidden * 2
 
@@ -39,7 +39,7 @@ def model_spec(name: str, layers: int, experts: int, top_k: int, hidden: int, ff
     return ModelSpec(name=name, moe_layers=layers, experts_per_layer=experts, top_k=top_k, hidden=hidden,
                      slot_bytes=slot, largest_blob_bytes=slot,
                      prompt_bytes_per_token=prompt_bytes_for(hidden, experts, top_k, ffn),
-                     dense_bytes=_dense_bytes(layers, experts, hidden, vocab), kv_bytes_per_token=0,
+                     dense_bytes=device_dense_bytes(layers, experts, hidden, vocab), kv_bytes_per_token=0,
                      expert_ffn=ffn, quant="F16" if dtype == "f16" else "Q8_0", vocab=vocab, source=source)
 
 

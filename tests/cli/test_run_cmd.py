@@ -52,6 +52,8 @@ def test_a_tiny_moe_gguf_runs_end_to_end_with_check(clean_strata_env, capsys, dt
     assert r["check"] == "passed" and r["model"]["source"].startswith("gguf:")
     assert r["plan"]["expert_cache"]["slots"] == 1024
     assert r["loans"] == 1 and r["ring_batches"] > 0, "a 1100-token prompt streams its misses through a loan"
+    assert r["plan"]["vram"]["kv_bytes"] == 0, "no attention runs, so no KV is planned for the run"
+    assert r["device_bytes_peak_estimate"] <= r["device_bytes_planned"]
     assert r["cache_hit_rate"] < 1 and r["bytes_streamed"] > 0
 
 
