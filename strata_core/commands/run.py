@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 import traceback
 from contextlib import contextmanager
 from dataclasses import replace
@@ -25,7 +24,7 @@ from rich.table import Table
 from ..errors import BadInput, StrataError
 from ..model import ModelSpec, model_from_gguf, model_from_name
 from ..plugins import load_from_settings
-from ..settings import FlagValue, add_settings_arguments, settings_from_args
+from ..settings import add_settings_arguments, settings_from_args
 
 SCHEMA = "strata.run/1"
 DEFAULT_PROMPT_TOKENS = 3000

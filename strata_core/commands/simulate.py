@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import traceback
-from typing import Any
 
 import numpy as np
 from rich.console import Console

@@ -20,7 +20,7 @@ from .cache import ExpertCache
 from .cpu_share import CpuShare
 from .devmem import CountingMemory
 from .executor import DeviceFull, Executor, LayerObserver
-from .loan import Loan, PromptLoan
+from .loan import PromptLoan
 from .pinned import PinnedPool
 from .runlog import Fallback, RunLog
 from .store import ExpertStore, phantom_pool_of_bytes
