@@ -23,6 +23,7 @@ from .executor import DeviceFull, Executor, LayerObserver
 from .loan import PromptLoan
 from .pinned import PinnedPool
 from .runlog import Fallback, RunLog
+from .staging import CopyStaging
 from .store import ExpertStore, phantom_pool_of_bytes
 from .weights import ModelWeights
 
@@ -95,11 +96,15 @@ class Engine:
         self.share_pool = PinnedPool(allocator, budget, log, from_floor=True, name="CPU share")
         self.share = CpuShare(plan, self.share_pool, log, model.hidden)
         self.share.prepare(budget.exhausted)
+        # staging comes after the share: the plan kept the floor for the share first
+        self.staging_pool = PinnedPool(allocator, budget, log, from_floor=True, name="copy staging")
+        self.staging = CopyStaging(self.store, self.staging_pool, log, self._staging_slots())
         self.loans = PromptLoan(plan, self.cache, log)
         self.executor = Executor(dm=self.dm, kernels=kernels, cache=self.cache, store=self.store,
                                  device_pool=self.device_pool, weights=weights, dense_dev=self.dense_dev,
                                  share=self.share, log=log, top_k=model.top_k, hidden=model.hidden,
-                                 workspace_bytes=plan.vram.workspace_bytes, accounting_only=accounting_only, seed=seed, observer=observer)
+                                 workspace_bytes=plan.vram.workspace_bytes, accounting_only=accounting_only,
+                                 seed=seed, observer=observer, staging=self.staging)
         self.engine_exits = 0
 
     @classmethod
@@ -111,6 +116,11 @@ class Engine:
         return cls(plan, dm=dm, allocator=allocator, kernels=kernels, budget=budget, weights=weights, log=log, **kw)
 
     # --- start-up ------------------------------------------------------------------------------------------
+
+    def _staging_slots(self) -> int:
+        """Half the widest ring of the plan's loans: one ring half is copied while the other computes."""
+        rings = [r.ring_slots for r in self.plan.prompt.loans]
+        return (max(rings) + 1) // 2 if rings else 0
 
     def _pool_specs(self, slots: int) -> dict[str, tuple[tuple[int, ...], Any]]:
         pool = self.store.pool
@@ -259,6 +269,7 @@ class Engine:
     def close(self) -> None:
         """Release pinned memory and device arrays."""
         self.share_pool.close()
+        self.staging_pool.close()
         self.store.close()
         for a in list(self.device_pool.arrays.values()) + list(self.dense_dev.values()):
             self.dm.free(a)

@@ -84,7 +84,7 @@ class Executor:
     def __init__(self, *, dm: Any, kernels: Any, cache: ExpertCache, store: ExpertStore, device_pool: ExpertPool,
                  weights: ModelWeights | None, dense_dev: dict[str, Any] | None, share: CpuShare, log: RunLog,
                  top_k: int, hidden: int, workspace_bytes: int = 0, accounting_only: bool = False, seed: int = 0,
-                 observer: LayerObserver | None = None):
+                 observer: LayerObserver | None = None, staging: Any = None):
         self.dm = dm
         self.k = kernels
         self.cache = cache
@@ -101,6 +101,8 @@ class Executor:
         self.accounting_only = accounting_only
         self.observer = observer
         self.stats = ExecStats()
+        #: Page-locked staging for experts the arena could not pin (None: copies from pageable memory).
+        self.staging = staging
         #: Called with (phase, tokens) after every prefill chunk and decode step (progress bars).
         self.progress: Callable[[str, int], None] | None = None
         self.copy_stream = dm.new_stream()
@@ -126,9 +128,10 @@ class Executor:
         temps.clear()
 
     def _upload_expert(self, row: int, slot: int) -> None:
-        """Copy one expert from the host store into a device slot, on the copy stream."""
+        """Copy one expert from the host store (or its page-locked staging copy) into a device slot, on the copy stream."""
         if not self.accounting_only:
-            for name, src in self.store.expert(row).items():
+            staged = self.staging.stage(row, lambda: self.dm.synchronize(self.copy_stream)) if self.staging else None
+            for name, src in (staged or self.store.expert(row)).items():
                 self.dm.upload(self.pool.arrays[name][slot], src, self.copy_stream)
         self.stats.experts_streamed += 1
         self.stats.bytes_streamed += self.store.row_bytes

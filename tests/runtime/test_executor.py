@@ -128,3 +128,25 @@ def test_no_elastic_trimming_by_default():
     eng.serve(np.arange(8), decode_tokens=1)
     assert int(eng.cache.trimmed.sum()) == 0
     eng.close()
+
+
+def test_experts_the_arena_could_not_pin_stream_through_page_locked_staging():
+    check = ReferenceCheck(tiny_weights())
+    eng, plan, log, _ = tiny_engine(faults=["arena-register:above=1MiB"], observer=check)
+    assert eng.budget.exhausted and eng.store.pinned_fraction < 1.0
+    assert eng.staging.enabled
+    want = (max(r.ring_slots for r in plan.prompt.loans) + 1) // 2 * eng.store.row_bytes
+    assert eng.staging_pool.allocations == [("copy staging", want)], "one staging buffer, sized once"
+    res = eng.serve(np.arange(1100) % eng.weights.vocab, decode_tokens=2)
+    assert res.completed and eng.executor.stats.experts_streamed > 0
+    assert check.report.passed, check.report.failures
+    eng.close()
+
+
+def test_without_staging_memory_misses_copy_from_pageable_memory_after_one_line():
+    eng, _, log, _ = tiny_engine(faults=["arena-register:above=1MiB", "pinned-alloc:every"])
+    assert not eng.staging.enabled
+    assert len([f for f in log.fallbacks if f.what == "copy staging"]) == 1
+    res = eng.serve(np.arange(1100) % eng.weights.vocab, decode_tokens=2)
+    assert res.completed
+    eng.close()
