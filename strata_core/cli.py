@@ -13,9 +13,17 @@ from .errors import StrataError
 COMMANDS = ("backends", "config", "plan", "run", "simulate", "bench", "doctor")
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """An ArgumentParser whose errors are one line (the usage block stays behind --help), exit 2."""
+
+    def error(self, message: str):
+        """Print one line naming the command and the problem, then exit 2."""
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser with every sub-command registered."""
-    parser = argparse.ArgumentParser(prog="strata", description="Strata Core: plan and run MoE models larger than the GPU.")
+    parser = OneLineParser(prog="strata", description="Strata Core: plan and run MoE models larger than the GPU.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in COMMANDS:
         try:
