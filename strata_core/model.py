@@ -7,6 +7,11 @@ from dataclasses import asdict, dataclass
 from .errors import BadInput
 
 
+#: Bounds far above any published MoE model: a count beyond them is a corrupt file or a typo, not a model.
+MODEL_LIMITS = {"moe_layers": 4096, "experts_per_layer": 1 << 16, "top_k": 1 << 10, "hidden": 1 << 18,
+                "expert_ffn": 1 << 20, "vocab": 1 << 24, "slot_bytes": 1 << 40, "largest_blob_bytes": 1 << 40}
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     """What the planner and runtime need to know of an MoE model. Bytes are ints."""
@@ -78,6 +83,9 @@ class ModelSpec:
         for k in ("moe_layers", "experts_per_layer", "top_k", "hidden", "slot_bytes", "largest_blob_bytes"):
             if getattr(self, k) <= 0:
                 raise BadInput(f"{where}: '{k}' must be positive, got {getattr(self, k)}")
+        for k, most in MODEL_LIMITS.items():
+            if getattr(self, k) > most:
+                raise BadInput(f"{where}: '{k}' is {getattr(self, k):,}, beyond any MoE model (at most {most:,})")
         if self.top_k > self.experts_per_layer:
             raise BadInput(f"{where}: top_k {self.top_k} exceeds experts_per_layer {self.experts_per_layer}")
         if self.largest_blob_bytes < self.slot_bytes:
