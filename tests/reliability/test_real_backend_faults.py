@@ -44,6 +44,7 @@ class Outcome:
     share_enabled: bool = False
     share_experts: int = 0
     faults_injected: list[dict] = field(default_factory=list)
+    dense_bytes: int = 0
 
     @property
     def tokens(self) -> list[list[int]]:
@@ -64,7 +65,7 @@ def run_tiny(backend: str, inject: tuple[str, ...] = (), settings: tuple[tuple[s
         spec, load_weights, s = resolve_run_model(None, loaded, 0)
         plan = plan_for_machine(plugins, device, host, spec, s)
         weights = load_weights()
-        out = Outcome(log=RunLog())
+        out = Outcome(log=RunLog(), dense_bytes=plan.vram.dense_bytes)
 
         def observe(phase, layer, x_in, x_out):
             out.layer_digests.append(hashlib.sha256(np.ascontiguousarray(x_out).tobytes()).hexdigest())
@@ -181,12 +182,22 @@ def test_a_tiny_cache_left_by_another_process_still_serves_every_request():
     assert out.tokens == run_tiny("sim").tokens
 
 
-def test_vram_taken_by_another_process_mid_request_does_not_kill_the_request():
-    """Fails today: a prompt buffer the device refuses mid-request raises DeviceFull out of serve (seed #2090's
-    'device buffers for a chunk ... do not fit', engine exit) instead of halving the chunk or refusing the request."""
+def test_vram_taken_mid_request_halves_the_chunk_and_every_request_completes():
+    """Another process takes VRAM during the first request, leaving room for smaller chunks' buffers only."""
+    base = run_tiny("sim")
+    keep = base.cache_slots * 49152 + base.dense_bytes + 640 * 1024
+    out = run_tiny("sim", (f"vram-drop:bytes={_free_after_start_bytes() - keep},at=60",))
+    assert_served(out)
+    assert out.faults_injected and out.results[0].halvings > 0
+    assert all(r.completed for r in out.results) and out.tokens == base.tokens
+
+
+def test_vram_all_taken_mid_request_refuses_the_request_rather_than_dying():
+    """Fails today: with no device byte left for any buffer, halving reaches 1 token and serve() re-raises
+    DeviceFull (an engine exit, seed #2090's failure) instead of answering the request with a refusal."""
     base = run_tiny("sim")
     assert base.started
-    # at the 60th allocation (the first request's buffers) the device keeps only the pool and 1 MiB
+    # at the 60th allocation (the first request's buffers) the device keeps the pool and 1 MiB, less than the dense
     spec = f"vram-drop:bytes={_free_after_start_bytes() - base.cache_slots * 49152 - MIB},at=60"
     out = run_tiny("sim", (spec,))
     assert_served(out)
