@@ -32,13 +32,16 @@ class CacheModel:
         self.row_in: dict[int, int] = {}
 
     def resident(self) -> set[int]:
+        """Rows held by some slot."""
         return set(self.row_in.values())
 
     def emptied(self, slots) -> None:
+        """These slots hold nothing now (lent, trimmed)."""
         for s in np.asarray(slots, dtype=np.int64).tolist():
             self.row_in.pop(s, None)
 
     def filled(self, slots, rows) -> None:
+        """These slots hold these rows now (EMPTY slots are skipped)."""
         for s, r in zip(np.asarray(slots).tolist(), np.asarray(rows).tolist()):
             if s != EMPTY:
                 self.row_in[s] = r
