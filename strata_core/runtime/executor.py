@@ -250,14 +250,22 @@ class Executor:
 
     def _admit_and_run(self, layer: int, r: Routing, groups: np.ndarray, keep: np.ndarray, xn: Any, x: Any,
                        temps: list, tokens: int) -> None:
-        """Misses without a ring (decode, short prompts): admit them into the cache, evicting the coldest, and run."""
+        """Misses without a ring (decode, short prompts): admit them into the cache, evicting the coldest, and run.
+
+        The first pass keeps this step's hits (the hot set); when the cache is too small for every miss, later passes
+        may reuse any slot, after a fence that orders their copies behind the kernels already launched.
+        """
         todo = groups
         while len(todo):
             slots = self.cache.admit(layer, r.experts[todo], keep=keep)
             ok = slots != EMPTY
             if not ok.any():
-                raise StrataError(f"layer {layer}: no cache slot can take a missed expert "
-                                  f"({self.cache.slots_on_loan} on loan, {len(keep)} in use)")
+                if len(keep) == 0:
+                    raise StrataError(f"layer {layer}: no cache slot can take a missed expert "
+                                      f"({self.cache.slots_on_loan} of {self.cache.slots} slots on loan)")
+                self._fence_copies()
+                keep = keep[:0]
+                continue
             for g, slot in zip(todo[ok], slots[ok]):
                 self._upload_expert(int(self.cache.row(layer, int(r.experts[g]))), int(slot))
             self.stats.experts_admitted += int(ok.sum())
@@ -267,6 +275,12 @@ class Executor:
             self._run_groups(r, todo[ok], slots[ok], xn, x, temps, tokens)
             keep = np.concatenate([keep, slots[ok]])
             todo = todo[~ok]
+
+    def _fence_copies(self) -> None:
+        """Order later copies on the copy stream behind every kernel launched so far."""
+        fence = self.dm.new_event()
+        self.dm.record(fence, None)
+        self.dm.wait(self.copy_stream, fence)
 
     def _share_split(self, r: Routing, misses: np.ndarray, tokens: int) -> np.ndarray:
         """The misses the CPU takes: the half with the fewest tokens (cheap on the CPU, costly to stream)."""
@@ -284,9 +298,7 @@ class Executor:
         r = self._route(layer, xn, tokens)
         # copies into ring or evicted slots must not overtake kernels of earlier layers that still read those slots;
         # this layer's own hits never sit in them, so their compute still overlaps the copies
-        fence = self.dm.new_event()
-        self.dm.record(fence, None)
-        self.dm.wait(self.copy_stream, fence)
+        self._fence_copies()
         slots = self.cache.lookup(layer, r.experts, r.counts)
         hits = np.flatnonzero(slots != EMPTY)
         misses = np.flatnonzero(slots == EMPTY)

@@ -87,25 +87,25 @@ class PromptLoan:
             return NoLoan(prompt_tokens=prompt_tokens, chunk_tokens=chunk, why=why)
         grid = self.plan.prompt.grid_tokens
         halvings = 0
-        row = self.plan.loan_for(chunk)
+        first_chunk = chunk
+        first = row = self.plan.loan_for(chunk)
         while not self._lendable(row.loan_slots):
-            smaller = chunk // 2
-            if smaller >= grid:
-                smaller = (smaller // grid) * grid
-            if smaller < 1 or smaller == chunk:
+            if chunk <= grid:
                 # the workspace holds the buffers of chunks up to the stream minimum: read with those, unlent
-                own = max(1, min(chunk, self.plan.prompt.stream_min_tokens or chunk))
+                own = max(1, min(first_chunk, self.plan.prompt.stream_min_tokens or first_chunk))
                 self.halvings += halvings
                 self.log.say(f"no chunk down to {chunk} tokens can be lent ({self.cache.available_slots} slots "
-                             f"available): this request reads {own}-token chunks in the workspace, without a loan")
+                             f"available, {self.plan.prompt.min_keep_slots} kept for decode): this request reads "
+                             f"{own}-token chunks in the workspace, without a loan")
                 return NoLoan(prompt_tokens=prompt_tokens, chunk_tokens=own, halvings=halvings,
                               why="no chunk could be lent")
-            self.log.say(f"the loan for a chunk of {chunk} tokens ({row.loan_slots} slots) cannot be lent "
-                         f"({self.cache.available_slots} slots available, {self.plan.prompt.min_keep_slots} kept "
-                         f"for decode): this request reads with chunks of {smaller} tokens")
-            chunk = smaller
+            chunk = max(grid, (chunk // 2 // grid) * grid)
             halvings += 1
             row = self.plan.loan_for(chunk)
+        if halvings:
+            self.log.say(f"the loan for a chunk of {first_chunk} tokens ({first.loan_slots} slots) cannot be lent "
+                         f"({self.cache.available_slots} slots available, {self.plan.prompt.min_keep_slots} kept for "
+                         f"decode): this request reads with chunks of {chunk} tokens ({halvings} halvings)")
         slots = self.cache.lend(row.loan_slots)
         assert slots is not None, "lendable slots could not be lent"
         auto = self.auto_loan_slots
