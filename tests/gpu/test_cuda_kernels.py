@@ -36,11 +36,11 @@ def cp():
     return cupy
 
 
-@pytest.fixture(scope="module")
-def kernels():
-    """The KernelSet on device 0 (compiles moe.cu once)."""
+@pytest.fixture(scope="module", params=[False, True], ids=["moe.cu", "fast-grouped-ffn"])
+def kernels(request):
+    """The KernelSet on device 0, with the grouped FFN on moe.cu's path and on strata_cuda.fast's (compiled once)."""
     from strata_cuda.kernels import CupyKernels
-    return CupyKernels(0)
+    return CupyKernels(0, fast_grouped_ffn=request.param)
 
 
 @pytest.fixture(scope="module")

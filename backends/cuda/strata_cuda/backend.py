@@ -55,4 +55,4 @@ def strata_kernels(device):
     """moe.cu through NVRTC plus cuBLAS, on the cuda device."""
     if device.backend != NAME:
         return None
-    return CupyKernels(device.index, name="cuda-moe.cu")
+    return CupyKernels(device.index, name="cuda-moe.cu", fast_grouped_ffn=True)

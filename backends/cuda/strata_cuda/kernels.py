@@ -59,12 +59,15 @@ def compile_to_ptx(arch: str = "compute_90", options: tuple[str, ...] = COMPILE_
 class CupyKernels:
     """KernelSet on a CUDA or ROCm device through cupy (see the module docstring for the grouped FFN's structure)."""
 
-    def __init__(self, device_index: int = 0, name: str = "cupy-moe.cu"):
+    def __init__(self, device_index: int = 0, name: str = "cupy-moe.cu", fast_grouped_ffn: bool = False):
         import cupy
         from cupy.cuda import runtime
         self._cp = cupy
         self._rt = runtime
         self.name = name
+        #: route moe_grouped_ffn through strata_cuda.fast (cuBLAS strided-batched GEMMs over slot runs, CUDA only)
+        self.fast_grouped_ffn = fast_grouped_ffn
+        self._fast: dict[tuple[int, int], Any] = {}
         cupy.cuda.Device(device_index).use()
         self._module = cupy.RawModule(code=kernel_source(), options=COMPILE_OPTIONS)
         # compile now, so a broken toolchain fails at start-up and not in the middle of a request
@@ -157,12 +160,28 @@ class CupyKernels:
 
         offsets and slots may be numpy or cupy arrays; the group sizes are read on the host (a small copy).
         """
+        fast = self._fast_path(weights)
+        if fast is not None:
+            return fast.grouped_ffn(x, offsets, slots, weights)
         x = self._f32(x)
         n, h = x.shape
         y = self._cp.zeros((n, h), dtype=self._cp.float32)
         for layout in group_layouts(_host(offsets), _host(slots), n_rows=n, n_slots=weights.slots):
             self._run_layout(x, layout, weights, y)
         return y
+
+    def _fast_path(self, pool: ExpertPool) -> Any:
+        """The FastMoE for this pool's shape, or None where it does not apply (ROCm, shapes off its 32-grid)."""
+        if not self.fast_grouped_ffn:
+            return None
+        a = pool.arrays["w_down" if pool.dtype == "f16" else "down_q"]
+        h, f = int(a.shape[1]), int(a.shape[2])
+        if h % QK8_0 or f % QK8_0:
+            return None
+        if (h, f) not in self._fast:
+            from .fast import FastMoE
+            self._fast[(h, f)] = FastMoE(experts=8, top_k=1, hidden=h, ffn=f)
+        return self._fast[(h, f)]
 
     # -- grouped FFN steps ------------------------------------------------------------------------------------
 
