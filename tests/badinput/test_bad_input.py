@@ -173,6 +173,7 @@ def test_malformed_files_and_flags_are_refused(tmp_path, case_id, argv, files):
 
 @pytest.fixture(scope="module")
 def good_gguf(tmp_path_factory) -> bytes:
+    """The bytes of a valid tiny MoE GGUF, written once for the module."""
     return _gguf_bytes(tmp_path_factory.mktemp("gguf"))
 
 

@@ -68,6 +68,7 @@ def run_tiny(backend: str, inject: tuple[str, ...] = (), settings: tuple[tuple[s
         out = Outcome(log=RunLog(), dense_bytes=plan.vram.dense_bytes)
 
         def observe(phase, layer, x_in, x_out):
+            """Keep a digest of each layer's output, in order."""
             out.layer_digests.append(hashlib.sha256(np.ascontiguousarray(x_out).tobytes()).hexdigest())
 
         try:
