@@ -43,6 +43,7 @@ class CpuShare:
                          + ("; the pinned budget is exhausted (the arena could not be pinned whole)"
                             if budget_exhausted else ""), once="cpu-share-plan")
             return
+        # one hidden f32 row per token of the largest share-eligible chunk: the share takes at most that many rows
         want = max(self.plan.pinned.cpu_share_bytes, self.max_chunk * self.hidden * 4)
         if self.pool.reserve(BUFFER, want, say=False) is None:
             self.turn_off(f"its {want / (1 << 20):.1f} MiB page-locked buffer could not be had from the floor "
@@ -66,31 +67,36 @@ class CpuShare:
         """Does the share run on a chunk of this many tokens?"""
         return self.enabled and 0 < chunk_tokens <= self.max_chunk
 
-    def output(self, tokens: int) -> np.ndarray | None:
-        """The page-locked [tokens, hidden] f32 accumulator the share writes into (None when it is off)."""
-        out = self.pool.view(BUFFER, (tokens, self.hidden), np.float32)
+    @property
+    def rows_capacity(self) -> int:
+        """Routed rows (hidden f32 each) the buffer sized once holds: the most rows one chunk-layer gives the share."""
+        return self.buffer_bytes // (self.hidden * 4) if self.enabled else 0
+
+    def output(self, rows: int) -> np.ndarray | None:
+        """The page-locked [rows, hidden] f32 buffer the share writes its experts' outputs into (None when off)."""
+        out = self.pool.view(BUFFER, (rows, self.hidden), np.float32)
         if out is None:
-            self.turn_off(f"a chunk of {tokens} tokens does not fit its buffer sized once "
-                          f"({self.buffer_bytes} bytes); off for this run")
+            self.turn_off(f"{rows} routed rows do not fit its buffer sized once ({self.buffer_bytes} bytes); "
+                          "off for this run")
         return out
 
-    def start(self, x: np.ndarray, groups: list[tuple[dict, np.ndarray, np.ndarray]], out: np.ndarray,
+    def start(self, x: np.ndarray, groups: list[tuple[dict, np.ndarray]], out: np.ndarray,
               pool_dtype: str) -> "ShareJob":
-        """Run SwiGLU experts on the host in a thread: out[rows] += scale * expert(x[rows]) for every group."""
+        """Run SwiGLU experts on the host in a thread: each group's rows of x through its expert, into out in turn."""
         job = ShareJob(self._work, x, groups, out, pool_dtype)
         self.runs += 1
-        self.rows_computed += sum(len(r) for _, r, _ in groups)
+        self.rows_computed += sum(len(r) for _, r in groups)
         job.start()
         return job
 
     @staticmethod
     def _work(x: np.ndarray, groups: list, out: np.ndarray, pool_dtype: str) -> None:
-        out[...] = 0.0
-        for arrays, rows, scale in groups:
+        at = 0
+        for arrays, rows in groups:
             pool = ref.ExpertPool(pool_dtype, {k: v[None] for k, v in arrays.items()})
-            xg = x[rows]
-            y = ref.moe_grouped_ffn(xg, np.array([0, len(rows)]), np.array([0]), pool)
-            np.add.at(out, rows, y * scale[:, None])
+            n = len(rows)
+            out[at:at + n] = ref.moe_grouped_ffn(x[rows], np.array([0, n]), np.array([0]), pool)
+            at += n
 
 
 class ShareJob:

@@ -228,29 +228,42 @@ class Engine:
             except DeviceFull as e:
                 # no attention, no KV: the prompt can be read again from the start with smaller chunks
                 if loan.chunk_tokens <= 1:
-                    raise
+                    self.loans.give_back(loan)
+                    res.refused_reason = (f"the device has no room for the prompt's buffers even for 1-token "
+                                          f"chunks ({e})")
+                    res.fallbacks = list(self.log.fallbacks[before:])
+                    self.log.say(f"request of {n} tokens refused: {res.refused_reason}")
+                    return res
                 max_chunk = max(1, loan.chunk_tokens // 2)
                 extra_halvings += 1
                 self.loans.halvings += 1
                 self.log.say(f"prompt buffers: {e} for a chunk of {loan.chunk_tokens} tokens: this request reads "
                              f"again with chunks of {max_chunk} tokens")
             finally:
-                self.loans.give_back(loan)
+                if self.loans.outstanding is loan:
+                    self.loans.give_back(loan)
         self.dm.synchronize()
         res.prefill_s = time.perf_counter() - t0
         t0 = time.perf_counter()
-        if logits is not None:
-            tok = int(np.argmax(logits))
-            for _ in range(decode_tokens):
-                res.tokens.append(tok)
-                logits = self.executor.decode_step(tok)
+        try:
+            if logits is not None:
                 tok = int(np.argmax(logits))
-            res.tokens.append(tok)
-            res.decode_steps = decode_tokens
-        else:
-            for _ in range(decode_tokens):
-                self.executor.decode_step(0)
-            res.decode_steps = decode_tokens
+                for _ in range(decode_tokens):
+                    res.tokens.append(tok)
+                    logits = self.executor.decode_step(tok)
+                    res.decode_steps += 1
+                    tok = int(np.argmax(logits))
+                res.tokens.append(tok)
+            else:
+                for _ in range(decode_tokens):
+                    self.executor.decode_step(0)
+                    res.decode_steps += 1
+        except DeviceFull as e:
+            # decode's buffers live in the plan's workspace: a device that took it back ends this request's decode
+            res.refused_reason = f"decode stopped after {res.decode_steps} tokens: {e}"
+            res.fallbacks = list(self.log.fallbacks[before:])
+            self.log.say(f"request of {n} tokens: {res.refused_reason}")
+            return res
         self.dm.synchronize()
         res.decode_s = time.perf_counter() - t0
         self._trim_when_quiet()

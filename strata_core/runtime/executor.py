@@ -160,7 +160,9 @@ class Executor:
     def _token_part_bytes(self, tokens: int) -> int:
         """Device bytes of a chunk's per-token buffers (activations, router logits, top-k), as the plan counts them."""
         E = self.cache.experts_per_layer
-        return tokens * (ACTIVATION_BUFFERS * self.hidden * F32_BYTES + E * F32_BYTES + self.top_k * 8)
+        # + every routed row's output in routing order (hidden f32) and its token index and weight
+        routed_out = self.top_k * (self.hidden * F32_BYTES + 8)
+        return tokens * (ACTIVATION_BUFFERS * self.hidden * F32_BYTES + E * F32_BYTES + self.top_k * 8 + routed_out)
 
     def _row_bytes(self) -> int:
         """Device bytes of one routed row: its gathered input, its output, the gate and up intermediates, its index."""
@@ -172,10 +174,12 @@ class Executor:
             return 1 << 62
         return max(MIN_ROWS_PER_CALL * self._row_bytes(), self.workspace_bytes - self._token_part_bytes(tokens))
 
-    def _run_groups(self, r: Routing, groups: np.ndarray, slots: np.ndarray, xn: Any, x: Any, temps: list,
+    def _run_groups(self, r: Routing, groups: np.ndarray, slots: np.ndarray, xn: Any, out: Any, temps: list,
                     tokens: int) -> None:
-        """x[rows] += scale * expert(xn[rows]) for these groups, each from its device slot, in calls of bounded size.
+        """out[p] = expert(xn[rows[p]]) for the routed rows p of these groups, each expert from its device slot.
 
+        `out` holds every routed row's output in routing order, so the layer adds them to the residual in one fixed
+        order whichever experts hit, missed or ran in which call (the bits never depend on the cache's contents).
         A call's cost is its routed rows' buffers plus one slot's bytes per group, since a grouped kernel may stage
         each group's expert weights; a call never exceeds what the workspace has left beside the chunk's buffers.
         """
@@ -184,36 +188,38 @@ class Executor:
         budget = self._call_budget(tokens)
         row_b, slot_b = KERNEL_SCRATCH_FACTOR * self._row_bytes(), KERNEL_SCRATCH_FACTOR * self.store.row_bytes
         cap = max(1, (budget - slot_b) // row_b)
-        pieces: list[tuple[np.ndarray, np.ndarray, int]] = []  # (rows, scales, slot), a group split where too long
+        pieces: list[tuple[np.ndarray, np.ndarray, int]] = []  # (rows, positions, slot), split where too long
         for g, slot in zip(groups, slots):
-            rows, scale = r.group(int(g))
+            rows, _ = r.group(int(g))
+            start = int(r.starts[g])
+            positions = np.arange(start, start + len(rows), dtype=np.int32)
             for i in range(0, len(rows), cap):
-                pieces.append((rows[i:i + cap], scale[i:i + cap], int(slot)))
+                pieces.append((rows[i:i + cap], positions[i:i + cap], int(slot)))
         call: list[tuple[np.ndarray, np.ndarray, int]] = []
         cost = 0
         for piece in pieces + [None]:
             more = 0 if piece is None else len(piece[0]) * row_b + slot_b
             if piece is None or (call and cost + more > budget):
-                self._grouped_call(call, xn, x, tokens)
+                self._grouped_call(call, xn, out, tokens)
                 call, cost = [], 0
             if piece is not None:
                 call.append(piece)
                 cost += more
 
-    def _grouped_call(self, call: list, xn: Any, x: Any, tokens: int) -> None:
-        """One moe_grouped_ffn over these (rows, scales, slot) groups; its device buffers are freed after it."""
+    def _grouped_call(self, call: list, xn: Any, out: Any, tokens: int) -> None:
+        """One moe_grouped_ffn over these (rows, positions, slot) groups into out's positions; buffers freed after."""
         if not call:
             return
         temps: list = []
         try:
             rows = np.concatenate([p[0] for p in call]).astype(np.int32)
-            scales = np.concatenate([p[1] for p in call]).astype(np.float32)
+            positions = np.concatenate([p[1] for p in call]).astype(np.int32)
             offsets = np.concatenate([[0], np.cumsum([len(p[0]) for p in call])]).astype(np.int32)
-            rows_d = self._put(rows, temps)
-            xg = self.k.gather(xn, rows_d)
+            xg = self.k.gather(xn, self._put(rows, temps))
             y = self.k.moe_grouped_ffn(xg, self._put(offsets, temps),
                                        self._put(np.array([p[2] for p in call], np.int32), temps), self.pool)
-            self.k.scatter_add(x, rows_d, y, self._put(scales, temps))
+            # out starts at zero and each position is written once: 0 + y is y, bit for bit
+            self.k.scatter_add(out, self._put(positions, temps), y, self._put(np.ones(len(rows), np.float32), temps))
             del xg, y
         finally:
             self._free(temps)
@@ -223,7 +229,7 @@ class Executor:
     def _ffn(self) -> int:
         return self.weights.expert_ffn if self.weights is not None else 0
 
-    def _stream_through_ring(self, layer: int, r: Routing, groups: np.ndarray, ring: np.ndarray, xn: Any, x: Any,
+    def _stream_through_ring(self, layer: int, r: Routing, groups: np.ndarray, ring: np.ndarray, xn: Any, out: Any,
                              temps: list, tokens: int) -> None:
         """Stream missed experts into the ring's two halves in turn: copy one half while the other computes."""
         if len(groups) == 0:
@@ -242,13 +248,13 @@ class Executor:
             copied = self.dm.new_event()
             self.dm.record(copied, self.copy_stream)
             self.dm.wait(None, copied)
-            self._run_groups(r, batch, slots, xn, x, temps, tokens)
+            self._run_groups(r, batch, slots, xn, out, temps, tokens)
             done = self.dm.new_event()
             self.dm.record(done, None)
             ready[h] = done
             self.stats.ring_batches += 1
 
-    def _admit_and_run(self, layer: int, r: Routing, groups: np.ndarray, keep: np.ndarray, xn: Any, x: Any,
+    def _admit_and_run(self, layer: int, r: Routing, groups: np.ndarray, keep: np.ndarray, xn: Any, out: Any,
                        temps: list, tokens: int) -> None:
         """Misses without a ring (decode, short prompts): admit them into the cache, evicting the coldest, and run.
 
@@ -272,7 +278,7 @@ class Executor:
             copied = self.dm.new_event()
             self.dm.record(copied, self.copy_stream)
             self.dm.wait(None, copied)
-            self._run_groups(r, todo[ok], slots[ok], xn, x, temps, tokens)
+            self._run_groups(r, todo[ok], slots[ok], xn, out, temps, tokens)
             keep = np.concatenate([keep, slots[ok]])
             todo = todo[~ok]
 
@@ -283,11 +289,13 @@ class Executor:
         self.dm.wait(self.copy_stream, fence)
 
     def _share_split(self, r: Routing, misses: np.ndarray, tokens: int) -> np.ndarray:
-        """The misses the CPU takes: the half with the fewest tokens (cheap on the CPU, costly to stream)."""
+        """The misses the CPU takes: the half with the fewest tokens (cheap on the CPU, costly to stream), as many
+        as its buffer's rows hold."""
         if not self.share.armed_for(tokens) or len(misses) < 2:
             return misses[:0]
-        by_size = misses[np.argsort(r.counts[misses], kind="stable")]
-        return np.sort(by_size[: len(misses) // 2])
+        by_size = misses[np.argsort(r.counts[misses], kind="stable")][: len(misses) // 2]
+        fits = np.cumsum(r.counts[by_size]) <= self.share.rows_capacity
+        return np.sort(by_size[fits])
 
     def _layer(self, phase: str, layer: int, x: Any, tokens: int, ring: np.ndarray | None, temps: list) -> None:
         """One MoE layer in place on the residual x [T,H] (a device array; None in accounting mode)."""
@@ -304,46 +312,64 @@ class Executor:
         misses = np.flatnonzero(slots == EMPTY)
         cpu = self._share_split(r, misses, tokens)
         job = out = None
+        cpu_rows = int(r.counts[cpu].sum()) if len(cpu) else 0
         if len(cpu):
-            out = self.share.output(tokens)
+            out = self.share.output(cpu_rows)
             if out is None:
                 cpu = cpu[:0]
         if len(cpu):
             self.stats.cpu_share_experts += len(cpu)
             if not self.accounting_only:
                 xh = np.asarray(self.dm.download(xn), dtype=np.float32)
-                groups = []
-                for g in cpu:
-                    rows, scale = r.group(int(g))
-                    groups.append((self.store.expert(int(self.cache.row(layer, int(r.experts[g])))), rows, scale))
+                groups = [(self.store.expert(int(self.cache.row(layer, int(r.experts[g])))), r.group(int(g))[0])
+                          for g in cpu]
                 job = self.share.start(xh, groups, out, self.store.pool.dtype)
         device_misses = np.setdiff1d(misses, cpu, assume_unique=True)
+        layer_temps: list = []
         try:
-            self._run_groups(r, hits, slots[hits], xn, x, temps, tokens)
+            routed = None
+            if not self.accounting_only:
+                routed = self._put(np.zeros((len(r.rows), self.hidden), np.float32), layer_temps)
+            self._run_groups(r, hits, slots[hits], xn, routed, temps, tokens)
             if ring is not None and len(ring):
-                self._stream_through_ring(layer, r, device_misses, ring, xn, x, temps, tokens)
+                self._stream_through_ring(layer, r, device_misses, ring, xn, routed, temps, tokens)
             else:
-                self._admit_and_run(layer, r, device_misses, slots[hits], xn, x, temps, tokens)
+                self._admit_and_run(layer, r, device_misses, slots[hits], xn, routed, temps, tokens)
         except BaseException:
+            self._free(layer_temps)
             if job is not None:
                 job.join()  # the share writes into a buffer the next attempt reuses: let it finish first
             raise
         if job is not None:
             err = job.join()
             if err is None:
-                share_temps: list = []
+                # the share's rows go to their routing positions, so they add to the residual in the same order
+                # (and to the same bits) as rows the device ran
+                positions = np.concatenate([np.arange(int(r.starts[g]), int(r.starts[g] + r.counts[g]))
+                                            for g in cpu]).astype(np.int32)
                 try:
-                    self.k.scatter_add(x, self._put(np.arange(tokens, dtype=np.int32), share_temps),
-                                       self._put(out, share_temps), self._put(np.ones(tokens, np.float32), share_temps))
-                finally:
-                    self._free(share_temps)
+                    self.k.scatter_add(routed, self._put(positions, layer_temps), self._put(out, layer_temps),
+                                       self._put(np.ones(cpu_rows, np.float32), layer_temps))
+                except BaseException:
+                    self._free(layer_temps)
+                    raise
             else:
                 # the share's result is lost: turn it off for the run and run its experts on the device path
                 self.share.turn_off(f"its thread failed ({type(err).__name__}: {err}); off for this run")
-                if ring is not None and len(ring):
-                    self._stream_through_ring(layer, r, cpu, ring, xn, x, temps, tokens)
-                else:
-                    self._admit_and_run(layer, r, cpu, slots[hits], xn, x, temps, tokens)
+                try:
+                    if ring is not None and len(ring):
+                        self._stream_through_ring(layer, r, cpu, ring, xn, routed, temps, tokens)
+                    else:
+                        self._admit_and_run(layer, r, cpu, slots[hits], xn, routed, temps, tokens)
+                except BaseException:
+                    self._free(layer_temps)
+                    raise
+        if not self.accounting_only:
+            try:
+                # every routed row's weighted output into the residual, in routing order (experts ascending)
+                self.k.scatter_add(x, self._put(r.rows, layer_temps), routed, self._put(r.scales, layer_temps))
+            finally:
+                self._free(layer_temps)
         if x_in is not None:
             self.observer(phase, layer, x_in, np.asarray(self.dm.download(x)))
 
