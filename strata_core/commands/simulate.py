@@ -32,7 +32,7 @@ def register(subparsers) -> None:
     p = subparsers.add_parser("simulate", help="replay a scenario's requests through the runtime on the sim backend",
                               description="Plan a scenario's machine with its backend's rules, then run its requests "
                                           "through the runtime on a simulated device (accounting only), with faults.")
-    p.add_argument("--scenario", metavar="FILE", required=True, help="a strata.scenario/1 file")
+    p.add_argument("--scenario", metavar="FILE", help="a strata.scenario/1 file (required unless --list-faults)")
     p.add_argument("--inject", metavar="SPEC", action="append", default=[],
                    help="inject a fault, e.g. pinned-alloc:every or arena-register:above=1GiB (repeatable; "
                         "`--list-faults` lists them)")
@@ -146,6 +146,8 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps({"schema": "strata.faults/1", "sites": sites}) if args.json else
               "\n".join(f"{s['example']:<32} {s['what']}" for s in sites))
         return 0
+    if not args.scenario:
+        raise BadInput("--scenario: give the strata.scenario/1 file to replay (or --list-faults)")
     if args.requests < 0:
         raise BadInput(f"--requests: expected 0 or more, got {args.requests}")
     if args.decode_tokens < 0:
