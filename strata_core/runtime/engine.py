@@ -238,7 +238,7 @@ class Engine:
                 extra_halvings += 1
                 self.loans.halvings += 1
                 self.log.say(f"prompt buffers: {e} for a chunk of {loan.chunk_tokens} tokens: this request reads "
-                             f"again with chunks of {max_chunk} tokens")
+                             f"again with chunks of {max_chunk} tokens", once=("device-halved", loan.chunk_tokens))
             finally:
                 if self.loans.outstanding is loan:
                     self.loans.give_back(loan)

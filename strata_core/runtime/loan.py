@@ -95,17 +95,20 @@ class PromptLoan:
                 own = max(1, min(first_chunk, self.plan.prompt.stream_min_tokens or first_chunk))
                 self.halvings += halvings
                 self.log.say(f"no chunk down to {chunk} tokens can be lent ({self.cache.available_slots} slots "
-                             f"available, {self.plan.prompt.min_keep_slots} kept for decode): this request reads "
-                             f"{own}-token chunks in the workspace, without a loan")
+                             f"available, {self.plan.prompt.min_keep_slots} kept for decode): requests of "
+                             f"{first_chunk}-token chunks read {own}-token chunks in the workspace, without a loan",
+                             once=("unlent", first_chunk))
                 return NoLoan(prompt_tokens=prompt_tokens, chunk_tokens=own, halvings=halvings,
                               why="no chunk could be lent")
             chunk = max(grid, (chunk // 2 // grid) * grid)
             halvings += 1
             row = self.plan.loan_for(chunk)
         if halvings:
+            # said once per pair of chunks, so a cache that stays small does not grow the log a line a request
             self.log.say(f"the loan for a chunk of {first_chunk} tokens ({first.loan_slots} slots) cannot be lent "
                          f"({self.cache.available_slots} slots available, {self.plan.prompt.min_keep_slots} kept for "
-                         f"decode): this request reads with chunks of {chunk} tokens ({halvings} halvings)")
+                         f"decode): such requests read with chunks of {chunk} tokens ({halvings} halvings)",
+                         once=("halved", first_chunk, chunk))
         slots = self.cache.lend(row.loan_slots)
         assert slots is not None, "lendable slots could not be lent"
         auto = self.auto_loan_slots
