@@ -4,13 +4,16 @@ Devices are enumerated through cupy's runtime (cudaGetDeviceCount and cudaGetDev
 and they honour the CUDA device order the process was given); the memory, display and driver-model facts come from
 NVML (nvidia-ml-py), matched by PCI bus id, so probing creates no CUDA context either. Without NVML the probe falls
 back to cudaMemGetInfo, which does create one.
+
+The helpers under "cupy probing" serve the rocm backend's probe too: cupy's runtime API is the same on its CUDA
+and ROCm builds.
 """
 
 from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from strata_core.backend_api import ProbeResult
 from strata_core.facts import GIB, DeviceInfo
@@ -37,8 +40,62 @@ def _is_wsl() -> bool:
         return False
 
 
-def _text(v: Any) -> str:
+# --- cupy probing (shared with strata_rocm.probe) ---
+
+
+def text(v: Any) -> str:
+    """A runtime's answer as str (cupy gives names and bus ids as bytes)."""
     return v.decode(errors="replace") if isinstance(v, (bytes, bytearray)) else str(v)
+
+
+def memory_info(runtime: Any, index: int) -> tuple[int, int]:
+    """(free, total) VRAM bytes of device `index` through the runtime (memGetInfo needs the device current)."""
+    prev = runtime.getDevice()
+    runtime.setDevice(index)
+    try:
+        free, total = runtime.memGetInfo()
+    finally:
+        runtime.setDevice(prev)
+    return int(free), int(total)
+
+
+def probe_devices(runtime: Any, read: Callable[[int], DeviceInfo], *, label: str, no_device: str, count_call: str,
+                  version: str = "") -> ProbeResult:
+    """Count the runtime's devices and read each with `read(index)`; a reason instead of an exception."""
+    try:
+        count = int(runtime.getDeviceCount())
+    except Exception as e:
+        return ProbeResult.unavailable(f"{no_device}: {e}", version=version)
+    if count <= 0:
+        return ProbeResult.unavailable(f"{no_device}: {count_call} found 0", version=version)
+    try:
+        devices = tuple(read(i) for i in range(count))
+    except Exception as e:
+        return ProbeResult.unavailable(f"{label} devices found but not readable: {type(e).__name__}: {e}",
+                                       version=version)
+    score = BASE_SCORE + max(d.vram_total_bytes for d in devices) // GIB
+    names = ", ".join(f"{d.name} ({d.arch}, {d.vram_total_bytes / GIB:.0f} GiB)" for d in devices)
+    return ProbeResult(available=True, reason=f"{count} {label} device(s): {names}", devices=devices,
+                       score=int(score), version=version)
+
+
+def probe_cupy(*, hip: bool, label: str, missing: Callable[[Exception], str], wrong_build: Callable[[str], str],
+               run: Callable[[Any, str], ProbeResult]) -> ProbeResult:
+    """Import cupy, check it is the wanted build (ROCm when `hip`) and probe through `run(runtime, cupy version)`."""
+    try:
+        import cupy
+        from cupy.cuda import runtime
+    except Exception as e:
+        return ProbeResult.unavailable(missing(e))
+    try:
+        if bool(runtime.is_hip) != hip:
+            return ProbeResult.unavailable(wrong_build(cupy.__version__))
+        return run(runtime, cupy.__version__)
+    except Exception as e:  # the contract: a probe never raises
+        return ProbeResult.unavailable(f"the {label} probe failed: {type(e).__name__}: {e}")
+
+
+# --- the NVIDIA probe ---
 
 
 def _load_nvml() -> Any | None:
@@ -67,7 +124,7 @@ def _nvml_facts(nvml: Any, bus_id: str, os_name: str) -> dict:
     except Exception:
         pass
     try:
-        out["name"] = _text(nvml.nvmlDeviceGetName(h))
+        out["name"] = text(nvml.nvmlDeviceGetName(h))
     except Exception:
         pass
     try:
@@ -90,17 +147,11 @@ def device_info(index: int, runtime: Any, nvml: Any | None, os_name: str, wsl: b
     facts: dict = {}
     if nvml is not None:
         try:
-            facts = _nvml_facts(nvml, _text(runtime.deviceGetPCIBusId(index)), os_name)
+            facts = _nvml_facts(nvml, text(runtime.deviceGetPCIBusId(index)), os_name)
         except Exception:
             facts = {}
     if "vram_free_bytes" not in facts:
-        prev = runtime.getDevice()
-        runtime.setDevice(index)
-        try:
-            free, total = runtime.memGetInfo()
-        finally:
-            runtime.setDevice(prev)
-        facts["vram_free_bytes"], facts["vram_total_bytes"] = int(free), int(total)
+        facts["vram_free_bytes"], facts["vram_total_bytes"] = memory_info(runtime, index)
     if "driver_model" not in facts:
         if os_name == "windows":
             facts["driver_model"] = "tcc" if int(props.get("tccDriver", 0)) else "wddm"
@@ -109,7 +160,7 @@ def device_info(index: int, runtime: Any, nvml: Any | None, os_name: str, wsl: b
     if "drives_display" not in facts:
         # the kernel watchdog is on exactly when the card runs a display
         facts["drives_display"] = bool(int(props.get("kernelExecTimeoutEnabled", 0)))
-    return DeviceInfo(backend=NAME, vendor="nvidia", name=facts.get("name") or _text(props.get("name", "")),
+    return DeviceInfo(backend=NAME, vendor="nvidia", name=facts.get("name") or text(props.get("name", "")),
                       arch=arch, vram_total_bytes=facts["vram_total_bytes"], vram_free_bytes=facts["vram_free_bytes"],
                       driver_model=facts["driver_model"], drives_display=facts["drives_display"], index=index)
 
@@ -119,53 +170,37 @@ def probe_with(runtime: Any, nvml: Any | None = None, os_name: str | None = None
     """Probe through the given runtime (cupy's, or a fake in tests) and NVML module; never raises."""
     os_name = os_name or _os_name()
     wsl = _is_wsl() if wsl is None else wsl
+    return probe_devices(runtime, lambda i: device_info(i, runtime, nvml, os_name, wsl), label="CUDA",
+                         no_device="cupy is installed but no CUDA device", count_call="cudaGetDeviceCount",
+                         version=version)
+
+
+def _probe_cuda(runtime: Any, cupy_version: str) -> ProbeResult:
+    """probe_with cupy's CUDA runtime and NVML (shut down after), with the runtime's version when there is a device."""
+    version = f"cupy {cupy_version}"
+    nvml = _load_nvml()
     try:
-        count = int(runtime.getDeviceCount())
-    except Exception as e:
-        return ProbeResult.unavailable(f"cupy is installed but no CUDA device: {e}", version=version)
-    if count <= 0:
-        return ProbeResult.unavailable("cupy is installed but no CUDA device: cudaGetDeviceCount found 0",
-                                       version=version)
-    try:
-        devices = tuple(device_info(i, runtime, nvml, os_name, wsl) for i in range(count))
-    except Exception as e:
-        return ProbeResult.unavailable(f"CUDA devices found but not readable: {type(e).__name__}: {e}",
-                                       version=version)
-    score = BASE_SCORE + max(d.vram_total_bytes for d in devices) // GIB
-    names = ", ".join(f"{d.name} ({d.arch}, {d.vram_total_bytes / GIB:.0f} GiB)" for d in devices)
-    return ProbeResult(available=True, reason=f"{count} CUDA device(s): {names}", devices=devices,
-                       score=int(score), version=version)
+        result = probe_with(runtime, nvml=nvml, version=version)
+    finally:
+        if nvml is not None:
+            try:
+                nvml.nvmlShutdown()
+            except Exception:
+                pass
+    if result.available:
+        try:
+            rt = runtime.runtimeGetVersion()
+            result = ProbeResult(available=True, reason=result.reason, devices=result.devices, score=result.score,
+                                 version=f"{version}, CUDA runtime {rt // 1000}.{rt % 1000 // 10}")
+        except Exception:
+            pass
+    return result
 
 
 def probe() -> ProbeResult:
     """The cuda backend's probe: cupy (the CUDA build) must import and see a device. Never raises."""
-    try:
-        import cupy
-        from cupy.cuda import runtime
-    except Exception as e:
-        return ProbeResult.unavailable(f"cupy is not installed ({type(e).__name__}: {e}); install: {INSTALL_HINT}")
-    try:
-        if runtime.is_hip:
-            return ProbeResult.unavailable(f"the installed cupy {cupy.__version__} is the ROCm build; the cuda "
-                                           f"backend needs the CUDA build: {INSTALL_HINT}")
-        version = f"cupy {cupy.__version__}"
-        nvml = _load_nvml()
-        try:
-            result = probe_with(runtime, nvml=nvml, version=version)
-        finally:
-            if nvml is not None:
-                try:
-                    nvml.nvmlShutdown()
-                except Exception:
-                    pass
-        if result.available:
-            try:
-                rt = runtime.runtimeGetVersion()
-                result = ProbeResult(available=True, reason=result.reason, devices=result.devices,
-                                     score=result.score,
-                                     version=f"{version}, CUDA runtime {rt // 1000}.{rt % 1000 // 10}")
-            except Exception:
-                pass
-        return result
-    except Exception as e:  # the contract: a probe never raises
-        return ProbeResult.unavailable(f"the CUDA probe failed: {type(e).__name__}: {e}")
+    return probe_cupy(
+        hip=False, label="CUDA", run=_probe_cuda,
+        missing=lambda e: f"cupy is not installed ({type(e).__name__}: {e}); install: {INSTALL_HINT}",
+        wrong_build=lambda v: (f"the installed cupy {v} is the ROCm build; the cuda backend needs the CUDA build: "
+                               f"{INSTALL_HINT}"))
