@@ -1,7 +1,8 @@
 """NVIDIA platform rules: pure functions of a profile (DeviceInfo, HostInfo), so they run without cupy or a GPU.
 
 Every value here is a default of ours that settings and site plugins override; the why of each is in its comment and
-in the `PlatformDefaults` it returns, so a plan can say where a number came from.
+in the `PlatformDefaults` it returns, so a plan can say where a number came from. The display reserve and the CPU
+share rule hold for any discrete GPU on a PC, so strata_rocm.rules uses them from here.
 """
 
 from __future__ import annotations
@@ -23,12 +24,13 @@ WDDM_PIN_CAP_BYTES = 8 * GIB
 
 #: A card that drives a display shares VRAM with the compositor (DWM, a desktop session), whose use moves with the
 #: windows on screen; 700 MiB is the reserve the seed #2090 reporter ran with on such a card. A headless card keeps
-#: only the driver's own slack.
+#: only the driver's own slack. (Shared with the rocm backend.)
 DISPLAY_VRAM_RESERVE_MIB = 700
 HEADLESS_VRAM_RESERVE_MIB = 512
 
 #: The CPU share's gain was measured on a Zen 4 host with AVX2 and FMA; on an AVX-only CPU (seed #1756's Xeon
-#: E5-2670) the engine's own build calls the CPU path slow, so the share stays off by default there.
+#: E5-2670) the engine's own build calls the CPU path slow, so the share stays off by default there. (Shared with
+#: the rocm backend: the rule is about the host CPU, not the GPU.)
 CPU_SHARE_FLAGS = ("avx2", "fma")
 
 

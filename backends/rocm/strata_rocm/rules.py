@@ -9,6 +9,13 @@ host borrow + headroom do not fit the available RAM.
 from __future__ import annotations
 
 from strata_core.facts import GIB, DeviceInfo, HostInfo, PlatformDefaults
+# the display reserve and the CPU share rule are the same on any discrete GPU; they are written once, in strata_cuda
+from strata_cuda.rules import (CPU_SHARE_FLAGS, DISPLAY_VRAM_RESERVE_MIB, HEADLESS_VRAM_RESERVE_MIB,
+                               cpu_share_default, vram_reserve_mib)
+
+__all__ = ["CPU_SHARE_FLAGS", "DISPLAY_VRAM_RESERVE_MIB", "GFX12_CHUNK_CEILING_TOKENS", "HEADLESS_VRAM_RESERVE_MIB",
+           "NAME", "OTHER_CHUNK_CEILING_TOKENS", "RESIDENT_HEADROOM_BYTES", "amd_defaults", "cpu_share_default",
+           "is_gfx12", "vram_reserve_mib"]
 
 NAME = "rocm"
 
@@ -21,26 +28,10 @@ OTHER_CHUNK_CEILING_TOKENS = 8192
 #: borrow); 4 GiB lies between the failing and the working figure, so the planner steps that host down to 8192.
 RESIDENT_HEADROOM_BYTES = 4 * GIB
 
-#: A card that drives a display shares VRAM with the compositor, whose use moves with the windows on screen.
-DISPLAY_VRAM_RESERVE_MIB = 700
-HEADLESS_VRAM_RESERVE_MIB = 512
-
-#: The CPU share's gain was measured on a Zen 4 host with AVX2 and FMA; AVX-only CPUs run the CPU path slowly.
-CPU_SHARE_FLAGS = ("avx2", "fma")
-
 
 def is_gfx12(device: DeviceInfo) -> bool:
     """True for gfx12 archs (gfx1200, gfx1201, ...)."""
     return device.arch.lower().startswith("gfx12")
-
-
-def cpu_share_default(host: HostInfo) -> tuple[bool, str]:
-    """(on, why) for the CPU share under 'auto': on only when the host CPU has AVX2 and FMA."""
-    missing = [f for f in CPU_SHARE_FLAGS if not host.cpu.has(f)]
-    if missing:
-        return False, (f"off: the host CPU ({host.cpu.name}) lacks {', '.join(missing)}; the share's gain was "
-                       f"measured on a Zen 4 CPU with AVX2 and FMA")
-    return True, "on: the host CPU has AVX2 and FMA, like the Zen 4 CPU the share's gain was measured on"
 
 
 def amd_defaults(device: DeviceInfo, host: HostInfo) -> PlatformDefaults:
@@ -49,7 +40,7 @@ def amd_defaults(device: DeviceInfo, host: HostInfo) -> PlatformDefaults:
     share_on, share_why = cpu_share_default(host)
     return PlatformDefaults(
         chunk_ceiling_tokens=GFX12_CHUNK_CEILING_TOKENS if gfx12 else OTHER_CHUNK_CEILING_TOKENS,
-        vram_reserve_mib=DISPLAY_VRAM_RESERVE_MIB if device.drives_display else HEADLESS_VRAM_RESERVE_MIB,
+        vram_reserve_mib=vram_reserve_mib(device),
         host_borrow=gfx12,
         resident_headroom_bytes=RESIDENT_HEADROOM_BYTES,
         cpu_share_default=share_on,
