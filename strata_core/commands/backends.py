@@ -10,25 +10,23 @@ from rich.table import Table
 from rich.text import Text
 
 from ..plugins import load_from_settings
-from ..settings import add_settings_arguments, settings_from_args
+from ..settings import settings_from_args
+from ._common import add_report_command, install_note, selection_json
 
 SCHEMA = "strata.backends/1"
 
 
 def register(subparsers) -> None:
     """Add the `backends` sub-command."""
-    p = subparsers.add_parser("backends", help="list installed backends, whether they are available, and why not",
-                              description="List every backend the plugins provide, with its probe result.")
-    p.add_argument("--json", action="store_true", help=f"print one {SCHEMA} object")
-    add_settings_arguments(p)
-    p.set_defaults(func=run)
+    add_report_command(subparsers, "backends", schema=SCHEMA, run=run,
+                       help="list installed backends, whether they are available, and why not",
+                       description="List every backend the plugins provide, with its probe result.")
 
 
 def backends_report(settings) -> dict:
     """The `strata.backends/1` object for these settings (plugins loaded as the `plugins` group says)."""
     host = load_from_settings(settings)
-    selected, why_not = host.selection(settings.backend.name)
-    return {"schema": SCHEMA, "selected": selected, "selection_error": why_not or None,
+    return {"schema": SCHEMA, **selection_json(host, settings.backend.name),
             "backends": [s.to_json() for s in host.statuses()], "notices": list(host.notices)}
 
 
@@ -46,7 +44,7 @@ def run(args: argparse.Namespace) -> int:
         table.add_column(col, overflow="fold")
     for b in report["backends"]:
         devices = ", ".join(d["name"] for d in b["devices"]) or "-"
-        reason = b["reason"] + (f" (install: {b['install_hint']})" if b["install_hint"] else "")
+        reason = b["reason"] + install_note(b)
         # Text cells, because install hints carry brackets ('strata-core[cuda]') that rich would read as markup.
         table.add_row(*(Text(str(c)) for c in (b["name"], b["vendor"], b["version"] or "-",
                                                "yes" if b["available"] else "no", b["score"], devices, reason)))

@@ -12,25 +12,24 @@ from rich.console import Console
 from .. import API_VERSION, __version__
 from ..hostinfo import probe_host
 from ..plugins import load_from_settings
-from ..settings import add_settings_arguments, settings_from_args
+from ..settings import settings_from_args
+from ._common import add_report_command, install_note, selection_json
 
 SCHEMA = "strata.doctor/1"
 
 
 def register(subparsers) -> None:
     """Add the `doctor` sub-command."""
-    p = subparsers.add_parser("doctor", help="check this machine: host, backends, settings, selection",
-                              description="Report the host, every backend, settings notices and the selection.")
-    p.add_argument("--json", action="store_true", help=f"print one {SCHEMA} object")
-    add_settings_arguments(p)
-    p.set_defaults(func=run)
+    add_report_command(subparsers, "doctor", schema=SCHEMA, run=run,
+                       help="check this machine: host, backends, settings, selection",
+                       description="Report the host, every backend, settings notices and the selection.")
 
 
 def doctor_report(loaded) -> dict:
     """The `strata.doctor/1` object."""
     plugins = load_from_settings(loaded.settings)
     statuses = plugins.statuses()
-    selected, why_not = plugins.selection(loaded.settings.backend.name)
+    selection = selection_json(plugins, loaded.settings.backend.name)
     try:
         host = plugins.hook.strata_host_info() or probe_host()
     except Exception as e:  # a plugin refining host facts must not break the doctor
@@ -38,9 +37,9 @@ def doctor_report(loaded) -> dict:
         host = probe_host()
     return {"schema": SCHEMA, "strata_version": __version__, "api_version": API_VERSION,
             "python": platform.python_version(), "platform": sys.platform, "host": host.to_json(),
-            "backends": [s.to_json() for s in statuses], "selected": selected, "selection_error": why_not or None,
+            "backends": [s.to_json() for s in statuses], **selection,
             "settings_notices": list(loaded.notices), "plugin_notices": list(plugins.notices),
-            "ok": selected is not None}
+            "ok": selection["selected"] is not None}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -58,8 +57,7 @@ def run(args: argparse.Namespace) -> int:
             markup=False)
     for b in report["backends"]:
         mark = "ok " if b["available"] else "-- "
-        c.print(f"  {mark}{b['name']:<8} {b['reason']}" + (f" (install: {b['install_hint']})" if b["install_hint"] else ""),
-                markup=False)
+        c.print(f"  {mark}{b['name']:<8} {b['reason']}{install_note(b)}", markup=False)
     if report["selected"]:
         c.print(f"selected backend: {report['selected']}", markup=False)
     else:
