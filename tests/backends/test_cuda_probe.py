@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import subprocess
 import sys
 
 import pytest
@@ -13,6 +12,8 @@ from strata_core.facts import GIB
 from strata_cuda import backend as cuda_backend
 from strata_cuda import probe as cuda_probe
 
+from cupy_test_helpers import FakeRuntime, assert_imports_without_cupy
+
 
 class NoDeviceError(Exception):
     """Like cupy's CUDARuntimeError for cudaErrorNoDevice."""
@@ -21,38 +22,6 @@ class NoDeviceError(Exception):
 
     def __str__(self):
         return "cudaErrorNoDevice: no CUDA-capable device is detected"
-
-
-class FakeRuntime:
-    """cupy.cuda.runtime's probing calls over a list of (properties, free, total, bus id) cards."""
-
-    def __init__(self, cards=(), fail: Exception | None = None):
-        self.cards = list(cards)
-        self.fail = fail
-        self.current = 0
-        self.mem_info_calls = 0
-
-    def getDeviceCount(self):
-        if self.fail:
-            raise self.fail
-        return len(self.cards)
-
-    def getDeviceProperties(self, i):
-        return self.cards[i]["props"]
-
-    def deviceGetPCIBusId(self, i):
-        return self.cards[i]["bus"]
-
-    def getDevice(self):
-        return self.current
-
-    def setDevice(self, i):
-        self.current = i
-
-    def memGetInfo(self):
-        self.mem_info_calls += 1
-        c = self.cards[self.current]
-        return c["free"], c["total"]
 
 
 class FakeNvml:
@@ -84,10 +53,7 @@ def props(major, minor, name=b"NVIDIA Test", total=12 * GIB, watchdog=0, tcc=0):
 
 
 def test_importing_the_backend_does_not_import_cupy():
-    code = ("import sys; import strata_cuda.backend, strata_cuda.kernels, strata_cuda.cupy_device; "
-            "assert 'cupy' not in sys.modules, sorted(m for m in sys.modules if m.startswith('cupy'))")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr
+    assert_imports_without_cupy("strata_cuda.backend", "strata_cuda.kernels", "strata_cuda.cupy_device")
 
 
 def test_the_backend_carries_the_install_line():

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from strata_core.facts import GIB, CpuInfo, DeviceInfo, HostInfo, load_profile
@@ -11,7 +9,7 @@ from strata_core.plugins import load_plugins
 from strata_cuda import backend as cuda_backend
 from strata_cuda import rules
 
-SCENARIO_DIR = (Path(__file__).resolve().parents[2] / ".." / "shared" / "scenarios").resolve()
+from cupy_test_helpers import SCENARIO_DIR, scenario_paths
 
 AVX_ONLY = CpuInfo(name="Intel Xeon E5-2670", cores=8, flags=("avx",))
 ZEN3 = CpuInfo(name="AMD Ryzen 9 5900X", cores=12, flags=("avx2", "fma", "f16c"))
@@ -83,14 +81,8 @@ def test_the_hook_answers_for_cuda_devices_only():
     assert [b.name for b in plugins.backends.values()] == ["cuda"]
 
 
-def _cuda_scenarios():
-    if not SCENARIO_DIR.is_dir():
-        return []
-    return sorted(p for p in SCENARIO_DIR.glob("*.json") if load_profile(p).backend == "cuda")
-
-
-@pytest.mark.skipif(not _cuda_scenarios(), reason=f"no cuda scenario files in {SCENARIO_DIR}")
-@pytest.mark.parametrize("path", _cuda_scenarios(), ids=lambda p: p.stem)
+@pytest.mark.skipif(not scenario_paths("cuda"), reason=f"no cuda scenario files in {SCENARIO_DIR}")
+@pytest.mark.parametrize("path", scenario_paths("cuda"), ids=lambda p: p.stem)
 def test_seed_profiles_get_the_seed_rules(path):
     prof = load_profile(path)
     d = rules.nvidia_defaults(prof.device, prof.host)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import subprocess
 import sys
 
 from strata_core.backend_api import ProbeResult
@@ -11,41 +10,13 @@ from strata_core.plugins import load_plugins
 from strata_rocm import backend as rocm_backend
 from strata_rocm import probe as rocm_probe
 
+from cupy_test_helpers import FakeRuntime, assert_imports_without_cupy
+
 HINT = "pip install 'strata-core[rocm]'"
 
 
-class FakeHipRuntime:
-    """cupy's ROCm runtime calls the probe uses, over a list of cards."""
-
-    def __init__(self, cards=(), fail: Exception | None = None):
-        self.cards = list(cards)
-        self.fail = fail
-        self.current = 0
-
-    def getDeviceCount(self):
-        if self.fail:
-            raise self.fail
-        return len(self.cards)
-
-    def getDeviceProperties(self, i):
-        return self.cards[i]["props"]
-
-    def getDevice(self):
-        return self.current
-
-    def setDevice(self, i):
-        self.current = i
-
-    def memGetInfo(self):
-        c = self.cards[self.current]
-        return c["free"], c["total"]
-
-
 def test_importing_the_backend_does_not_import_cupy():
-    code = ("import sys; import strata_rocm.backend; "
-            "assert 'cupy' not in sys.modules, sorted(m for m in sys.modules if m.startswith('cupy'))")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr
+    assert_imports_without_cupy("strata_rocm.backend")
 
 
 def test_without_cupy_rocm_the_probe_is_unavailable_with_the_install_line():
@@ -69,7 +40,7 @@ def test_the_plugin_lists_it_unavailable_with_the_install_hint():
 
 
 def test_no_device_is_a_reason_not_an_exception():
-    r = rocm_probe.probe_with(FakeHipRuntime(fail=RuntimeError("hipErrorNoDevice: no ROCm-capable device")))
+    r = rocm_probe.probe_with(FakeRuntime(fail=RuntimeError("hipErrorNoDevice: no ROCm-capable device")))
     assert r.available is False
     assert r.reason == "cupy-rocm is installed but no ROCm device: hipErrorNoDevice: no ROCm-capable device"
 
@@ -78,7 +49,7 @@ def test_a_gfx1201_card_is_read_with_its_arch():
     card = {"props": {"name": b"AMD Radeon AI PRO R9700", "gcnArchName": b"gfx1201:sramecc-:xnack-",
                       "kernelExecTimeoutEnabled": 0},
             "free": 26306674688, "total": 34359738368}
-    r = rocm_probe.probe_with(FakeHipRuntime(cards=[card]))
+    r = rocm_probe.probe_with(FakeRuntime(cards=[card]))
     (d,) = r.devices
     assert (d.backend, d.vendor, d.arch, d.name) == ("rocm", "amd", "gfx1201", "AMD Radeon AI PRO R9700")
     assert (d.vram_total_bytes, d.vram_free_bytes, d.drives_display) == (34359738368, 26306674688, False)

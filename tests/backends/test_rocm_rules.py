@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from strata_core.facts import GIB, CpuInfo, DeviceInfo, HostInfo, load_profile
@@ -11,7 +9,7 @@ from strata_core.plugins import load_plugins
 from strata_rocm import backend as rocm_backend
 from strata_rocm import rules
 
-SCENARIO_DIR = (Path(__file__).resolve().parents[2] / ".." / "shared" / "scenarios").resolve()
+from cupy_test_helpers import SCENARIO_DIR, scenario_paths
 
 
 def card(arch: str, backend: str = "rocm", display: bool = False) -> DeviceInfo:
@@ -59,14 +57,8 @@ def test_the_hook_answers_for_rocm_devices_only():
     assert plugins.hook.strata_platform_defaults(device=card("gfx1201", backend="cuda"), host=HOST) is None
 
 
-def _rocm_scenarios():
-    if not SCENARIO_DIR.is_dir():
-        return []
-    return sorted(p for p in SCENARIO_DIR.glob("*.json") if load_profile(p).backend == "rocm")
-
-
-@pytest.mark.skipif(not _rocm_scenarios(), reason=f"no rocm scenario files in {SCENARIO_DIR}")
-@pytest.mark.parametrize("path", _rocm_scenarios(), ids=lambda p: p.stem)
+@pytest.mark.skipif(not scenario_paths("rocm"), reason=f"no rocm scenario files in {SCENARIO_DIR}")
+@pytest.mark.parametrize("path", scenario_paths("rocm"), ids=lambda p: p.stem)
 def test_seed_gfx12_profiles_get_the_gfx12_rules(path):
     prof = load_profile(path)
     d = rules.amd_defaults(prof.device, prof.host)
