@@ -101,6 +101,8 @@ class Executor:
         self.accounting_only = accounting_only
         self.observer = observer
         self.stats = ExecStats()
+        #: Does the layer in progress keep its routed rows in routing order (see _run_groups)?
+        self._ordered = False
         #: Page-locked staging for experts the arena could not pin (None: copies from pageable memory).
         self.staging = staging
         #: Called with (phase, tokens) after every prefill chunk and decode step (progress bars).
@@ -160,9 +162,22 @@ class Executor:
     def _token_part_bytes(self, tokens: int) -> int:
         """Device bytes of a chunk's per-token buffers (activations, router logits, top-k), as the plan counts them."""
         E = self.cache.experts_per_layer
-        # + every routed row's output in routing order (hidden f32) and its token index and weight
-        routed_out = self.top_k * (self.hidden * F32_BYTES + 8)
-        return tokens * (ACTIVATION_BUFFERS * self.hidden * F32_BYTES + E * F32_BYTES + self.top_k * 8 + routed_out)
+        base = ACTIVATION_BUFFERS * self.hidden * F32_BYTES + E * F32_BYTES + self.top_k * 8
+        return tokens * (base + (self._ordered_row_bytes() if self._ordered else 0))
+
+    def _ordered_row_bytes(self) -> int:
+        """Per token: every routed row's output kept in routing order (hidden f32), its token index and weight."""
+        return self.top_k * (self.hidden * F32_BYTES + 8)
+
+    def _ordered_fits(self, tokens: int) -> bool:
+        """Can this chunk keep its routed rows in routing order within the plan's workspace?"""
+        if not self.workspace_bytes:
+            return True
+        E = self.cache.experts_per_layer
+        per_token = (ACTIVATION_BUFFERS * self.hidden * F32_BYTES + E * F32_BYTES + self.top_k * 8
+                     + self._ordered_row_bytes())
+        return tokens * per_token + MIN_ROWS_PER_CALL * KERNEL_SCRATCH_FACTOR * self._row_bytes() \
+            <= self.workspace_bytes
 
     def _row_bytes(self) -> int:
         """Device bytes of one routed row: its gathered input, its output, the gate and up intermediates, its index."""
@@ -176,10 +191,12 @@ class Executor:
 
     def _run_groups(self, r: Routing, groups: np.ndarray, slots: np.ndarray, xn: Any, out: Any, temps: list,
                     tokens: int) -> None:
-        """out[p] = expert(xn[rows[p]]) for the routed rows p of these groups, each expert from its device slot.
+        """Run these groups' experts, each from its device slot, on their rows of xn, into `out`.
 
-        `out` holds every routed row's output in routing order, so the layer adds them to the residual in one fixed
-        order whichever experts hit, missed or ran in which call (the bits never depend on the cache's contents).
+        When the layer keeps its rows in routing order (`self._ordered`), `out` is that [N,H] buffer and each row's
+        output lands at its position, so the layer adds them to the residual in one fixed order whichever experts
+        hit, missed or ran in which call (the bits do not depend on the cache's contents). When that buffer would
+        not fit the workspace (a large chunk), `out` is the residual itself and rows add as their calls finish.
         A call's cost is its routed rows' buffers plus one slot's bytes per group, since a grouped kernel may stage
         each group's expert weights; a call never exceeds what the workspace has left beside the chunk's buffers.
         """
@@ -188,13 +205,13 @@ class Executor:
         budget = self._call_budget(tokens)
         row_b, slot_b = KERNEL_SCRATCH_FACTOR * self._row_bytes(), KERNEL_SCRATCH_FACTOR * self.store.row_bytes
         cap = max(1, (budget - slot_b) // row_b)
-        pieces: list[tuple[np.ndarray, np.ndarray, int]] = []  # (rows, positions, slot), split where too long
+        pieces: list[tuple] = []  # (rows, positions, scales, slot), a group split where too long
         for g, slot in zip(groups, slots):
-            rows, _ = r.group(int(g))
+            rows, scales = r.group(int(g))
             start = int(r.starts[g])
             positions = np.arange(start, start + len(rows), dtype=np.int32)
             for i in range(0, len(rows), cap):
-                pieces.append((rows[i:i + cap], positions[i:i + cap], int(slot)))
+                pieces.append((rows[i:i + cap], positions[i:i + cap], scales[i:i + cap], int(slot)))
         call: list[tuple[np.ndarray, np.ndarray, int]] = []
         cost = 0
         for piece in pieces + [None]:
@@ -207,19 +224,25 @@ class Executor:
                 cost += more
 
     def _grouped_call(self, call: list, xn: Any, out: Any, tokens: int) -> None:
-        """One moe_grouped_ffn over these (rows, positions, slot) groups into out's positions; buffers freed after."""
+        """One moe_grouped_ffn over these (rows, positions, scales, slot) groups into `out`; buffers freed after."""
         if not call:
             return
         temps: list = []
         try:
             rows = np.concatenate([p[0] for p in call]).astype(np.int32)
-            positions = np.concatenate([p[1] for p in call]).astype(np.int32)
             offsets = np.concatenate([[0], np.cumsum([len(p[0]) for p in call])]).astype(np.int32)
-            xg = self.k.gather(xn, self._put(rows, temps))
+            rows_d = self._put(rows, temps)
+            xg = self.k.gather(xn, rows_d)
             y = self.k.moe_grouped_ffn(xg, self._put(offsets, temps),
-                                       self._put(np.array([p[2] for p in call], np.int32), temps), self.pool)
-            # out starts at zero and each position is written once: 0 + y is y, bit for bit
-            self.k.scatter_add(out, self._put(positions, temps), y, self._put(np.ones(len(rows), np.float32), temps))
+                                       self._put(np.array([p[3] for p in call], np.int32), temps), self.pool)
+            if self._ordered:
+                # out starts at zero and each position is written once: 0 + y is y, bit for bit
+                positions = np.concatenate([p[1] for p in call]).astype(np.int32)
+                self.k.scatter_add(out, self._put(positions, temps), y,
+                                   self._put(np.ones(len(rows), np.float32), temps))
+            else:
+                scales = np.concatenate([p[2] for p in call]).astype(np.float32)
+                self.k.scatter_add(out, rows_d, y, self._put(scales, temps))
             del xg, y
         finally:
             self._free(temps)
@@ -328,8 +351,11 @@ class Executor:
         layer_temps: list = []
         try:
             routed = None
-            if not self.accounting_only:
+            self._ordered = not self.accounting_only and self._ordered_fits(tokens)
+            if self._ordered:
                 routed = self._put(np.zeros((len(r.rows), self.hidden), np.float32), layer_temps)
+            elif not self.accounting_only:
+                routed = x
             self._run_groups(r, hits, slots[hits], xn, routed, temps, tokens)
             if ring is not None and len(ring):
                 self._stream_through_ring(layer, r, device_misses, ring, xn, routed, temps, tokens)
@@ -345,11 +371,17 @@ class Executor:
             if err is None:
                 # the share's rows go to their routing positions, so they add to the residual in the same order
                 # (and to the same bits) as rows the device ran
-                positions = np.concatenate([np.arange(int(r.starts[g]), int(r.starts[g] + r.counts[g]))
-                                            for g in cpu]).astype(np.int32)
                 try:
-                    self.k.scatter_add(routed, self._put(positions, layer_temps), self._put(out, layer_temps),
-                                       self._put(np.ones(cpu_rows, np.float32), layer_temps))
+                    if self._ordered:
+                        positions = np.concatenate([np.arange(int(r.starts[g]), int(r.starts[g] + r.counts[g]))
+                                                    for g in cpu]).astype(np.int32)
+                        self.k.scatter_add(routed, self._put(positions, layer_temps), self._put(out, layer_temps),
+                                           self._put(np.ones(cpu_rows, np.float32), layer_temps))
+                    else:
+                        rows = np.concatenate([r.group(int(g))[0] for g in cpu]).astype(np.int32)
+                        scales = np.concatenate([r.group(int(g))[1] for g in cpu]).astype(np.float32)
+                        self.k.scatter_add(x, self._put(rows, layer_temps), self._put(out, layer_temps),
+                                           self._put(scales, layer_temps))
                 except BaseException:
                     self._free(layer_temps)
                     raise
@@ -364,12 +396,12 @@ class Executor:
                 except BaseException:
                     self._free(layer_temps)
                     raise
-        if not self.accounting_only:
-            try:
+        try:
+            if self._ordered:
                 # every routed row's weighted output into the residual, in routing order (experts ascending)
                 self.k.scatter_add(x, self._put(r.rows, layer_temps), routed, self._put(r.scales, layer_temps))
-            finally:
-                self._free(layer_temps)
+        finally:
+            self._free(layer_temps)
         if x_in is not None:
             self.observer(phase, layer, x_in, np.asarray(self.dm.download(x)))
 
