@@ -6,7 +6,6 @@ kernels of a device all come from its session, so a USM pointer made by one is v
 
 from __future__ import annotations
 
-import importlib.metadata as md
 import os
 import sys
 import threading
@@ -16,8 +15,8 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-#: File names of the Intel OpenCL CPU runtime that the [sycl] extra (intel-opencl-rt) installs.
-_INTEL_OCL_NAMES = ("libintelocl.so", "intelocl64.dll")
+from strata_core.kernels.opencl_driver import QueueStream
+from strata_core.kernels.opencl_driver import find_intel_opencl_runtime as _find_runtime
 
 _lock = threading.Lock()
 _sessions: dict[str, "Session"] = {}
@@ -25,19 +24,8 @@ _sessions: dict[str, "Session"] = {}
 
 def find_intel_opencl_runtime() -> Path | None:
     """The Intel OpenCL CPU runtime library installed by the intel-opencl-rt package, or None when it is absent."""
-    try:
-        for f in md.files("intel-opencl-rt") or ():
-            if f.name in _INTEL_OCL_NAMES:
-                p = Path(f.locate()).resolve()
-                if p.is_file():
-                    return p
-    except md.PackageNotFoundError:
-        pass
-    for d in (Path(sys.prefix) / "lib", Path(sys.prefix) / "Library" / "bin"):
-        for n in _INTEL_OCL_NAMES:
-            if (d / n).is_file():
-                return d / n
-    return None
+    # The search is strata_core's; this environment's prefix is where a conda-style install would have put it.
+    return _find_runtime(sys.prefix)
 
 
 def _prepare_runtime_env() -> None:
@@ -89,13 +77,10 @@ def all_device_names(dpctl: ModuleType) -> list[str]:
     return [f"{d.backend.name}:{d.device_type.name} {d.name}" for d in dpctl.get_devices()]
 
 
-class SyclStream:
+class SyclStream(QueueStream):
     """A stream of the runtime: one in-order SYCL queue (held by a Python object so the session can track it weakly)."""
 
-    __slots__ = ("queue", "__weakref__")
-
-    def __init__(self, queue: Any):
-        self.queue = queue
+    __slots__ = ()
 
     def __repr__(self) -> str:
         return f"SyclStream({self.queue.sycl_device.name})"

@@ -6,7 +6,6 @@ memory, pinned buffers and kernels of a device all come from its session, so the
 
 from __future__ import annotations
 
-import importlib.metadata as md
 import os
 import sys
 import threading
@@ -16,28 +15,17 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-#: File names of Intel's OpenCL CPU runtime as the intel-opencl-rt package installs it.
-_INTEL_OCL_NAMES = ("libintelocl.so", "intelocl64.dll")
+from strata_core.kernels.opencl_driver import QueueStream
+from strata_core.kernels.opencl_driver import find_intel_opencl_runtime as _find_runtime
 
 _lock = threading.Lock()
 _sessions: dict[tuple[int, int], "Session"] = {}
 
 
 def find_intel_opencl_runtime() -> Path | None:
-    """Intel's OpenCL CPU runtime library if the intel-opencl-rt package is installed, else None."""
-    try:
-        for f in md.files("intel-opencl-rt") or ():
-            if f.name in _INTEL_OCL_NAMES:
-                p = Path(f.locate()).resolve()
-                if p.is_file():
-                    return p
-    except md.PackageNotFoundError:
-        pass
-    for d in (Path(sys.prefix) / "lib", Path(sys.prefix) / "Library" / "bin"):
-        for n in _INTEL_OCL_NAMES:
-            if (d / n).is_file():
-                return d / n
-    return None
+    """The Intel OpenCL CPU runtime library installed by the intel-opencl-rt package, or None when it is absent."""
+    # The search is strata_core's; this environment's prefix is where a conda-style install would have put it.
+    return _find_runtime(sys.prefix)
 
 
 #: Where the ICD loader looks for the system's OpenCL drivers (ocl-icd and the Khronos loader on Linux).
@@ -102,13 +90,10 @@ def list_devices(cl: ModuleType) -> list[tuple[int, int, Any]]:
     return sorted(out, key=lambda e: (_TYPE_RANK.get(device_kind(cl, e[2]), 3), e[0], e[1]))
 
 
-class ClStream:
+class ClStream(QueueStream):
     """A stream: one in-order command queue."""
 
-    __slots__ = ("queue", "__weakref__")
-
-    def __init__(self, queue: Any):
-        self.queue = queue
+    __slots__ = ()
 
 
 @dataclass
