@@ -13,7 +13,9 @@ its session (any object with `device`, `queue`, `lock` and `allocated_bytes`) an
 from __future__ import annotations
 
 import importlib.metadata as md
+import threading
 import weakref
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +26,8 @@ from strata_core.kernels import kernel_source
 from strata_core.kernels.reference import QK8_0, ExpertPool
 
 __all__ = ["INTEL_OCL_NAMES", "LINEAR_TILE", "DeviceArray", "EventSlot", "Local", "OpenClDeviceMemory",
-           "OpenClKernels", "OpenClPinnedAllocator", "QueueStream", "find_intel_opencl_runtime", "round_up"]
+           "OpenClKernels", "OpenClPinnedAllocator", "QueueSession", "QueueStream", "find_intel_opencl_runtime",
+           "round_up"]
 
 I32_MAX = 2**31 - 1
 #: Side of the square work-group of the tiled kernels (LINEAR_TILE and FFN_TILE in moe.cl).
@@ -68,6 +71,45 @@ class QueueStream:
 
     def __init__(self, queue: Any):
         self.queue = queue
+
+
+@dataclass
+class QueueSession:
+    """One device's context, its default in-order queue, the queues made since, the built program, bytes allocated.
+
+    Device memory, pinned memory and kernels of a device all come from its session, so their buffers are
+    interchangeable. A subclass adds its vendor module and supplies `_new_queue` and `wait_queue`.
+    """
+
+    device: Any
+    context: Any
+    queue: Any
+    allocated_bytes: int = 0
+    streams: "weakref.WeakSet[QueueStream]" = field(default_factory=weakref.WeakSet)
+    program: Any = None
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    #: The stream class `new_stream` wraps a queue in (a backend's subclass of QueueStream).
+    stream_type = QueueStream
+
+    def _new_queue(self) -> Any:
+        raise NotImplementedError
+
+    def wait_queue(self, queue: Any) -> None:
+        """Block until one queue of this session is idle."""
+        raise NotImplementedError
+
+    def new_stream(self) -> QueueStream:
+        """A stream: a new in-order queue on this session's context."""
+        s = self.stream_type(self._new_queue())
+        self.streams.add(s)
+        return s
+
+    def wait_all(self) -> None:
+        """Block until every queue of the session is idle."""
+        self.wait_queue(self.queue)
+        for s in list(self.streams):
+            self.wait_queue(s.queue)
 
 
 class EventSlot:
@@ -160,8 +202,8 @@ def _uncount(session: Any, nbytes: int) -> None:
 class OpenClDeviceMemory:
     """DeviceMemory of one device over a backend's primitives: allocation count, checks and copies in one place.
 
-    Subclasses supply `_allocate`, `_wrap`, `_copy_in`, `_copy_out`, `_marker`, `_barrier`, `_wait_all` and
-    `_wait_queue`, and may refine `_before_free` and `_reported_free`.
+    Subclasses supply `_allocate`, `_wrap`, `_copy_in`, `_copy_out`, `_event`, `_marker` and `_barrier`, and may
+    refine `_before_free` and `_reported_free`; waiting is the session's (QueueSession).
     """
 
     def __init__(self, session: Any):
@@ -187,12 +229,6 @@ class OpenClDeviceMemory:
         raise NotImplementedError
 
     def _barrier(self, queue: Any, event: Any) -> None:
-        raise NotImplementedError
-
-    def _wait_all(self) -> None:
-        raise NotImplementedError
-
-    def _wait_queue(self, queue: Any) -> None:
         raise NotImplementedError
 
     def _event(self) -> EventSlot:
@@ -280,9 +316,9 @@ class OpenClDeviceMemory:
     def synchronize(self, stream=None):
         """Block until `stream` is idle, or every queue of the device when None."""
         if stream is None:
-            self._wait_all()
+            self.session.wait_all()
         else:
-            self._wait_queue(stream.queue)
+            self.session.wait_queue(stream.queue)
 
     def mem_info(self):
         """(free_bytes, total_bytes): the platform's free figure where reported, else the total less our allocations."""

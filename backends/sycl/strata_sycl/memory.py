@@ -112,12 +112,6 @@ class SyclDeviceMemory(OpenClDeviceMemory):
     def _barrier(self, queue: Any, event: Any) -> None:
         queue.submit_barrier([event])
 
-    def _wait_all(self) -> None:
-        self.session.wait_all()
-
-    def _wait_queue(self, queue: Any) -> None:
-        queue.wait()
-
 
 class UsmPinnedAllocator(OpenClPinnedAllocator):
     """Pinned host memory as SYCL USM host allocations (page-locked by the runtime), charged to a PinnedBudget.

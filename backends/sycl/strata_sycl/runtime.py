@@ -9,13 +9,12 @@ from __future__ import annotations
 import os
 import sys
 import threading
-import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from strata_core.kernels.opencl_driver import QueueStream
+from strata_core.kernels.opencl_driver import QueueSession, QueueStream
 from strata_core.kernels.opencl_driver import find_intel_opencl_runtime as _find_runtime
 
 _lock = threading.Lock()
@@ -87,29 +86,19 @@ class SyclStream(QueueStream):
 
 
 @dataclass
-class Session:
+class Session(QueueSession):
     """One device's SYCL context, its default in-order queue, the queues made since, and the bytes allocated."""
 
-    dpctl: ModuleType
-    device: Any
-    context: Any
-    queue: Any
-    allocated_bytes: int = 0
-    streams: "weakref.WeakSet[SyclStream]" = field(default_factory=weakref.WeakSet)
-    program: Any = None
-    lock: threading.Lock = field(default_factory=threading.Lock)
+    dpctl: ModuleType | None = None
 
-    def new_stream(self) -> "SyclStream":
-        """A stream: a new in-order queue on this session's context."""
-        s = SyclStream(self.dpctl.SyclQueue(self.context, self.device, property="in_order"))
-        self.streams.add(s)
-        return s
+    stream_type = SyclStream
 
-    def wait_all(self) -> None:
-        """Block until every queue of the session is idle."""
-        self.queue.wait()
-        for s in list(self.streams):
-            s.queue.wait()
+    def _new_queue(self) -> Any:
+        return self.dpctl.SyclQueue(self.context, self.device, property="in_order")
+
+    def wait_queue(self, queue: Any) -> None:
+        """Block until one SYCL queue of this session is idle."""
+        queue.wait()
 
 
 def session_for(filter_string: str) -> Session:

@@ -107,12 +107,6 @@ class ClDeviceMemory(OpenClDeviceMemory):
     def _barrier(self, queue: Any, event: Any) -> None:
         self.cl.enqueue_barrier(queue, wait_for=[event])
 
-    def _wait_all(self) -> None:
-        self.session.finish_all()
-
-    def _wait_queue(self, queue: Any) -> None:
-        queue.finish()
-
     def _reported_free(self) -> int | None:
         try:
             return int(self.session.device.global_free_memory_amd[0]) * 1024  # reported in KiB

@@ -9,13 +9,12 @@ from __future__ import annotations
 import os
 import sys
 import threading
-import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from strata_core.kernels.opencl_driver import QueueStream
+from strata_core.kernels.opencl_driver import QueueSession, QueueStream
 from strata_core.kernels.opencl_driver import find_intel_opencl_runtime as _find_runtime
 
 _lock = threading.Lock()
@@ -97,30 +96,20 @@ class ClStream(QueueStream):
 
 
 @dataclass
-class Session:
+class Session(QueueSession):
     """One device's context, default in-order queue, built program, the queues made since, and bytes allocated."""
 
-    cl: ModuleType
-    device: Any
-    context: Any
-    queue: Any
-    allocated_bytes: int = 0
-    streams: "weakref.WeakSet[ClStream]" = field(default_factory=weakref.WeakSet)
-    program: Any = None
+    cl: ModuleType | None = None
     host_visible: bool | None = None
-    lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def new_stream(self) -> ClStream:
-        """A new in-order queue on this session's context."""
-        s = ClStream(self.cl.CommandQueue(self.context, self.device))
-        self.streams.add(s)
-        return s
+    stream_type = ClStream
 
-    def finish_all(self) -> None:
-        """Block until every queue of the session is idle."""
-        self.queue.finish()
-        for s in list(self.streams):
-            s.queue.finish()
+    def _new_queue(self) -> Any:
+        return self.cl.CommandQueue(self.context, self.device)
+
+    def wait_queue(self, queue: Any) -> None:
+        """Block until one command queue of this session is idle."""
+        queue.finish()
 
     def offers_host_visible_memory(self) -> bool:
         """Whether CL_MEM_ALLOC_HOST_PTR buffers can be created and mapped here (checked once, on a small buffer)."""
