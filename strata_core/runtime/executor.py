@@ -183,6 +183,10 @@ class Executor:
         """Device bytes of one routed row: its gathered input, its output, the gate and up intermediates, its index."""
         return (2 * self.hidden + 2 * self._ffn()) * F32_BYTES + 8
 
+    def _staged_slot_bytes(self) -> int:
+        """Bytes a grouped kernel may stage per group: the expert's weights, dequantized to f16 where quantized."""
+        return max(self.store.row_bytes, 6 * self.hidden * self._ffn())
+
     def _call_budget(self, tokens: int) -> int:
         """Bytes one grouped-FFN call may take so the chunk's buffers stay within the plan's workspace."""
         if not self.workspace_bytes:
@@ -203,7 +207,7 @@ class Executor:
         if self.accounting_only or len(groups) == 0:
             return
         budget = self._call_budget(tokens)
-        row_b, slot_b = KERNEL_SCRATCH_FACTOR * self._row_bytes(), KERNEL_SCRATCH_FACTOR * self.store.row_bytes
+        row_b, slot_b = KERNEL_SCRATCH_FACTOR * self._row_bytes(), KERNEL_SCRATCH_FACTOR * self._staged_slot_bytes()
         cap = max(1, (budget - slot_b) // row_b)
         pieces: list[tuple] = []  # (rows, positions, scales, slot), a group split where too long
         for g, slot in zip(groups, slots):
@@ -247,7 +251,7 @@ class Executor:
         finally:
             self._free(temps)
         self.stats.workspace_peak_bytes = max(self.stats.workspace_peak_bytes, self._token_part_bytes(tokens)
-                                              + len(rows) * self._row_bytes() + len(call) * self.store.row_bytes)
+                                              + len(rows) * self._row_bytes() + len(call) * self._staged_slot_bytes())
 
     def _ffn(self) -> int:
         return self.weights.expert_ffn if self.weights is not None else 0
