@@ -12,22 +12,24 @@ its session (any object with `device`, `queue`, `lock` and `allocated_bytes`) an
 
 from __future__ import annotations
 
+import importlib
 import importlib.metadata as md
 import threading
 import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
 from strata_core.backend_api import PinnedBudget, PinnedBuffer
+from strata_core.hookspecs import hookimpl
 from strata_core.kernels import kernel_source
 from strata_core.kernels.reference import QK8_0, ExpertPool
 
 __all__ = ["INTEL_OCL_NAMES", "LINEAR_TILE", "DeviceArray", "EventSlot", "Local", "OpenClDeviceMemory",
            "OpenClKernels", "OpenClPinnedAllocator", "QueueSession", "QueueStream", "find_intel_opencl_runtime",
-           "round_up"]
+           "device_score", "handle_alias", "backend_hooks", "round_up"]
 
 I32_MAX = 2**31 - 1
 #: Side of the square work-group of the tiled kernels (LINEAR_TILE and FFN_TILE in moe.cl).
@@ -59,6 +61,48 @@ def find_intel_opencl_runtime(prefix: str | Path) -> Path | None:
             if (d / n).is_file():
                 return d / n
     return None
+
+
+def device_score(device: Any, discrete_gpu: int, integrated_gpu: int, accelerator: int, cpu_device: int) -> int:
+    """Selection score of one DeviceInfo from a backend's four: discrete GPU, integrated GPU, accelerator, CPU device."""
+    if device.arch == "gpu":
+        # Unified memory is what tells an integrated GPU from a discrete card in DeviceInfo.
+        return integrated_gpu if device.unified_memory else discrete_gpu
+    if device.arch == "accelerator":
+        return accelerator
+    return cpu_device
+
+
+def backend_hooks(backend: Any, session_of: Callable[[Any], Any], package: str, *, device_memory: str,
+                  kernels: str) -> tuple[Callable, Callable, Callable]:
+    """The strata_backends, strata_device_memory and strata_kernels hooks of a backend of moe.cl.
+
+    Device memory and kernels are both built from a device's session (`session_of` maps a DeviceInfo to it); their
+    classes are named 'module:Class' relative to `package` and imported on first use, so a backend module that
+    assigns these hooks still imports without its vendor library.
+    """
+    name = backend.name
+
+    def build(spec: str, device: Any) -> Any:
+        module, _, cls = spec.partition(":")
+        return getattr(importlib.import_module(module, package), cls)(session_of(device))
+
+    @hookimpl
+    def strata_backends():
+        """This one backend."""
+        return [backend]
+
+    @hookimpl
+    def strata_device_memory(device):
+        """The device memory of one of this backend's devices (None for another backend's)."""
+        return build(device_memory, device) if device.backend == name else None
+
+    @hookimpl
+    def strata_kernels(device):
+        """The moe.cl KernelSet of one of this backend's devices (None for another backend's)."""
+        return build(kernels, device) if device.backend == name else None
+
+    return strata_backends, strata_device_memory, strata_kernels
 
 
 # ------------------------------------------------------------------------------------------------- runtime pieces
@@ -191,6 +235,11 @@ class DeviceArray:
         return f"{type(self).__name__}(shape={self.shape}, dtype={self.dtype.name}{', view' if self.owner else ''})"
 
 
+def handle_alias(doc: str) -> property:
+    """A property naming a DeviceArray's `handle` after the vendor's object (UsmArray.mem, ClArray.buf)."""
+    return property(lambda a: a.handle, lambda a, v: setattr(a, "handle", v), doc=doc)
+
+
 def _uncount(session: Any, nbytes: int) -> None:
     with session.lock:
         session.allocated_bytes -= nbytes
@@ -202,9 +251,13 @@ def _uncount(session: Any, nbytes: int) -> None:
 class OpenClDeviceMemory:
     """DeviceMemory of one device over a backend's primitives: allocation count, checks and copies in one place.
 
-    Subclasses supply `_allocate`, `_wrap`, `_copy_in`, `_copy_out`, `_event`, `_marker` and `_barrier`, and may
-    refine `_before_free` and `_reported_free`; waiting is the session's (QueueSession).
+    Subclasses name their `array_type` and `event_type`, supply `_allocate`, `_copy_in`, `_copy_out`, `_marker` and
+    `_barrier`, and may refine `_before_free` and `_reported_free`; waiting is the session's (QueueSession).
     """
+
+    #: The DeviceArray subclass that wraps this backend's allocations, and the EventSlot subclass of its events.
+    array_type: type = DeviceArray
+    event_type: type = EventSlot
 
     def __init__(self, session: Any):
         self.session = session
@@ -214,9 +267,6 @@ class OpenClDeviceMemory:
 
     # -- primitives
     def _allocate(self, nbytes: int) -> Any:
-        raise NotImplementedError
-
-    def _wrap(self, shape: tuple[int, ...], dtype: Any, handle: Any) -> DeviceArray:
         raise NotImplementedError
 
     def _copy_in(self, queue: Any, dst: DeviceArray, host: np.ndarray) -> None:
@@ -229,9 +279,6 @@ class OpenClDeviceMemory:
         raise NotImplementedError
 
     def _barrier(self, queue: Any, event: Any) -> None:
-        raise NotImplementedError
-
-    def _event(self) -> EventSlot:
         raise NotImplementedError
 
     def _before_free(self) -> None:
@@ -256,7 +303,7 @@ class OpenClDeviceMemory:
             return None
         with self.session.lock:
             self.session.allocated_bytes += nbytes
-        arr = self._wrap(shape, dtype, handle)
+        arr = self.array_type(shape, dtype, handle)
         # Arrays dropped without free() (kernel temporaries, outputs a caller let go) still leave the count.
         arr.release = weakref.finalize(arr, _uncount, self.session, nbytes)
         return arr
@@ -302,7 +349,7 @@ class OpenClDeviceMemory:
 
     def new_event(self):
         """A new, unrecorded event."""
-        return self._event()
+        return self.event_type()
 
     def record(self, event, stream):
         """Record on `stream`: the event completes when the stream's work submitted so far has."""
@@ -407,29 +454,49 @@ class Local:
 class OpenClKernels:
     """KernelSet over moe.cl; the contract is strata_core.kernels.reference.
 
-    A subclass supplies `_submit` (run kernel NAME with converted arguments over a global/local size, in OpenCL
-    order), the argument conversions `_buffer_arg`, `_i32_arg`, `_f32_arg`, `_local_arg`, and may refine
-    `_device_input` (a device array as a kernel can take it). `label` prefixes its error messages.
+    A subclass supplies `_build` (the program from the source, once per session), `_get_kernel` (one kernel of it),
+    `_submit` (run kernel NAME with converted arguments over a global/local size, in OpenCL order), the argument
+    conversions `_buffer_arg`, `_i32_arg`, `_f32_arg`, `_local_arg`, and may refine `_device_input` (a device array
+    as a kernel can take it). `memory_type` makes the device memory when none is given (and names the array type); `label` prefixes errors.
     """
 
     name = "opencl-c"
     label = "opencl"
-    array_type: type = DeviceArray
+    memory_type: type = OpenClDeviceMemory
 
-    def __init__(self, memory: OpenClDeviceMemory, max_work_group_size: int):
-        self.memory = memory
-        wg = int(max_work_group_size)
+    @property
+    def array_type(self) -> type:
+        """The device array class of this backend: the one its memory makes (numpy inputs are anything else)."""
+        return self.memory_type.array_type
+
+    def __init__(self, session: QueueSession, memory: OpenClDeviceMemory | None = None):
+        self.session = session
+        self.memory = memory or self.memory_type(session)
+        self._kernels: dict[str, Any] = {}
+        # One program per session: every KernelSet of a device shares it, and building moe.cl takes seconds.
+        with session.lock:
+            if session.program is None:
+                session.program = self._build(session, kernel_source(SOURCE))
+        self._program = session.program
+        wg = int(session.device.max_work_group_size)
         self._reduce_local = 1 << min(6, wg.bit_length() - 1)  # a power of two <= 64 for the tree reductions
         # The tiled kernels (linear, grouped FFN) need LINEAR_TILE^2 work-items in one group; smaller devices get
         # the plain ones.
         self._tiled = wg >= LINEAR_TILE * LINEAR_TILE
 
-    @staticmethod
-    def source() -> str:
-        """The OpenCL C source every subclass builds."""
-        return kernel_source(SOURCE)
+    def _kernel(self, name: str) -> Any:
+        k = self._kernels.get(name)
+        if k is None:
+            k = self._kernels[name] = self._get_kernel(name)
+        return k
 
     # --------------------------------------------------------------------------------------------- primitives
+
+    def _build(self, session: QueueSession, source: str) -> Any:
+        raise NotImplementedError
+
+    def _get_kernel(self, name: str) -> Any:
+        raise NotImplementedError
 
     def _submit(self, name: str, global_size: tuple[int, ...], local_size: tuple[int, ...] | None,
                 args: list[Any], keep: tuple) -> Any:

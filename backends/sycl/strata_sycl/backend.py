@@ -23,6 +23,7 @@ from strata_core.errors import StrataError
 from strata_core.facts import DeviceInfo, HostInfo, PlatformDefaults
 from strata_core.hookspecs import hookimpl
 from strata_core.hostinfo import probe_host
+from strata_core.kernels.opencl_driver import backend_hooks, device_score
 
 from . import INSTALL_HINT
 
@@ -45,11 +46,7 @@ _DISCRETE_MARKERS = ("arc", "data center", "max", "flex", "battlemage", "alchemi
 
 def score_for(device: DeviceInfo) -> int:
     """Selection score of one device: discrete GPU > integrated GPU > accelerator > CPU device (> the cpu backend)."""
-    if device.arch == "gpu":
-        return SCORE_INTEGRATED_GPU if device.unified_memory else SCORE_DISCRETE_GPU
-    if device.arch == "accelerator":
-        return SCORE_ACCELERATOR
-    return SCORE_CPU_DEVICE
+    return device_score(device, SCORE_DISCRETE_GPU, SCORE_INTEGRATED_GPU, SCORE_ACCELERATOR, SCORE_CPU_DEVICE)
 
 
 def _vendor(vendor_string: str) -> str:
@@ -137,12 +134,6 @@ BACKEND = Backend(name=NAME, vendor="intel", probe=probe, version=__version__, a
 
 
 @hookimpl
-def strata_backends():
-    """The sycl backend."""
-    return [BACKEND]
-
-
-@hookimpl
 def strata_platform_defaults(device, host):
     """SYCL platform defaults for a sycl device."""
     return platform_defaults(device, host) if device.backend == NAME else None
@@ -157,19 +148,6 @@ def strata_pinned_allocator(device, budget):
     return UsmPinnedAllocator(_session(device), budget)
 
 
-@hookimpl
-def strata_device_memory(device):
-    """USM device memory and in-order queues."""
-    if device.backend != NAME:
-        return None
-    from .memory import SyclDeviceMemory
-    return SyclDeviceMemory(_session(device))
-
-
-@hookimpl
-def strata_kernels(device):
-    """moe.cl through dpctl.program."""
-    if device.backend != NAME:
-        return None
-    from .kernels import SyclKernels
-    return SyclKernels(_session(device))
+#: The sycl backend, its USM device memory and in-order queues, and moe.cl through dpctl.program.
+strata_backends, strata_device_memory, strata_kernels = backend_hooks(
+    BACKEND, _session, __package__, device_memory=".memory:SyclDeviceMemory", kernels=".kernels:SyclKernels")

@@ -12,12 +12,10 @@ import ctypes
 from collections import deque
 from typing import Any
 
-from strata_core.kernels.opencl_driver import LINEAR_TILE, OpenClKernels
+from strata_core.kernels.opencl_driver import OpenClKernels
 
 from .memory import SyclDeviceMemory, UsmArray
 from .runtime import Session
-
-__all__ = ["LINEAR_TILE", "SyclKernels"]
 
 
 class SyclKernels(OpenClKernels):
@@ -25,26 +23,20 @@ class SyclKernels(OpenClKernels):
 
     name = "sycl-opencl-c"
     label = "sycl"
-    array_type = UsmArray
+    memory_type = SyclDeviceMemory
 
     def __init__(self, session: Session, memory: SyclDeviceMemory | None = None):
-        super().__init__(memory or SyclDeviceMemory(session), session.device.max_work_group_size)
-        self.session = session
         self._dpctl = session.dpctl
         # Arguments and temporaries of submitted work, kept referenced until their event completes (dpctl frees USM
         # on garbage collection, which would pull memory from under a running kernel).
         self._inflight: deque[tuple[Any, tuple]] = deque()
-        self._kernels: dict[str, Any] = {}
-        with session.lock:
-            if session.program is None:
-                session.program = self._dpctl.program.create_program_from_source(session.queue, self.source())
-        self._program = session.program
+        super().__init__(session, memory)
 
-    def _kernel(self, name: str) -> Any:
-        k = self._kernels.get(name)
-        if k is None:
-            k = self._kernels[name] = self._program.get_sycl_kernel(name)
-        return k
+    def _build(self, session: Session, source: str) -> Any:
+        return self._dpctl.program.create_program_from_source(session.queue, source)
+
+    def _get_kernel(self, name: str) -> Any:
+        return self._program.get_sycl_kernel(name)
 
     def _retire(self) -> None:
         # One in-order queue completes its kernels in order: the finished ones are at the front.

@@ -11,7 +11,8 @@ from typing import Any
 import numpy as np
 
 from strata_core.backend_api import PinnedBudget
-from strata_core.kernels.opencl_driver import DeviceArray, EventSlot, OpenClDeviceMemory, OpenClPinnedAllocator
+from strata_core.kernels.opencl_driver import (DeviceArray, EventSlot, OpenClDeviceMemory, OpenClPinnedAllocator,
+                                               handle_alias)
 
 from .runtime import Session
 
@@ -25,14 +26,7 @@ class UsmArray(DeviceArray):
 
     __slots__ = ()
 
-    @property
-    def mem(self) -> Any:
-        """The dpctl memory object (None once freed)."""
-        return self.handle
-
-    @mem.setter
-    def mem(self, value: Any) -> None:
-        self.handle = value
+    mem = handle_alias("The dpctl memory object (None once freed).")
 
     def _view(self, shape: tuple[int, ...], offset_bytes: int, nbytes: int) -> "UsmArray":
         mem = _usm_view(self.mem, offset_bytes, nbytes) if nbytes else None
@@ -76,6 +70,9 @@ def _is_usm_host(a: np.ndarray) -> bool:
 class SyclDeviceMemory(OpenClDeviceMemory):
     """DeviceMemory of one SYCL device: USM device allocations, in-order queues as streams, barrier events."""
 
+    array_type = UsmArray
+    event_type = SyclEvent
+
     def __init__(self, session: Session):
         super().__init__(session)
         self._dm = session.dpctl.memory
@@ -85,9 +82,6 @@ class SyclDeviceMemory(OpenClDeviceMemory):
             return self._dm.MemoryUSMDevice(nbytes, queue=self.session.queue)
         except (self._dm.USMAllocationError, MemoryError):
             return None
-
-    def _wrap(self, shape: tuple[int, ...], dtype: Any, handle: Any) -> UsmArray:
-        return UsmArray(shape, dtype, handle)
 
     def _before_free(self) -> None:
         # dpctl frees USM at once when the last reference goes, so queued work that uses it must finish first.
@@ -102,9 +96,6 @@ class SyclDeviceMemory(OpenClDeviceMemory):
 
     def _copy_out(self, queue: Any, out: np.ndarray, src: UsmArray) -> None:
         queue.memcpy(out, src.mem, src.nbytes)
-
-    def _event(self) -> SyclEvent:
-        return SyclEvent()
 
     def _marker(self, queue: Any) -> Any:
         return queue.submit_barrier()

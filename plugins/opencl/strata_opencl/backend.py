@@ -18,6 +18,7 @@ from typing import Any
 from strata_core.backend_api import Backend, ProbeResult
 from strata_core.facts import DeviceInfo, HostInfo, PlatformDefaults
 from strata_core.hookspecs import hookimpl
+from strata_core.kernels.opencl_driver import backend_hooks, device_score
 
 from . import INSTALL_HINT, __version__
 
@@ -38,11 +39,7 @@ SCORE_CPU_DEVICE = 15
 
 def score_for(device: DeviceInfo) -> int:
     """Selection score of one device: discrete GPU > integrated GPU > accelerator > CPU device."""
-    if device.arch == "gpu":
-        return SCORE_INTEGRATED_GPU if device.unified_memory else SCORE_DISCRETE_GPU
-    if device.arch == "accelerator":
-        return SCORE_ACCELERATOR
-    return SCORE_CPU_DEVICE
+    return device_score(device, SCORE_DISCRETE_GPU, SCORE_INTEGRATED_GPU, SCORE_ACCELERATOR, SCORE_CPU_DEVICE)
 
 
 def _vendor(vendor_string: str) -> str:
@@ -176,12 +173,6 @@ BACKEND = Backend(name=NAME, vendor="opencl", probe=probe, version=__version__, 
 
 
 @hookimpl
-def strata_backends():
-    """The opencl backend."""
-    return [BACKEND]
-
-
-@hookimpl
 def strata_probe(backend):
     """The OpenCL probe for this plugin's backend; None for any other."""
     return probe() if backend.name == NAME else None
@@ -210,19 +201,6 @@ def strata_pinned_allocator(device, budget):
         return NoPinnedMemory()
 
 
-@hookimpl
-def strata_device_memory(device):
-    """cl.Buffer device arrays and in-order queues."""
-    if device.backend != NAME:
-        return None
-    from .memory import ClDeviceMemory
-    return ClDeviceMemory(_session(device))
-
-
-@hookimpl
-def strata_kernels(device):
-    """moe.cl through pyopencl."""
-    if device.backend != NAME:
-        return None
-    from .kernels import ClKernels
-    return ClKernels(_session(device))
+#: The opencl backend, its cl.Buffer device arrays and in-order queues, and moe.cl through pyopencl.
+strata_backends, strata_device_memory, strata_kernels = backend_hooks(
+    BACKEND, _session, __package__, device_memory=".memory:ClDeviceMemory", kernels=".kernels:ClKernels")

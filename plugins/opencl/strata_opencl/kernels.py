@@ -2,21 +2,20 @@
 
 Kernels run on the device's default in-order queue (the stream None of `ClDeviceMemory`), so they are ordered
 after uploads on that queue and before downloads from it. Numpy inputs are accepted and uploaded for the call;
-outputs are always device arrays (ClArray). The kernel methods themselves are strata_core's OpenClKernels; this
-module supplies pyopencl's way to build, convert arguments and enqueue.
+outputs are always device arrays (ClArray). The kernel methods themselves are strata_core's OpenClKernels (part of
+strata-core's public API); this module supplies pyopencl's way to build, convert arguments and enqueue.
 """
 
 from __future__ import annotations
 
 import warnings
+from functools import cached_property
 from typing import Any
 
-from strata_core.kernels.opencl_driver import LINEAR_TILE, OpenClKernels
+from strata_core.kernels.opencl_driver import OpenClKernels
 
 from .memory import ClArray, ClDeviceMemory
 from .runtime import Session
-
-__all__ = ["LINEAR_TILE", "ClKernels"]
 
 
 class ClKernels(OpenClKernels):
@@ -24,27 +23,26 @@ class ClKernels(OpenClKernels):
 
     name = "opencl-c"
     label = "opencl"
-    array_type = ClArray
+    memory_type = ClDeviceMemory
 
-    def __init__(self, session: Session, memory: ClDeviceMemory | None = None):
-        super().__init__(memory or ClDeviceMemory(session), session.device.max_work_group_size)
-        self.session = session
-        self.cl = session.cl
-        with session.lock:
-            if session.program is None:
-                with warnings.catch_warnings():
-                    # Build logs full of vectorizer remarks are not warnings a user can act on.
-                    warnings.simplefilter("ignore", self.cl.CompilerWarning)
-                    session.program = self.cl.Program(session.context, self.source()).build()
-        self._program = session.program
-        self._kernels: dict[str, Any] = {}
-        self._align_bytes = max(1, int(session.device.mem_base_addr_align) // 8)  # reported in bits
+    @property
+    def cl(self) -> Any:
+        """The pyopencl module of this device's session."""
+        return self.session.cl
 
-    def _kernel(self, name: str) -> Any:
-        k = self._kernels.get(name)
-        if k is None:
-            k = self._kernels[name] = self.cl.Kernel(self._program, name)
-        return k
+    @cached_property
+    def _align_bytes(self) -> int:
+        # A sub-buffer must start on this alignment; the device reports it in bits.
+        return max(1, int(self.session.device.mem_base_addr_align) // 8)
+
+    def _build(self, session: Session, source: str) -> Any:
+        with warnings.catch_warnings():
+            # Build logs full of vectorizer remarks are not warnings a user can act on.
+            warnings.simplefilter("ignore", self.cl.CompilerWarning)
+            return self.cl.Program(session.context, source).build()
+
+    def _get_kernel(self, name: str) -> Any:
+        return self.cl.Kernel(self._program, name)
 
     def _buffer_arg(self, a: ClArray) -> Any:
         return a.kernel_arg()

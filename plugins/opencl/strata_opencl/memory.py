@@ -11,7 +11,8 @@ from typing import Any
 import numpy as np
 
 from strata_core.backend_api import PinnedBudget, PinnedBuffer
-from strata_core.kernels.opencl_driver import DeviceArray, EventSlot, OpenClDeviceMemory, OpenClPinnedAllocator
+from strata_core.kernels.opencl_driver import (DeviceArray, EventSlot, OpenClDeviceMemory, OpenClPinnedAllocator,
+                                               handle_alias)
 
 from .runtime import Session
 
@@ -30,14 +31,7 @@ class ClArray(DeviceArray):
         super().__init__(shape, dtype, buf, owner=owner)
         self.offset_bytes = int(offset_bytes)
 
-    @property
-    def buf(self) -> Any:
-        """The cl.Buffer (None once freed)."""
-        return self.handle
-
-    @buf.setter
-    def buf(self, value: Any) -> None:
-        self.handle = value
+    buf = handle_alias("The cl.Buffer (None once freed).")
 
     def _view(self, shape: tuple[int, ...], offset_bytes: int, nbytes: int) -> "ClArray":
         return ClArray(shape, self.dtype, self.buf, self.offset_bytes + offset_bytes, owner=self)
@@ -73,6 +67,9 @@ def _is_mapped(a: np.ndarray, cl: Any) -> bool:
 class ClDeviceMemory(OpenClDeviceMemory):
     """DeviceMemory of one OpenCL device: buffers, in-order queues as streams, markers and barriers as events."""
 
+    array_type = ClArray
+    event_type = ClEvent
+
     def __init__(self, session: Session):
         super().__init__(session)
         self.cl = session.cl
@@ -84,9 +81,6 @@ class ClDeviceMemory(OpenClDeviceMemory):
         except (self.cl.Error, MemoryError):
             return None
 
-    def _wrap(self, shape: tuple[int, ...], dtype: Any, handle: Any) -> ClArray:
-        return ClArray(shape, dtype, handle)
-
     # free() only drops the reference, not clReleaseMemObject now: views of the array may still hold the buffer,
     # and OpenCL keeps a released buffer alive for commands already enqueued anyway (so no _before_free wait).
 
@@ -97,9 +91,6 @@ class ClDeviceMemory(OpenClDeviceMemory):
 
     def _copy_out(self, queue: Any, out: np.ndarray, src: ClArray) -> None:
         self.cl.enqueue_copy(queue, out, src.buf, src_offset=src.offset_bytes, is_blocking=True)
-
-    def _event(self) -> ClEvent:
-        return ClEvent()
 
     def _marker(self, queue: Any) -> Any:
         return self.cl.enqueue_marker(queue)
