@@ -4,7 +4,8 @@ expressed over a few primitives that each backend supplies (launch a kernel, all
 The in-tree sycl backend (dpctl) and the opencl plugin (pyopencl) run the same OpenCL C source under the same
 KernelSet contract (strata_core.kernels.reference), so everything but the vendor calls lives here once: host-side
 argument checks and uploads, the scatter's grouping passes, the tiled/plain and reduction launch geometry, the
-array wrapper's view bookkeeping, the allocation count and the pinned-memory budget accounting.
+array wrapper's view bookkeeping, the allocation count, the pinned-memory budget accounting, the sessions' queue
+bookkeeping, where intel-opencl-rt put its library, device scoring and the device-memory and kernel hooks.
 
 This module imports no vendor library and reads no environment: a backend subclasses these classes and passes in
 its session (any object with `device`, `queue`, `lock` and `allocated_bytes`) and whatever paths it needs.

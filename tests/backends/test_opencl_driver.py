@@ -1,0 +1,248 @@
+"""strata_core.kernels.opencl_driver without any vendor library: a numpy-backed fake backend supplies the primitives."""
+
+from __future__ import annotations
+
+import ast
+import threading
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from strata_core.backend_api import PinnedBudget
+from strata_core.facts import DeviceInfo
+from strata_core.kernels import opencl_driver as drv
+
+MIB = 1 << 20
+
+
+class FakeArray(drv.DeviceArray):
+    """A device array whose handle is a flat numpy byte buffer; a view keeps an offset into it."""
+
+    __slots__ = ("offset",)
+
+    def __init__(self, shape, dtype, handle, offset=0, owner=None):
+        super().__init__(shape, dtype, handle, owner=owner)
+        self.offset = offset
+
+    def _view(self, shape, offset_bytes, nbytes):
+        return FakeArray(shape, self.dtype, self.handle, self.offset + offset_bytes, owner=self)
+
+
+class FakeEvent(drv.EventSlot):
+    """Done as soon as recorded."""
+
+    __slots__ = ()
+
+    def _complete(self, event):
+        return event == "done"
+
+
+class FakeSession(drv.QueueSession):
+    """Queues are lists of what waited on them."""
+
+    def _new_queue(self):
+        return []
+
+    def wait_queue(self, queue):
+        """Record the wait."""
+        queue.append("waited")
+
+
+class FakeMemory(drv.OpenClDeviceMemory):
+    """Copies are numpy byte copies."""
+
+    array_type = FakeArray
+    event_type = FakeEvent
+
+    def _allocate(self, nbytes):
+        return np.zeros(nbytes, np.uint8)
+
+    def _copy_in(self, queue, dst, host):
+        dst.handle[dst.offset:dst.offset + dst.nbytes] = host.reshape(-1).view(np.uint8)
+
+    def _copy_out(self, queue, out, src):
+        out.reshape(-1).view(np.uint8)[:] = src.handle[src.offset:src.offset + src.nbytes]
+
+    def _marker(self, queue):
+        return "done"
+
+    def _barrier(self, queue, event):
+        queue.append(("barrier", event))
+
+
+class FakeKernels(drv.OpenClKernels):
+    """Records every launch instead of running it."""
+
+    label = "fake"
+    memory_type = FakeMemory
+
+    def __init__(self, session, memory=None):
+        self.launches = []
+        super().__init__(session, memory)
+
+    def _build(self, session, source):
+        assert "__kernel" in source
+        return "program"
+
+    def _get_kernel(self, name):
+        return name
+
+    def _buffer_arg(self, a):
+        return ("buf", a.shape)
+
+    def _local_arg(self, floats):
+        return ("local", floats)
+
+    def _submit(self, name, global_size, local_size, args, keep):
+        self.launches.append((self._kernel(name), tuple(global_size), local_size, args))
+
+
+def _session(wg=256, mem=64 * MIB):
+    dev = SimpleNamespace(max_mem_alloc_size=mem, global_mem_size=mem, max_work_group_size=wg)
+    return FakeSession(device=dev, context=None, queue=[])
+
+
+def test_the_module_imports_no_vendor_library_and_reads_no_environment():
+    tree = ast.parse(Path(drv.__file__).read_text())
+    imported = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    imported |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+    assert not imported & {"dpctl", "pyopencl", "os", "cupy"}
+    names = {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)} | {
+        n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
+    assert not names & {"environ", "getenv", "environb"}
+
+
+def test_alloc_counts_bytes_and_dropping_or_freeing_gives_them_back():
+    s = _session()
+    m = FakeMemory(s)
+    a = m.alloc((4, 8), np.float32)
+    assert isinstance(a, FakeArray) and s.allocated_bytes == 128
+    m.free(a[1:3])  # a view frees nothing
+    assert s.allocated_bytes == 128 and a.handle is not None
+    m.free(a)
+    m.free(a)
+    assert s.allocated_bytes == 0 and a.handle is None
+    b = m.alloc(16, np.int32)
+    del b
+    assert s.allocated_bytes == 0
+    full = m.alloc((64 * MIB,), np.uint8)
+    assert full is not None and m.alloc((1,), np.uint8) is None  # over the device total: None, never an exception
+
+
+def test_views_upload_download_and_mem_info():
+    s = _session()
+    m = FakeMemory(s)
+    a = m.to_device(np.arange(12, dtype=np.float32).reshape(4, 3))
+    np.testing.assert_array_equal(m.download(a[2]), [6, 7, 8])
+    m.upload(a[1:3], np.full((2, 3), 5, np.float32))
+    np.testing.assert_array_equal(m.download(a)[1:3], 5)
+    assert a[-1].shape == (3,) and a[3:1].shape == (0, 3) and len(a) == 4
+    with pytest.raises(IndexError):
+        a[::2]
+    with pytest.raises(ValueError):
+        m.upload(a, np.zeros(5, np.float32))
+    assert m.mem_info() == (64 * MIB - 48, 64 * MIB)
+    assert "view" in repr(a[0]) and "FakeArray" in repr(a)
+
+
+def test_events_streams_and_synchronize():
+    s = _session()
+    m = FakeMemory(s)
+    ev = m.new_event()
+    assert ev.query_done()  # nothing recorded
+    st = m.new_stream()
+    m.record(ev, st)
+    m.wait(None, ev)
+    assert ev.query_done() and ("barrier", "done") in s.queue
+    m.synchronize()
+    assert s.queue[-1] == "waited" and st.queue[-1] == "waited"
+
+
+def test_pinned_allocator_charges_the_budget_and_refuses_without_raising():
+    class Pinned(drv.OpenClPinnedAllocator):
+        def _allocate_pinned(self, nbytes):
+            if nbytes > MIB:
+                raise RuntimeError("the runtime says no")
+            return np.zeros(nbytes, np.uint8), "handle"
+
+    budget = PinnedBudget(8 * MIB)
+    p = Pinned(_session(), budget, allocates=True, registers=False)
+    buf = p.alloc(MIB)
+    assert buf is not None and budget.used_bytes == MIB
+    assert p.alloc(2 * MIB) is None and budget.used_bytes == MIB
+    assert p.register(np.zeros(64, np.uint8)) is None
+    p.free(buf)
+    p.free(buf)
+    assert budget.used_bytes == 0 and buf.handle is None
+    r = Pinned(_session(), budget, allocates=False, registers=True)
+    reg = r.register(np.zeros(64, np.uint8))
+    assert r.alloc(64) is None and reg is not None and budget.used_bytes == 64
+    r.free(reg)
+    assert budget.used_bytes == 0
+
+
+@pytest.mark.parametrize("wg, tiled", [(256, True), (64, False)])
+def test_launch_geometry_follows_the_work_group_size(wg, tiled):
+    k = FakeKernels(_session(wg=wg))
+    assert k._tiled is tiled and k._reduce_local == min(64, wg)
+    out = k.linear(np.ones((3, 5), np.float32), np.ones((7, 5), np.float32))
+    name, gs, ls, _ = k.launches[-1]
+    if tiled:
+        assert (name, gs, ls) == ("linear_w_f32", (16, 16), (16, 16))
+    else:
+        assert (name, gs, ls) == ("linear_plain_w_f32", (7, 3), None)
+    assert out.shape == (3, 7)
+    k.rmsnorm(np.ones((2, 4), np.float32), np.ones(4, np.float16))
+    name, gs, ls, args = k.launches[-1]
+    assert name == "rmsnorm_w_f16" and gs == (2 * k._reduce_local,) and args[-1] == ("local", k._reduce_local)
+
+
+def test_scatter_add_groups_rows_in_fixed_passes_and_checks_arguments():
+    k = FakeKernels(_session())
+    k.scatter_add(np.zeros((4, 2), np.float32), np.array([0, 2], np.int32), np.ones((2, 2), np.float32),
+                  np.ones(2, np.float32))
+    assert [n for n, *_ in k.launches] == ["fill_i32", "fill_i32", "scatter_count", "scatter_scan", "scatter_fill",
+                                           "scatter_sort", "scatter_apply"]
+    with pytest.raises(ValueError):
+        k.route_topk(np.zeros((2, 3), np.float32), 4)
+    with pytest.raises(TypeError):
+        k.gather(np.zeros((2, 3), np.float64), np.zeros(1, np.int32))
+    with pytest.raises(TypeError):
+        k._launch("x", (1,), None, ["not an argument"])
+
+
+def test_the_program_is_built_once_per_session():
+    s = _session()
+    FakeKernels(s)
+    s.program = "prebuilt"
+    assert FakeKernels(s)._program == "prebuilt"
+
+
+def test_find_intel_opencl_runtime_looks_under_the_prefix_it_is_given(tmp_path, monkeypatch):
+    monkeypatch.setattr(drv.md, "files", lambda name: (_ for _ in ()).throw(drv.md.PackageNotFoundError(name)))
+    assert drv.find_intel_opencl_runtime(tmp_path) is None
+    (tmp_path / "lib").mkdir()
+    (tmp_path / "lib" / "libintelocl.so").write_bytes(b"")
+    assert drv.find_intel_opencl_runtime(tmp_path) == tmp_path / "lib" / "libintelocl.so"
+
+
+def test_device_score_and_backend_hooks():
+    dev = DeviceInfo(backend="fake", name="d", vram_total_bytes=1, vram_free_bytes=1, vendor="v", arch="gpu",
+                     driver_model="linux", index=0, unified_memory=False)
+    assert drv.device_score(dev, 4, 3, 2, 1) == 4
+    backend = SimpleNamespace(name="fake")
+    sessions = []
+    backends, memory, kernels = drv.backend_hooks(
+        backend, lambda d: sessions.append(d) or _session(), __name__, device_memory=f"{__name__}:FakeMemory",
+        kernels=f"{__name__}:FakeKernels")
+    assert backends() == [backend]
+    assert isinstance(memory(device=dev), FakeMemory) and isinstance(kernels(device=dev), FakeKernels)
+    other = SimpleNamespace(backend="sycl")
+    assert memory(device=other) is None and kernels(device=other) is None and len(sessions) == 2
+
+
+def test_session_lock_and_fields_are_per_session():
+    a, b = _session(), _session()
+    assert a.lock is not b.lock and isinstance(a.lock, type(threading.Lock()))
