@@ -222,7 +222,8 @@ def _compute(device: DeviceInfo, host: HostInfo, model: ModelSpec, settings: Any
             owned = True
     owned_bytes = 0
     if owned:
-        chunk, slots, owned_bytes = _owned_buffers(model, loans, grid, ceiling_eff, usable, min_keep, led)
+        chunk, slots, owned_bytes = _owned_buffers(model, loans, grid, ceiling_eff, usable, min_keep, led,
+                                                   knobs["expert_cache.slots_cap"])
         lendable = 0
         source = "owned buffers"
     else:
@@ -313,12 +314,13 @@ def _compute(device: DeviceInfo, host: HostInfo, model: ModelSpec, settings: Any
 
 
 def _owned_buffers(model: ModelSpec, loans: LoanModel, grid: int, ceiling: int, usable: int, min_keep: int,
-                   led: _Ledger) -> tuple[int, int, int]:
+                   led: _Ledger, slots_cap: int | None) -> tuple[int, int, int]:
     """No chunk can be lent: give the prompt path its own buffers at the largest chunk that still leaves a cache."""
+    most = model.experts_total if slots_cap is None else min(model.experts_total, slots_cap)
     for c in reversed(_grid_chunks(grid, ceiling)):
         # Owned buffers serve every request chunk up to c, and loan(c) is not monotonic: size for the largest.
         need = _max_loan_upto(loans, grid, c)[0] * model.slot_bytes
-        slots = min(model.experts_total, max(0, (usable - need) // model.slot_bytes))
+        slots = min(most, max(0, (usable - need) // model.slot_bytes))
         if slots >= max(min_keep, model.top_k):
             led.note("prompt.chunk", c, f"no chunk can be lent from a cache this small: the prompt path owns "
                      f"{_mib(need)} of buffers and the cache shrinks to {slots} slots", "core")
