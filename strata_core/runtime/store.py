@@ -8,13 +8,13 @@ says what happened. In accounting-only mode (`strata simulate`) the store holds 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from ..backend_api import PinnedAllocator, PinnedBudget, PinnedBuffer
 from ..kernels.reference import ExpertPool
+from ..phantom import PhantomArray
 from .runlog import RunLog
 
 GIB = 1 << 30
@@ -23,49 +23,15 @@ GIB = 1 << 30
 MAX_SLICES = 40
 
 
-@dataclass(frozen=True)
-class HostPhantom:
-    """A host array with a shape and a dtype but no memory (accounting-only mode)."""
-
-    shape: tuple[int, ...]
-    dtype: np.dtype
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes the array would take."""
-        return int(np.prod(self.shape, dtype=np.int64)) * np.dtype(self.dtype).itemsize
-
-    @property
-    def size(self) -> int:
-        """Element count."""
-        return int(np.prod(self.shape, dtype=np.int64))
-
-    def __getitem__(self, key: Any) -> "HostPhantom":
-        """Rows a:b (a slice) or one row (an int) of the first axis."""
-        if isinstance(key, slice):
-            n = len(range(*key.indices(self.shape[0])))
-            return HostPhantom((n,) + self.shape[1:], self.dtype)
-        return HostPhantom(self.shape[1:], self.dtype)
-
-    def reshape(self, *shape: Any) -> "HostPhantom":
-        """A flat phantom (only -1 is needed by allocators)."""
-        return HostPhantom((self.size,), self.dtype)
-
-    def view(self, dtype: Any) -> "HostPhantom":
-        """A flat phantom of another dtype over the same bytes."""
-        dt = np.dtype(dtype)
-        return HostPhantom((self.nbytes // dt.itemsize,), dt)
-
-
 def phantom_pool(dtype: str, rows: int, hidden: int, ffn: int) -> ExpertPool:
     """A host ExpertPool of phantoms, for accounting-only runs of models too large to hold."""
     specs = ExpertPool.array_specs(dtype, rows, hidden, ffn)
-    return ExpertPool(dtype, {k: HostPhantom(shape, np.dtype(dt)) for k, (shape, dt) in specs.items()})
+    return ExpertPool(dtype, {k: PhantomArray.of(shape, dt) for k, (shape, dt) in specs.items()})
 
 
 def phantom_pool_of_bytes(rows: int, slot_bytes: int) -> ExpertPool:
     """A one-array phantom pool of rows x slot_bytes: scenarios give bytes, not shapes, for their quants."""
-    return ExpertPool("raw", {"blob": HostPhantom((rows, slot_bytes), np.dtype(np.uint8))})
+    return ExpertPool("raw", {"blob": PhantomArray.of((rows, slot_bytes), np.uint8)})
 
 
 class ExpertStore:
