@@ -281,6 +281,14 @@ class Executor:
             ready[h] = done
             self.stats.ring_batches += 1
 
+    def _run_misses(self, layer: int, r: Routing, groups: np.ndarray, ring: np.ndarray | None, keep: np.ndarray,
+                    xn: Any, out: Any, temps: list, tokens: int) -> None:
+        """Run missed experts: streamed through the lent ring when the chunk has one, else admitted into the cache."""
+        if ring is not None and len(ring):
+            self._stream_through_ring(layer, r, groups, ring, xn, out, temps, tokens)
+        else:
+            self._admit_and_run(layer, r, groups, keep, xn, out, temps, tokens)
+
     def _admit_and_run(self, layer: int, r: Routing, groups: np.ndarray, keep: np.ndarray, xn: Any, out: Any,
                        temps: list, tokens: int) -> None:
         """Misses without a ring (decode, short prompts): admit them into the cache, evicting the coldest, and run.
@@ -361,10 +369,7 @@ class Executor:
             elif not self.accounting_only:
                 routed = x
             self._run_groups(r, hits, slots[hits], xn, routed, temps, tokens)
-            if ring is not None and len(ring):
-                self._stream_through_ring(layer, r, device_misses, ring, xn, routed, temps, tokens)
-            else:
-                self._admit_and_run(layer, r, device_misses, slots[hits], xn, routed, temps, tokens)
+            self._run_misses(layer, r, device_misses, ring, slots[hits], xn, routed, temps, tokens)
         except BaseException:
             self._free(layer_temps)
             if job is not None:
@@ -393,10 +398,7 @@ class Executor:
                 # the share's result is lost: turn it off for the run and run its experts on the device path
                 self.share.turn_off(f"its thread failed ({type(err).__name__}: {err}); off for this run")
                 try:
-                    if ring is not None and len(ring):
-                        self._stream_through_ring(layer, r, cpu, ring, xn, routed, temps, tokens)
-                    else:
-                        self._admit_and_run(layer, r, cpu, slots[hits], xn, routed, temps, tokens)
+                    self._run_misses(layer, r, cpu, ring, slots[hits], xn, routed, temps, tokens)
                 except BaseException:
                     self._free(layer_temps)
                     raise
