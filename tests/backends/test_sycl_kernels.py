@@ -16,6 +16,7 @@ from strata_core.kernels import reference as ref
 pytest.importorskip("dpctl", reason="the [sycl] extra (dpctl) is not installed")
 
 from strata_sycl import backend as sycl  # noqa: E402
+from sycl_fixtures import device, mem  # noqa: E402,F401 (fixtures)
 from strata_sycl.kernels import SyclKernels  # noqa: E402
 from strata_sycl.memory import SyclDeviceMemory  # noqa: E402
 
@@ -35,17 +36,6 @@ class PoisonedMemory(SyclDeviceMemory):
         return arr
 
 
-@pytest.fixture(scope="module")
-def device():
-    r = sycl.probe()
-    # dpctl is installed (importorskip above), so an unavailable probe here is a failure, not a skip.
-    assert r.available, r.reason
-    return r.devices[0]
-
-
-@pytest.fixture(scope="module")
-def mem(device):
-    return sycl.strata_device_memory(device=device)
 
 
 @pytest.fixture(scope="module")

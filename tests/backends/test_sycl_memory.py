@@ -12,21 +12,12 @@ from strata_core.backend_api import DeviceMemory, KernelSet, PinnedAllocator, Pi
 pytest.importorskip("dpctl", reason="the [sycl] extra (dpctl) is not installed")
 
 from strata_sycl import backend as sycl  # noqa: E402
+from sycl_fixtures import device, mem  # noqa: E402,F401 (fixtures)
 from strata_sycl import runtime  # noqa: E402
 
 MIB = 1 << 20
 
 
-@pytest.fixture(scope="module")
-def device():
-    r = sycl.probe()
-    assert r.available, r.reason
-    return r.devices[0]
-
-
-@pytest.fixture(scope="module")
-def mem(device):
-    return sycl.strata_device_memory(device=device)
 
 
 def test_probe_reports_a_device_with_memory_and_a_score_above_the_cpu_backend(device):
