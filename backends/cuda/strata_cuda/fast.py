@@ -376,13 +376,7 @@ class FastMoE:
                                        np.int32(1), np.int32(h), np.int32(mpad), np.uint64(xs), np.uint64(rowidx)))
         bufs = (xs, ws["gu"].ptr(2 * g_n * mpad * 2 * f), ws["act"].ptr(2 * g_n * mpad * f),
                 ws["ys"].ptr(2 * g_n * mpad * h), tab_d.data.ptr + 4 * sl.size)
-        step = self.group_experts if pool.dtype == "q8_0" else (self.hit_batch_experts or g_n)
-        step = max(1, step)
-        for first, slot0, run in slot_runs(sl[order].tolist()):
-            for sub in range(0, run, step):
-                m = min(run - sub, step)
-                top = int(count_of_block[first + sub:first + sub + m].max())
-                self._group(pool, slot0 + sub, first + sub, m, top, mpad, *bufs)
+        self._run_slot_runs(pool, sl[order], count_of_block, mpad, bufs)
         # unpack: the combine kernel with K = 1 and weight 1 turns each row's f16 result back into f32
         ones = cp.ones(rows, dtype=cp.float32)
         self._k["strata_fast_combine"]((rows,), (THREADS,),
@@ -392,19 +386,20 @@ class FastMoE:
 
     def _run_hits(self, pool: ExpertPool, slot_of: np.ndarray, hits: np.ndarray, count_of_block: np.ndarray,
                   mpad: int, bufs: tuple) -> None:
-        """The cached experts: GEMM pairs over runs of consecutive slots, at most hit_batch_experts per batch (each
-        padded to its own largest group); Q8_0 pools dequantize group_experts at a time into scratch."""
-        if pool.dtype == "q8_0":
-            step = self.group_experts
-        else:
-            step = self.hit_batch_experts or len(hits)
-        step = max(1, step)
-        for first, slot0, n in slot_runs(slot_of[hits].tolist()):
+        """The cached experts through _run_slot_runs, then a trace mark."""
+        self._run_slot_runs(pool, slot_of[hits], count_of_block, mpad, bufs)
+        self._mark("hits_done")
+
+    def _run_slot_runs(self, pool: ExpertPool, block_slots: np.ndarray, count_of_block: np.ndarray, mpad: int,
+                       bufs: tuple) -> None:
+        """GEMM pairs over runs of consecutive slots (block i uses slot block_slots[i]), at most hit_batch_experts
+        per batch, each padded to its own largest group; Q8_0 pools dequantize group_experts at a time into scratch."""
+        step = max(1, self.group_experts if pool.dtype == "q8_0" else (self.hit_batch_experts or len(block_slots)))
+        for first, slot0, n in slot_runs(np.asarray(block_slots).tolist()):
             for sub in range(0, n, step):
                 m = min(n - sub, step)
                 rows = int(count_of_block[first + sub:first + sub + m].max())
                 self._group(pool, slot0 + sub, first + sub, m, rows, mpad, *bufs)
-        self._mark("hits_done")
 
     def _weights_f16(self, pool: ExpertPool, slot0: int, m: int) -> tuple[int, int]:
         """Device pointers of m consecutive slots' f16 weights (Q8_0: dequantized into scratch on this stream)."""
