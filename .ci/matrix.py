@@ -37,7 +37,7 @@ LOCAL_DISTRIBUTIONS = {"opencl": "plugins/opencl"}
 #: Run in a subprocess (the lane's environment): print what the plugin host says of one backend, as JSON.
 PROBE_SCRIPT = """
 import json, sys
-from strata_core.plugins import load_plugins
+from strata_core.registry import load_plugins
 name = sys.argv[1]
 host = load_plugins()
 out = {"installed": name in host.backends, "broken": [b.reason for b in host.broken if b.name == name]}

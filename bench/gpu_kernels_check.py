@@ -19,8 +19,8 @@ HIDDEN, FFN, EXPERTS, TOP_K = 2048, 768, 128, 8
 
 
 def _device_pool(cp, dtype: str):
-    """128 random experts on the device, in the ExpertPool layout of strata_core.kernels.reference."""
-    from strata_core.kernels.reference import QK8_0, ExpertPool
+    """128 random experts on the device, in the ExpertPool layout of strata_core.reference.kernels."""
+    from strata_core.reference.kernels import QK8_0, ExpertPool
     rs = cp.random.RandomState(0)
     w13 = (rs.standard_normal((EXPERTS, 2 * FFN, HIDDEN), dtype=cp.float32) / np.sqrt(HIDDEN))
     w2 = (rs.standard_normal((EXPERTS, HIDDEN, FFN), dtype=cp.float32) / np.sqrt(FFN))

@@ -52,7 +52,7 @@ def silu64(v: np.ndarray) -> np.ndarray:
 
 def reference_layer(x: np.ndarray, logits: np.ndarray, w13_of, w2_of) -> np.ndarray:
     """float64 reference of one MoE layer for a few tokens; w13_of(e)/w2_of(e) give an expert's matrices."""
-    from strata_core.kernels.reference import route_topk
+    from strata_core.reference.kernels import route_topk
     ids, w = route_topk(logits.astype(np.float32), K)
     x = x.astype(np.float64)
     y = np.zeros((x.shape[0], H))
@@ -162,13 +162,13 @@ def plan_fidelity(models: tuple[str, ...]) -> dict:
 
     import cupy
     import strata_cuda.backend as cuda_backend
-    from strata_core.backend_api import PinnedBudget
-    from strata_core.model import model_from_name
+    from strata_core.api.backend import PinnedBudget
+    from strata_core.models.spec import model_from_name
     from strata_core.planner import plan_for_machine
-    from strata_core.plugins import load_from_settings
+    from strata_core.registry import load_from_settings
     from strata_core.runtime.engine import Engine, hooks_for
     from strata_core.runtime.runlog import RunLog
-    from strata_core.settings import StrataSettings
+    from strata_core.config.settings import StrataSettings
 
     settings = StrataSettings()
     host_plugins = load_from_settings(settings, extra=[cuda_backend])
@@ -285,7 +285,7 @@ def main() -> int:
     import cupy
     import torch
     import torch.nn.functional as tfn
-    from strata_core.kernels.reference import ExpertPool
+    from strata_core.reference.kernels import ExpertPool
     from strata_cuda.fast import FastMoE
 
     T = args.tokens

@@ -15,10 +15,10 @@ from dataclasses import replace
 from pathlib import Path
 
 from strata_core import __version__
-from strata_core.facts import MIB
-from strata_core.model import model_from_name
+from strata_core.api.facts import MIB
+from strata_core.models.spec import model_from_name
 from strata_core.planner import plan_for_machine
-from strata_core.plugins import load_plugins
+from strata_core.registry import load_plugins
 from strata_core.scenario import load_scenario
 
 HERE = Path(__file__).resolve().parent

@@ -6,7 +6,7 @@ import argparse
 import importlib
 import sys
 
-from .errors import StrataError
+from strata_core.errors import StrataError
 
 #: Sub-command modules, in the order `strata --help` lists them. Each has `register(subparsers)`; the parser it adds
 #: sets `func(args) -> int`.

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import psutil
 
-from .facts import CpuInfo, HostInfo
+from strata_core.api.facts import CpuInfo, HostInfo
 
 _FLAGS_OF_INTEREST = ("avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_bf16", "amx_tile", "neon", "sve")
 

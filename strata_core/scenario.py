@@ -6,10 +6,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
-from .errors import BadInput
-from .facts import Profile, load_json_file
-from .model import ModelSpec
-from .settings import StrataSettings, settings_from_partial
+from strata_core.errors import BadInput
+from strata_core.api.facts import Profile, load_json_file
+from strata_core.models.spec import ModelSpec
+from strata_core.config.settings import StrataSettings, settings_from_partial
 
 SCHEMA = "strata.scenario/1"
 

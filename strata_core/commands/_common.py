@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from ..settings import add_settings_arguments
+from strata_core.config.settings import add_settings_arguments
 
 
 def add_report_command(subparsers, name: str, *, schema: str, help: str, description: str,

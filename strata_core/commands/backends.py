@@ -9,9 +9,9 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from ..plugins import load_from_settings
-from ..settings import settings_from_args
-from ._common import add_report_command, install_note, selection_json
+from strata_core.registry import load_from_settings
+from strata_core.config.settings import settings_from_args
+from strata_core.commands._common import add_report_command, install_note, selection_json
 
 SCHEMA = "strata.backends/1"
 

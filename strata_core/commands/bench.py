@@ -15,12 +15,12 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from ..backend_api import PinnedBudget
-from ..errors import BadInput, StrataError
-from ..facts import MIB
-from ..kernels import reference as ref
-from ..plugins import load_from_settings
-from ..settings import add_settings_arguments, settings_from_args
+from strata_core.api.backend import PinnedBudget
+from strata_core.errors import BadInput, StrataError
+from strata_core.api.facts import MIB
+from strata_core.reference import kernels as ref
+from strata_core.registry import load_from_settings
+from strata_core.config.settings import add_settings_arguments, settings_from_args
 
 SCHEMA = "strata.bench/1"
 
@@ -153,9 +153,9 @@ def run(args) -> int:
 
 
 def _plan_ms(host: Any, device: Any, settings: Any, repeat: int) -> float:
-    from ..hostinfo import probe_host
-    from ..planner import plan_for_machine
-    from ..runtime.tiny import tiny_model_spec
+    from strata_core.hostinfo import probe_host
+    from strata_core.planner import plan_for_machine
+    from strata_core.models.synthetic import tiny_model_spec
 
     h = probe_host()
     spec = tiny_model_spec()

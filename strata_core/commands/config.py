@@ -10,9 +10,9 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from ..errors import BadInput, StrataError
-from ..plugins import load_from_settings
-from ..settings import (LoadedSettings, add_settings_arguments, embed_table, legacy_table_rows, settings_from_args,
+from strata_core.errors import BadInput, StrataError
+from strata_core.registry import load_from_settings
+from strata_core.config.settings import (LoadedSettings, add_settings_arguments, embed_table, legacy_table_rows, settings_from_args,
                         settings_table_markdown, settings_table_rows, with_backend_defaults)
 
 SCHEMA = "strata.config/1"

@@ -9,11 +9,12 @@ import sys
 
 from rich.console import Console
 
-from .. import API_VERSION, __version__
-from ..hostinfo import probe_host
-from ..plugins import load_from_settings
-from ..settings import settings_from_args
-from ._common import add_report_command, install_note, selection_json
+from strata_core import __version__
+from strata_core.api import API_VERSION
+from strata_core.hostinfo import probe_host
+from strata_core.registry import load_from_settings
+from strata_core.config.settings import settings_from_args
+from strata_core.commands._common import add_report_command, install_note, selection_json
 
 SCHEMA = "strata.doctor/1"
 

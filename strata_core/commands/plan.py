@@ -10,12 +10,12 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from ..errors import BadInput
-from ..facts import MIB, DeviceInfo, HostInfo, load_profile
-from ..model import ModelSpec, model_from_name, resolve_model
-from ..plugins import PluginHost, load_from_settings
-from ..scenario import Scenario, load_scenario
-from ..settings import LoadedSettings, Provenance, StrataSettings, add_settings_arguments, settings_from_args
+from strata_core.errors import BadInput
+from strata_core.api.facts import MIB, DeviceInfo, HostInfo, load_profile
+from strata_core.models.spec import ModelSpec, model_from_name, resolve_model
+from strata_core.registry import PluginHost, load_from_settings
+from strata_core.scenario import Scenario, load_scenario
+from strata_core.config.settings import LoadedSettings, Provenance, StrataSettings, add_settings_arguments, settings_from_args
 
 #: The model a bare `strata plan` plans for until the runtime's built-in tiny model exists.
 FALLBACK_MODEL = "Qwen3-30B-A3B@Q4_K"
@@ -74,7 +74,7 @@ def merge_scenario_settings(loaded: LoadedSettings, scenario: Scenario) -> Loade
 def default_model() -> ModelSpec:
     """The runtime's built-in tiny model, or a public preset while the runtime does not provide one."""
     try:
-        from ..runtime.tiny import tiny_model_spec
+        from strata_core.models.synthetic import tiny_model_spec
     except ImportError:
         return model_from_name(FALLBACK_MODEL)
     return tiny_model_spec()
@@ -112,7 +112,7 @@ def gather_inputs(args: argparse.Namespace) -> PlanInputs:
 
 def build_plan(inputs: PlanInputs):
     """The proven plan for these inputs (platform defaults and plan adjustments through the plugins)."""
-    from ..planner import plan_for_machine
+    from strata_core.planner import plan_for_machine
     return plan_for_machine(inputs.plugins, inputs.device, inputs.host, inputs.model, inputs.loaded.settings)
 
 
@@ -162,7 +162,7 @@ def run(args: argparse.Namespace) -> int:
 
 def list_models(as_json: bool) -> int:
     """Print the presets (name, default quant, experts, expert and dense bytes) as JSON or one line each."""
-    from ..presets import PRESET_QUANTS, PRESETS
+    from strata_core.models.presets import PRESET_QUANTS, PRESETS
     rows = []
     for p in PRESETS:
         spec = model_from_name(p.name)

@@ -21,10 +21,10 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from ..errors import BadInput, StrataError
-from ..model import ModelSpec, model_from_gguf, model_from_name
-from ..plugins import load_from_settings
-from ..settings import add_settings_arguments, settings_from_args
+from strata_core.errors import BadInput, StrataError
+from strata_core.models.spec import ModelSpec, model_from_gguf, model_from_name
+from strata_core.registry import load_from_settings
+from strata_core.config.settings import add_settings_arguments, settings_from_args
 
 SCHEMA = "strata.run/1"
 DEFAULT_PROMPT_TOKENS = 3000
@@ -116,8 +116,8 @@ def say(line: str) -> None:
 
 def resolve_run_model(name: str | None, loaded, seed: int) -> tuple[ModelSpec, Any, Any]:
     """(spec, weights loader, settings) of the model to run; the tiny model gets its half-experts cache default."""
-    from ..runtime.tiny import generate_weights, tiny_cache_slots, tiny_model_spec
-    from ..runtime.weights import weights_from_gguf
+    from strata_core.models.synthetic import generate_weights, tiny_cache_slots, tiny_model_spec
+    from strata_core.models.weights import weights_from_gguf
     settings = loaded.settings
     if not name:
         spec = tiny_model_spec()
@@ -126,7 +126,7 @@ def resolve_run_model(name: str | None, loaded, seed: int) -> tuple[ModelSpec, A
             settings = settings.model_copy(update={"memory": mem})
         return spec, (lambda: generate_weights(spec, seed)), settings
     if str(name).lower().endswith(".gguf"):
-        from ..runtime.tiny import device_dense_bytes
+        from strata_core.models.synthetic import device_dense_bytes
         spec = model_from_gguf(name)
         # plan what this runtime puts on the device: no KV (it runs no attention) and the dense weights it uploads
         # (routers, norms, LM head; the embedding stays on the host), so the plan's figures are the run's
@@ -135,8 +135,8 @@ def resolve_run_model(name: str | None, loaded, seed: int) -> tuple[ModelSpec, A
                                                       max(spec.vocab, 1)))
         return spec, (lambda: weights_from_gguf(name, spec)), settings
     preset = model_from_name(name)
-    from ..runtime.tiny import model_spec
-    from ..hostinfo import probe_host
+    from strata_core.models.synthetic import model_spec
+    from strata_core.hostinfo import probe_host
     ffn = preset.expert_ffn
     if not ffn:
         raise BadInput(f"--model {name}: the preset gives no expert FFN width to generate weights from")
@@ -169,7 +169,7 @@ def run(args: argparse.Namespace) -> int:
     if args.prompt_tokens > settings.kv.max_context:
         raise BadInput(f"--prompt-tokens: a prompt of {args.prompt_tokens} tokens is longer than kv.max_context "
                        f"({settings.kv.max_context}); raise it with --set kv.max_context=N")
-    from ..planner import plan_for_machine
+    from strata_core.planner import plan_for_machine
     plan = plan_for_machine(plugins, device, host, spec, settings)
     try:
         report = _execute(args, plugins, plan, spec, load_weights)
@@ -194,9 +194,9 @@ def _json_default(o: Any) -> Any:
 
 def _execute(args: argparse.Namespace, plugins, plan, spec: ModelSpec, load_weights) -> dict:
     """Load, start the engine, serve one request, check; the strata.run/1 object."""
-    from ..runtime.check import ReferenceCheck
-    from ..runtime.engine import Engine
-    from ..runtime.runlog import RunLog
+    from strata_core.runtime.check import ReferenceCheck
+    from strata_core.runtime.engine import Engine
+    from strata_core.runtime.runlog import RunLog
     log = RunLog(echo=say, trace_enabled=bool(plan.settings.trace))
     for w in plan.warnings:
         say(f"plan: {w}")

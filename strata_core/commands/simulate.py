@@ -2,7 +2,7 @@
 
 The plan is made with the profile's own backend rules (its platform defaults, through the plugins); the run uses
 the same runtime objects as `strata run` (ExpertStore, ExpertCache, PromptLoan, PinnedPool, the CPU share) over
-`strata_core.sim.memory` objects sized from the profile, in accounting-only mode: capacities, page-locked limits
+`strata_core.builtin.sim.memory` objects sized from the profile, in accounting-only mode: capacities, page-locked limits
 and loans are real, weights and kernels are not. An engine exit is any request the runtime failed to finish or
 refuse: there must be none.
 """
@@ -17,12 +17,12 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from ..backend_api import PinnedBudget
-from ..errors import BadInput, StrataError
-from ..plugins import load_from_settings
-from ..scenario import load_scenario
-from ..settings import add_settings_arguments, settings_from_args
-from .run import PhaseProgress, say
+from strata_core.api.backend import PinnedBudget
+from strata_core.errors import BadInput, StrataError
+from strata_core.registry import load_from_settings
+from strata_core.scenario import load_scenario
+from strata_core.config.settings import add_settings_arguments, settings_from_args
+from strata_core.commands.run import PhaseProgress, say
 
 SCHEMA = "strata.simulation/1"
 
@@ -57,11 +57,11 @@ def random_requests(n: int, seed: int, max_context: int) -> list[int]:
 def simulate(scenario, settings, plugins, inject: list[str], extra_requests: list[int], seed: int = 0,
              decode_tokens: int = 0, progress: PhaseProgress | None = None, echo=None) -> dict:
     """Plan and replay; the strata.simulation/1 object."""
-    from ..planner import plan_for_machine
-    from ..runtime.engine import Engine
-    from ..runtime.runlog import RunLog
-    from ..sim.faults import FaultPlan
-    from ..sim.memory import SimDeviceMemory, SimPinnedAllocator
+    from strata_core.planner import plan_for_machine
+    from strata_core.runtime.engine import Engine
+    from strata_core.runtime.runlog import RunLog
+    from strata_core.builtin.sim.faults import FaultPlan
+    from strata_core.builtin.sim.memory import SimDeviceMemory, SimPinnedAllocator
     device, host = scenario.profile.device, scenario.profile.host
     plan = plan_for_machine(plugins, device, host, scenario.model, settings)
     faults = FaultPlan.parse(list(inject))
@@ -141,7 +141,7 @@ def simulate(scenario, settings, plugins, inject: list[str], extra_requests: lis
 def run(args: argparse.Namespace) -> int:
     """Replay and report: 0 when no request made the engine exit, 1 otherwise, 2 on bad input."""
     if args.list_faults:
-        from ..sim.faults import list_fault_sites
+        from strata_core.builtin.sim.faults import list_fault_sites
         sites = [{"name": s.name, "example": s.spec_example, "what": s.what} for s in list_fault_sites()]
         print(json.dumps({"schema": "strata.faults/1", "sites": sites}) if args.json else
               "\n".join(f"{s['example']:<32} {s['what']}" for s in sites))
@@ -153,7 +153,7 @@ def run(args: argparse.Namespace) -> int:
     if args.decode_tokens < 0:
         raise BadInput(f"--decode-tokens: expected 0 or more, got {args.decode_tokens}")
     scenario = load_scenario(args.scenario)
-    from .plan import merge_scenario_settings
+    from strata_core.commands.plan import merge_scenario_settings
     loaded = merge_scenario_settings(settings_from_args(args), scenario)
     settings = loaded.settings
     inject = list(settings.sim.inject) + list(args.inject)

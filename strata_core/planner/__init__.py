@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..facts import DeviceInfo, HostInfo, PlatformDefaults
-from ..model import ModelSpec
-from .draft import KNOBS, PlanDraft
-from .invariants import check_all
-from .plan import Decision, LoanRow, Plan
-from .steps import make_plan
+from strata_core.api.facts import DeviceInfo, HostInfo, PlatformDefaults
+from strata_core.models.spec import ModelSpec
+from strata_core.api.plan_draft import KNOBS, PlanDraft
+from strata_core.planner.invariants import check_all
+from strata_core.planner.plan import Decision, LoanRow, Plan
+from strata_core.planner.steps import make_plan
 
 __all__ = ["make_plan", "plan_for_machine", "platform_defaults_for", "Plan", "PlanDraft", "Decision", "LoanRow",
            "check_all", "KNOBS"]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..errors import InvariantBroken
+from strata_core.errors import InvariantBroken
 
 
 def check_vram(plan) -> None:

@@ -5,20 +5,11 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from ..facts import DeviceInfo, HostInfo, PlatformDefaults
-from ..model import ModelSpec
+from strata_core.api.facts import DeviceInfo, HostInfo, PlatformDefaults
+from strata_core.api.plan_draft import Decision  # noqa: F401  (part of the contract; re-exported)
+from strata_core.models.spec import ModelSpec
 
 SCHEMA = "strata.plan/1"
-
-
-@dataclass(frozen=True)
-class Decision:
-    """One planning decision: what was decided, the value, why, and which source it came from."""
-
-    what: str
-    value: Any
-    why: str
-    source: str
 
 
 @dataclass(frozen=True)

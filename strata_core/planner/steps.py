@@ -8,12 +8,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from ..errors import PlanRefused
-from ..facts import GIB, MIB, DeviceInfo, HostInfo, PlatformDefaults
-from ..model import ModelSpec, kv_bytes_per_token
-from .draft import PlanDraft
-from .invariants import check_all
-from .plan import (CachePlan, CpuSharePlan, Decision, HostPlan, LoanModel, LoanRow, PinnedPlan, Plan, PromptPlan,
+from strata_core.errors import PlanRefused
+from strata_core.api.facts import GIB, MIB, DeviceInfo, HostInfo, PlatformDefaults
+from strata_core.models.spec import ModelSpec, kv_bytes_per_token
+from strata_core.api.plan_draft import PlanDraft
+from strata_core.planner.invariants import check_all
+from strata_core.planner.plan import (CachePlan, CpuSharePlan, Decision, HostPlan, LoanModel, LoanRow, PinnedPlan, Plan, PromptPlan,
                    VramPlan)
 
 def _mib(n: int | float) -> str:

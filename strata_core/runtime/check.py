@@ -1,4 +1,4 @@
-"""`strata run --check`: the numpy reference (strata_core.kernels.reference) on the same inputs, layer by layer.
+"""`strata run --check`: the numpy reference (strata_core.reference.kernels) on the same inputs, layer by layer.
 
 Every layer's MoE update (x_out - x_in) is compared with the reference's from the same x_in; tokens whose
 reference top-k boundary is a near tie (the k-th and (k+1)-th router logits within `TIE_GAP`) are left out of the
@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..kernels import reference as ref
-from .weights import ModelWeights
+from strata_core.reference import kernels as ref
+from strata_core.models.weights import ModelWeights
 
 #: Relative error bound of a layer's update with f16 (or Q8_0) expert weights.
 LAYER_REL_ERR = 2e-3

@@ -14,9 +14,9 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ..kernels import reference as ref
-from .pinned import PinnedPool
-from .runlog import RunLog
+from strata_core.reference import kernels as ref
+from strata_core.runtime.pinned import PinnedPool
+from strata_core.runtime.runlog import RunLog
 
 BUFFER = "cpu-share activations"
 

@@ -13,19 +13,19 @@ from typing import Any
 
 import numpy as np
 
-from ..backend_api import PinnedBudget
-from ..errors import StrataError
-from ..kernels.reference import ExpertPool
-from .cache import ExpertCache
-from .cpu_share import CpuShare
-from .devmem import CountingMemory
-from .executor import DeviceFull, Executor, LayerObserver
-from .loan import PromptLoan
-from .pinned import PinnedPool
-from .runlog import Fallback, RunLog
-from .staging import CopyStaging
-from .store import ExpertStore, phantom_pool_of_bytes
-from .weights import ModelWeights
+from strata_core.api.backend import PinnedBudget
+from strata_core.errors import StrataError
+from strata_core.reference.kernels import ExpertPool
+from strata_core.runtime.cache import ExpertCache
+from strata_core.runtime.cpu_share import CpuShare
+from strata_core.runtime.devmem import CountingMemory
+from strata_core.runtime.executor import DeviceFull, Executor, LayerObserver
+from strata_core.runtime.loan import PromptLoan
+from strata_core.runtime.pinned import PinnedPool
+from strata_core.runtime.runlog import Fallback, RunLog
+from strata_core.runtime.staging import CopyStaging
+from strata_core.runtime.store import ExpertStore, phantom_pool_of_bytes
+from strata_core.models.weights import ModelWeights
 
 GIB = 1 << 30
 

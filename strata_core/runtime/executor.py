@@ -18,15 +18,15 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ..errors import StrataError
-from ..kernels.reference import ExpertPool
-from ..model import ACTIVATION_BUFFERS, F32_BYTES
-from .cache import EMPTY, ExpertCache
-from .cpu_share import CpuShare
-from .loan import Loan, NoLoan
-from .runlog import RunLog
-from .store import ExpertStore
-from .weights import ModelWeights
+from strata_core.errors import StrataError
+from strata_core.reference.kernels import ExpertPool
+from strata_core.models.spec import ACTIVATION_BUFFERS, F32_BYTES
+from strata_core.runtime.cache import EMPTY, ExpertCache
+from strata_core.runtime.cpu_share import CpuShare
+from strata_core.runtime.loan import Loan, NoLoan
+from strata_core.runtime.runlog import RunLog
+from strata_core.runtime.store import ExpertStore
+from strata_core.models.weights import ModelWeights
 
 
 #: A grouped-FFN call takes at least this many routed rows, however small the workspace.

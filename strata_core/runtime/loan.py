@@ -13,8 +13,8 @@ from typing import Any
 
 import numpy as np
 
-from .cache import ExpertCache
-from .runlog import RunLog
+from strata_core.runtime.cache import ExpertCache
+from strata_core.runtime.runlog import RunLog
 
 
 @dataclass(frozen=True)

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..backend_api import PinnedAllocator, PinnedBudget, PinnedBuffer
-from .runlog import RunLog
+from strata_core.api.backend import PinnedAllocator, PinnedBudget, PinnedBuffer
+from strata_core.runtime.runlog import RunLog
 
 
 class PinnedPool:

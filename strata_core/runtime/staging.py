@@ -13,9 +13,9 @@ from typing import Any
 
 import numpy as np
 
-from .pinned import PinnedPool
-from .runlog import RunLog
-from .store import ExpertStore
+from strata_core.runtime.pinned import PinnedPool
+from strata_core.runtime.runlog import RunLog
+from strata_core.runtime.store import ExpertStore
 
 BUFFER = "copy staging"
 

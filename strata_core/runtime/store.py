@@ -12,10 +12,10 @@ from typing import Any
 
 import numpy as np
 
-from ..backend_api import PinnedAllocator, PinnedBudget, PinnedBuffer
-from ..kernels.reference import ExpertPool
-from ..phantom import PhantomArray
-from .runlog import RunLog
+from strata_core.api.backend import PinnedAllocator, PinnedBudget, PinnedBuffer
+from strata_core.reference.kernels import ExpertPool
+from strata_core.phantom import PhantomArray
+from strata_core.runtime.runlog import RunLog
 
 GIB = 1 << 30
 

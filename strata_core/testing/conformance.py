@@ -21,11 +21,11 @@ import sys
 import numpy as np
 import pytest
 
-from .. import API_VERSION
-from ..backend_api import Backend, DeviceMemory, KernelSet, PinnedBudget, ProbeResult
-from ..facts import DeviceInfo, PlatformDefaults
-from ..kernels import reference as ref
-from ..kernels.reference import ExpertPool, relative_error
+from strata_core.api import API_VERSION
+from strata_core.api.backend import Backend, DeviceMemory, KernelSet, PinnedBudget, ProbeResult
+from strata_core.api.facts import DeviceInfo, PlatformDefaults
+from strata_core.reference import kernels as ref
+from strata_core.reference.kernels import ExpertPool, relative_error
 
 #: Bounds against the numpy reference: fp32 paths, and paths with fp16 weights or outputs.
 FP32_REL_ERR = 1e-5

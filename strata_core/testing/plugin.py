@@ -13,9 +13,9 @@ from dataclasses import dataclass
 
 import pytest
 
-from ..backend_api import Backend, ProbeResult
-from ..facts import DeviceInfo, HostInfo
-from ..plugins import PluginHost, load_plugins
+from strata_core.api.backend import Backend, ProbeResult
+from strata_core.api.facts import DeviceInfo, HostInfo
+from strata_core.registry import PluginHost, load_plugins
 
 FIXTURE = "strata_backend"
 MODULE_SELECTION = "STRATA_CONFORMANCE_BACKENDS"
@@ -135,7 +135,7 @@ def resolve(config, selection: _Selection) -> BackendUnderTest:
         pytest.fail(f"backend '{name}' says it is available but its probe lists no device", pytrace=False)
     host_info = host.hook.strata_host_info()
     if host_info is None:
-        from ..hostinfo import probe_host  # the core's own reading, as the planner falls back to
+        from strata_core.hostinfo import probe_host  # the core's own reading, as the planner falls back to
         host_info = probe_host()
     return BackendUnderTest(name=name, backend=host.backends[name], probe=probe, device=probe.devices[0],
                             host_info=host_info, plugins=host)

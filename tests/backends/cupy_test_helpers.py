@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from strata_core.facts import load_profile
+from strata_core.api.facts import load_profile
 
 SCENARIO_DIR = (Path(__file__).resolve().parents[2] / ".." / "shared" / "scenarios").resolve()
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from strata_core.backend_api import PinnedAllocator, PinnedBudget
+from strata_core.api.backend import PinnedAllocator, PinnedBudget
 from strata_cuda.cupy_device import OUT_OF_MEMORY_STATUS, CupyPinnedAllocator, is_out_of_memory
 
 

@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
-from strata_core.backend_api import ProbeResult
-from strata_core.facts import GIB
+from strata_core.api.backend import ProbeResult
+from strata_core.api.facts import GIB
 from strata_cuda import backend as cuda_backend
 from strata_cuda import probe as cuda_probe
 
@@ -144,8 +144,8 @@ def test_a_card_that_fails_to_answer_makes_the_probe_unavailable_not_raise():
 
 @pytest.mark.parametrize("hook", ["strata_pinned_allocator", "strata_device_memory", "strata_kernels"])
 def test_runtime_hooks_answer_none_for_other_backends(hook):
-    from strata_core.backend_api import PinnedBudget
-    from strata_core.facts import DeviceInfo
+    from strata_core.api.backend import PinnedBudget
+    from strata_core.api.facts import DeviceInfo
     other = DeviceInfo(backend="rocm", name="x", vram_total_bytes=1, vram_free_bytes=1)
     kwargs = {"device": other}
     if hook == "strata_pinned_allocator":

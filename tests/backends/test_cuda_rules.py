@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from strata_core.facts import GIB, CpuInfo, DeviceInfo, HostInfo, load_profile
-from strata_core.plugins import load_plugins
+from strata_core.api.facts import GIB, CpuInfo, DeviceInfo, HostInfo, load_profile
+from strata_core.registry import load_plugins
 from strata_cuda import backend as cuda_backend
 from strata_cuda import rules
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from strata_core.kernels import reference as ref
+from strata_core.reference import kernels as ref
 from strata_cuda.grouping import group_layouts
 from strata_cuda.kernels import MAX_TOPK, NORM_THREADS, ROUTE_THREADS, kernel_source
 

@@ -1,4 +1,4 @@
-"""strata_core.kernels.opencl_driver without any vendor library: a numpy-backed fake backend supplies the primitives."""
+"""strata_core.kits.opencl.driver without any vendor library: a numpy-backed fake backend supplies the primitives."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from strata_core.backend_api import PinnedBudget
-from strata_core.facts import DeviceInfo
-from strata_core.kernels import opencl_driver as drv
+from strata_core.api.backend import PinnedBudget
+from strata_core.api.facts import DeviceInfo
+from strata_core.kits.opencl import driver as drv
 
 MIB = 1 << 20
 

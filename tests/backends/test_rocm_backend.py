@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import sys
 
-from strata_core.backend_api import ProbeResult
-from strata_core.facts import GIB
-from strata_core.plugins import load_plugins
+from strata_core.api.backend import ProbeResult
+from strata_core.api.facts import GIB
+from strata_core.registry import load_plugins
 from strata_rocm import backend as rocm_backend
 from strata_rocm import probe as rocm_probe
 

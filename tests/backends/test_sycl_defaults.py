@@ -8,7 +8,7 @@ import textwrap
 
 import pytest
 
-from strata_core.facts import GIB, CpuInfo, DeviceInfo, HostInfo, PlatformDefaults
+from strata_core.api.facts import GIB, CpuInfo, DeviceInfo, HostInfo, PlatformDefaults
 from strata_sycl import backend as sycl
 
 HOST = HostInfo(os="linux", ram_total_bytes=64 * GIB, ram_available_bytes=48 * GIB,
@@ -64,14 +64,14 @@ def test_hooks_answer_only_for_sycl_devices(other):
 
 
 def test_scores_rank_discrete_over_integrated_over_cpu_device_over_the_cpu_backend():
-    from strata_core.cpu.backend import probe as cpu_probe
+    from strata_core.builtin.cpu import probe as cpu_probe
     discrete, integrated, cpu_dev = (sycl.score_for(d) for d in (DISCRETE, INTEGRATED, CPU_DEVICE))
     assert discrete > integrated > cpu_dev > cpu_probe().score
     assert discrete >= 100 and cpu_dev < 100
 
 
 def test_backend_declares_its_install_line_and_api_version():
-    from strata_core import API_VERSION
+    from strata_core.api import API_VERSION
     (b,) = sycl.strata_backends()
     assert b.name == "sycl" and "strata-core[sycl]" in b.install_hint
     assert b.api_version.split(".")[0] == API_VERSION.split(".")[0]
@@ -99,7 +99,7 @@ def test_device_hooks_without_dpctl_fail_with_the_install_line():
         import sys
         sys.modules["dpctl"] = None
         from strata_core.errors import StrataError
-        from strata_core.facts import DeviceInfo
+        from strata_core.api.facts import DeviceInfo
         import strata_sycl.backend as b
         dev = DeviceInfo(backend="sycl", name="x", vram_total_bytes=1, vram_free_bytes=1)
         try:

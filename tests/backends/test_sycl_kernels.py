@@ -11,7 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from strata_core.kernels import reference as ref
+from strata_core.reference import kernels as ref
 
 pytest.importorskip("dpctl", reason="the [sycl] extra (dpctl) is not installed")
 

@@ -7,7 +7,7 @@ import os
 import numpy as np
 import pytest
 
-from strata_core.backend_api import DeviceMemory, KernelSet, PinnedAllocator, PinnedBudget
+from strata_core.api.backend import DeviceMemory, KernelSet, PinnedAllocator, PinnedBudget
 
 pytest.importorskip("dpctl", reason="the [sycl] extra (dpctl) is not installed")
 
@@ -171,7 +171,7 @@ def test_runtime_env_is_set_only_when_unset(monkeypatch):
 
 
 def test_strata_backends_lists_sycl_available():
-    from strata_core.plugins import load_plugins
+    from strata_core.registry import load_plugins
     host = load_plugins()
     status = {s.name: s for s in host.statuses()}["sycl"]
     assert status.available, status.reason

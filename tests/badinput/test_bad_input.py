@@ -83,7 +83,7 @@ def _profile_text(**device_changes) -> str:
 
 
 def _gguf_bytes(tmp_dir: Path) -> bytes:
-    from strata_core.gguf_model import write_tiny_moe_gguf
+    from strata_core.models.gguf import write_tiny_moe_gguf
     return write_tiny_moe_gguf(tmp_dir / "seed.gguf", layers=2, experts=4, top_k=2, hidden=32, ffn=32,
                                vocab=16).read_bytes()
 

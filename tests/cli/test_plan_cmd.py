@@ -8,8 +8,8 @@ import pytest
 
 from strata_core.cli import main
 from strata_core.commands.plan import loan_sample
-from strata_core.facts import MIB
-from strata_core.gguf_model import write_tiny_moe_gguf
+from strata_core.api.facts import MIB
+from strata_core.models.gguf import write_tiny_moe_gguf
 from strata_core.planner.plan import LoanRow
 
 SCENARIOS = (Path(__file__).resolve().parents[2] / ".." / "shared" / "scenarios").resolve()

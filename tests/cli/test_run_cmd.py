@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from strata_core.cli import main
-from strata_core.gguf_model import write_tiny_moe_gguf
+from strata_core.models.gguf import write_tiny_moe_gguf
 
 RUN = [sys.executable, "-m", "strata_core.cli", "run"]
 

@@ -13,9 +13,9 @@ import secrets
 import numpy as np
 import pytest
 
-from strata_core.backend_api import DeviceMemory, KernelSet, PinnedAllocator, PinnedBudget
-from strata_core.kernels import reference as ref
-from strata_core.plugins import load_plugins
+from strata_core.api.backend import DeviceMemory, KernelSet, PinnedAllocator, PinnedBudget
+from strata_core.reference import kernels as ref
+from strata_core.registry import load_plugins
 from strata_cuda import backend as cuda_backend
 from strata_cuda.grouping import group_layouts
 from strata_cuda.probe import probe

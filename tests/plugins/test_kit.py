@@ -26,11 +26,11 @@ _spec.loader.exec_module(matrix)
 TEST_BACKENDS = '''
 """Backends for the kit's self-tests: 'offline' (unavailable) and 'bad' (available, with known defects)."""
 import numpy as np
-from strata_core.backend_api import Backend, ProbeResult
-from strata_core.cpu.backend import HostMemory, HostPinnedAllocator
-from strata_core.facts import DeviceInfo, PlatformDefaults
-from strata_core.hookspecs import hookimpl
-from strata_core.kernels.reference import ReferenceKernels
+from strata_core.api.backend import Backend, ProbeResult
+from strata_core.builtin.cpu import HostMemory, HostPinnedAllocator
+from strata_core.api.facts import DeviceInfo, PlatformDefaults
+from strata_core.api.hookspecs import hookimpl
+from strata_core.reference.kernels import ReferenceKernels
 
 BAD_DEVICE = DeviceInfo(backend="bad", name="bad device", vram_total_bytes=1 << 30, vram_free_bytes=1 << 30)
 OFFLINE = Backend(name="offline", vendor="test", probe=lambda: ProbeResult.unavailable("no offline device in this test"))

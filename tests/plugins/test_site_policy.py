@@ -13,13 +13,13 @@ from pathlib import Path
 
 import pytest
 
-from strata_core.facts import GIB, MIB, CpuInfo, DeviceInfo, HostInfo
-from strata_core.hookspecs import hookimpl
-from strata_core.model import ModelSpec
+from strata_core.api.facts import GIB, MIB, CpuInfo, DeviceInfo, HostInfo
+from strata_core.api.hookspecs import hookimpl
+from strata_core.models.spec import ModelSpec
 from strata_core.planner import check_all, plan_for_machine
-from strata_core.plugins import load_plugins
-from strata_core.settings import settings_from_partial
-from strata_core.sim import backend as sim_backend
+from strata_core.registry import load_plugins
+from strata_core.config.settings import settings_from_partial
+from strata_core.builtin.sim import backend as sim_backend
 
 ROOT = Path(__file__).resolve().parents[2]
 DIST = ROOT / "plugins" / "site-policy"

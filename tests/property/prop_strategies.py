@@ -6,9 +6,9 @@ from functools import partial
 
 from hypothesis import strategies as st
 
-from strata_core.facts import GIB, MIB, CpuInfo, DeviceInfo, HostInfo, PlatformDefaults, seed_ring_policy
-from strata_core.model import ModelSpec
-from strata_core.settings import StrataSettings
+from strata_core.api.facts import GIB, MIB, CpuInfo, DeviceInfo, HostInfo, PlatformDefaults, seed_ring_policy
+from strata_core.models.spec import ModelSpec
+from strata_core.config.settings import StrataSettings
 
 KIB = 1 << 10
 

@@ -13,14 +13,14 @@ from hypothesis import HealthCheck, assume, event, given, settings as hyp_settin
 from hypothesis import strategies as st
 from prop_strategies import devices, hosts, models, platform_defaults, prompt_lengths, settings
 
-from strata_core.backend_api import PinnedBudget
+from strata_core.api.backend import PinnedBudget
 from strata_core.errors import PlanRefused
 from strata_core.planner import make_plan
 from strata_core.runtime.cache import EMPTY, ExpertCache
 from strata_core.runtime.loan import Loan, NoLoan, PromptLoan
 from strata_core.runtime.pinned import PinnedPool
 from strata_core.runtime.runlog import RunLog
-from strata_core.sim import FaultPlan, SimPinnedAllocator
+from strata_core.builtin.sim import FaultPlan, SimPinnedAllocator
 
 MIB = 1 << 20
 

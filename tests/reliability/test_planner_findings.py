@@ -10,10 +10,10 @@ import re
 import pytest
 
 from strata_core.errors import PlanRefused
-from strata_core.facts import GIB, MIB, DeviceInfo, HostInfo, PlatformDefaults
-from strata_core.model import ModelSpec
+from strata_core.api.facts import GIB, MIB, DeviceInfo, HostInfo, PlatformDefaults
+from strata_core.models.spec import ModelSpec
 from strata_core.planner import make_plan
-from strata_core.settings import StrataSettings
+from strata_core.config.settings import StrataSettings
 
 def engine_0143_ring(chunk_tokens: int, slot_bytes: int, pinned_fraction: float) -> int:
     """The seed's engine rule, spelled out so the case does not move with the shipped defaults: a fixed 384-slot

@@ -17,13 +17,13 @@ import pytest
 
 from strata_core.commands.run import resolve_run_model
 from strata_core.errors import StrataError
-from strata_core.kernels.reference import relative_error
+from strata_core.reference.kernels import relative_error
 from strata_core.planner import plan_for_machine
-from strata_core.plugins import load_from_settings
+from strata_core.registry import load_from_settings
 from strata_core.runtime.engine import Engine
 from strata_core.runtime.runlog import RunLog
-from strata_core.settings import load_settings
-from strata_core.sim import backend as sim_backend
+from strata_core.config.settings import load_settings
+from strata_core.builtin.sim import backend as sim_backend
 
 MIB = 1 << 20
 #: One prompt that streams through a lent ring, then one short enough for the CPU share to arm on.

@@ -17,18 +17,18 @@ import numpy as np
 import pytest
 from rel_helpers import scenario_params
 
-from strata_core.backend_api import PinnedBudget
+from strata_core.api.backend import PinnedBudget
 from strata_core.commands.plan import merge_scenario_settings
 from strata_core.commands.simulate import random_requests
 from strata_core.planner import plan_for_machine
-from strata_core.plugins import load_from_settings
+from strata_core.registry import load_from_settings
 from strata_core.runtime.cache import EMPTY
 from strata_core.runtime.engine import Engine
 from strata_core.runtime.loan import Loan
 from strata_core.runtime.runlog import RunLog
 from strata_core.scenario import load_scenario
-from strata_core.settings import load_settings
-from strata_core.sim import FaultPlan, SimDeviceMemory, SimPinnedAllocator
+from strata_core.config.settings import load_settings
+from strata_core.builtin.sim import FaultPlan, SimDeviceMemory, SimPinnedAllocator
 
 SOAK_REQUESTS = 10_000
 SOAK_FULL_REQUESTS = 20

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from strata_core.backend_api import PinnedBudget
-from strata_core.kernels.reference import ReferenceKernels
+from strata_core.api.backend import PinnedBudget
+from strata_core.reference.kernels import ReferenceKernels
 from strata_core.runtime.engine import Engine
 from strata_core.runtime.runlog import RunLog
-from strata_core.runtime.tiny import generate_weights, tiny_cache_slots, tiny_model_spec
-from strata_core.sim import FaultPlan, SimPinnedAllocator
-from strata_core.sim.memory import SimDeviceMemory
+from strata_core.models.synthetic import generate_weights, tiny_cache_slots, tiny_model_spec
+from strata_core.builtin.sim import FaultPlan, SimPinnedAllocator
+from strata_core.builtin.sim.memory import SimDeviceMemory
 
 from .plans import sim_plan
 
@@ -20,8 +20,8 @@ def tiny_weights(dtype: str = "f16"):
     """The tiny model's weights (generated once per test session)."""
     spec = tiny_model_spec()
     if dtype != "f16":
-        from strata_core.runtime.tiny import TINY_EXPERTS, TINY_FFN, TINY_HIDDEN, TINY_LAYERS, TINY_TOP_K, TINY_VOCAB
-        from strata_core.runtime.tiny import model_spec
+        from strata_core.models.synthetic import TINY_EXPERTS, TINY_FFN, TINY_HIDDEN, TINY_LAYERS, TINY_TOP_K, TINY_VOCAB
+        from strata_core.models.synthetic import model_spec
         spec = model_spec("strata-tiny-q8", TINY_LAYERS, TINY_EXPERTS, TINY_TOP_K, TINY_HIDDEN, TINY_FFN, TINY_VOCAB,
                           dtype="q8_0")
     return generate_weights(spec, seed=0, dtype=dtype)

@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 
 from strata_core.planner import plan_for_machine
-from strata_core.plugins import load_plugins
+from strata_core.registry import load_plugins
 from strata_core.scenario import load_scenario
-from strata_core.settings import settings_from_partial
+from strata_core.config.settings import settings_from_partial
 
 SCENARIO_DIR = (Path(__file__).resolve().parents[2] / ".." / "shared" / "scenarios").resolve()
 

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from strata_core.backend_api import PinnedBudget
+from strata_core.api.backend import PinnedBudget
 from strata_core.runtime.pinned import PinnedPool
 from strata_core.runtime.runlog import RunLog
-from strata_core.sim import FaultPlan, SimPinnedAllocator
+from strata_core.builtin.sim import FaultPlan, SimPinnedAllocator
 
 MIB = 1 << 20
 

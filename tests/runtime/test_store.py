@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from strata_core.backend_api import PinnedBudget
-from strata_core.kernels.reference import ExpertPool
+from strata_core.api.backend import PinnedBudget
+from strata_core.reference.kernels import ExpertPool
 from strata_core.runtime.runlog import RunLog
 from strata_core.runtime.store import ExpertStore, phantom_pool_of_bytes
-from strata_core.sim import FaultPlan, SimPinnedAllocator
+from strata_core.builtin.sim import FaultPlan, SimPinnedAllocator
 
 MIB = 1 << 20
 

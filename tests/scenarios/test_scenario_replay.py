@@ -7,7 +7,7 @@ import pytest
 
 from strata_core.cli import build_parser, main
 from strata_core.commands.plan import build_plan, gather_inputs
-from strata_core.facts import GIB
+from strata_core.api.facts import GIB
 from strata_core.planner import check_all
 
 from .conftest import SCENARIO_FILES, scenario_params

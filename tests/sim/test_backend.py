@@ -8,13 +8,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from strata_core.backend_api import PinnedBudget
+from strata_core.api.backend import PinnedBudget
 from strata_core.errors import BadInput
-from strata_core.kernels.reference import ReferenceKernels
-from strata_core.plugins import load_from_settings, load_plugins
-from strata_core.settings import StrataSettings
-from strata_core.sim import PhantomArray, SimDeviceMemory, SimPinnedAllocator
-from strata_core.sim import backend as sim_backend
+from strata_core.reference.kernels import ReferenceKernels
+from strata_core.registry import load_from_settings, load_plugins
+from strata_core.config.settings import StrataSettings
+from strata_core.builtin.sim import PhantomArray, SimDeviceMemory, SimPinnedAllocator
+from strata_core.builtin.sim import backend as sim_backend
 
 SCENARIOS = Path(__file__).resolve().parents[2].parent / "shared" / "scenarios"
 SEED_3090 = SCENARIOS / "seed1756-rtx3090-windows-pinned.json"

@@ -5,11 +5,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from strata_core.backend_api import PinnedBudget
+from strata_core.api.backend import PinnedBudget
 from strata_core.errors import BadInput
-from strata_core.sim import FaultPlan, PhantomArray, SimDeviceMemory, SimPinnedAllocator, list_fault_sites
-from strata_core.sim.faults import MAX_RECORDED_FAULTS, FaultSpec
-from strata_core.sim.memory import SIM_COPY_BYTES_PER_S
+from strata_core.builtin.sim import FaultPlan, PhantomArray, SimDeviceMemory, SimPinnedAllocator, list_fault_sites
+from strata_core.builtin.sim.faults import MAX_RECORDED_FAULTS, FaultSpec
+from strata_core.builtin.sim.memory import SIM_COPY_BYTES_PER_S
 
 MIB = 1 << 20
 

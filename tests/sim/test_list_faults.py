@@ -7,7 +7,7 @@ import io
 import json
 
 from strata_core.cli import main
-from strata_core.sim import FaultPlan, list_fault_sites
+from strata_core.builtin.sim import FaultPlan, list_fault_sites
 
 
 def _strata(*argv: str) -> tuple[int, str]:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from strata_core.backend_api import DeviceMemory, PinnedAllocator, PinnedBudget
-from strata_core.sim import FaultPlan, PhantomArray, SimDeviceMemory, SimPinnedAllocator
+from strata_core.api.backend import DeviceMemory, PinnedAllocator, PinnedBudget
+from strata_core.builtin.sim import FaultPlan, PhantomArray, SimDeviceMemory, SimPinnedAllocator
 
 MIB = 1 << 20
 

@@ -13,8 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from strata_core import API_VERSION, cli
-from strata_core.settings import FIELDS, LEGACY_VARIABLES, embed_table, settings_table_markdown
+from strata_core import cli
+from strata_core.api import API_VERSION
+from strata_core.config.settings import FIELDS, LEGACY_VARIABLES, embed_table, settings_table_markdown
 
 ROOT = Path(__file__).resolve().parents[2]
 IN_TREE = ("cpu", "sim", "cuda", "rocm", "sycl")
@@ -100,9 +101,9 @@ def installed_backend_distribution(tmp_path):
     """))
     (src / f"{module}.py").write_text(textwrap.dedent(f'''
         """A third-party backend, written as an outside distribution would."""
-        from strata_core.backend_api import Backend, ProbeResult
-        from strata_core.facts import DeviceInfo
-        from strata_core.hookspecs import hookimpl
+        from strata_core.api.backend import Backend, ProbeResult
+        from strata_core.api.facts import DeviceInfo
+        from strata_core.api.hookspecs import hookimpl
 
 
         def probe():
@@ -297,9 +298,9 @@ def test_doctor_text(clean_strata_env, capsys):
 def test_backends_table_prints_install_hints_literally(clean_strata_env, capsys, monkeypatch):
     from types import ModuleType, SimpleNamespace
 
-    from strata_core import plugins
-    from strata_core.backend_api import Backend, ProbeResult
-    from strata_core.hookspecs import hookimpl
+    from strata_core import registry as plugins
+    from strata_core.api.backend import Backend, ProbeResult
+    from strata_core.api.hookspecs import hookimpl
 
     mod = ModuleType("gpuish")
     mod.strata_backends = hookimpl(lambda: [Backend(name="gpuish", vendor="acme",

@@ -5,9 +5,9 @@ import numpy as np
 import pytest
 
 from strata_core.errors import BadInput
-from strata_core.gguf_model import layer_expert_pool_arrays, load_gguf_weights, model_from_gguf, write_tiny_moe_gguf
-from strata_core.kernels.reference import ExpertPool, dequantize_q8_0, moe_grouped_ffn, relative_error
-from strata_core.model import resolve_model
+from strata_core.models.gguf import layer_expert_pool_arrays, load_gguf_weights, model_from_gguf, write_tiny_moe_gguf
+from strata_core.reference.kernels import ExpertPool, dequantize_q8_0, moe_grouped_ffn, relative_error
+from strata_core.models.spec import resolve_model
 
 SHAPE = dict(layers=3, experts=6, top_k=2, hidden=64, ffn=96, vocab=50)
 

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from strata_core.facts import GIB, DeviceInfo, HostInfo, PlatformDefaults
+from strata_core.api.facts import GIB, DeviceInfo, HostInfo, PlatformDefaults
 from strata_core.planner import make_plan
-from strata_core.runtime.tiny import tiny_model_spec
-from strata_core.settings import StrataSettings
+from strata_core.models.synthetic import tiny_model_spec
+from strata_core.config.settings import StrataSettings
 
 DEVICE = DeviceInfo(backend="sim", name="8 GiB card", vram_total_bytes=8 * GIB, vram_free_bytes=8 * GIB)
 HOST = HostInfo(os="linux", ram_total_bytes=16 * GIB, ram_available_bytes=16 * GIB)

@@ -4,8 +4,8 @@ import gguf
 import pytest
 
 from strata_core.errors import BadInput
-from strata_core.model import kv_bytes_per_token, list_presets, model_from_name, prompt_bytes_for
-from strata_core.presets import PRESET_QUANTS, QUANTS, matrix_bytes
+from strata_core.models.spec import kv_bytes_per_token, list_presets, model_from_name, prompt_bytes_for
+from strata_core.models.presets import PRESET_QUANTS, QUANTS, matrix_bytes
 
 
 def test_quant_blocks_match_the_gguf_package_table():

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from strata_core.errors import BadInput
-from strata_core.facts import GIB, MIB, PlatformDefaults
-from strata_core.settings import (FIELDS, LEGACY_VARIABLES, FlagValue, Provenance, StrataSettings,
+from strata_core.api.facts import GIB, MIB, PlatformDefaults
+from strata_core.config.settings import (FIELDS, LEGACY_VARIABLES, FlagValue, Provenance, StrataSettings,
                                   add_settings_arguments, load_settings, settings_from_args, settings_from_partial,
                                   with_backend_defaults)
 

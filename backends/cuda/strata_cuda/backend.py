@@ -9,10 +9,11 @@ from __future__ import annotations
 
 from typing import Callable
 
-from strata_core import API_VERSION, __version__
-from strata_core.backend_api import Backend, ProbeResult
-from strata_core.facts import DeviceInfo, HostInfo, PlatformDefaults
-from strata_core.hookspecs import hookimpl
+from strata_core import __version__
+from strata_core.api import API_VERSION
+from strata_core.api.backend import Backend, ProbeResult
+from strata_core.api.facts import DeviceInfo, HostInfo, PlatformDefaults
+from strata_core.api.hookspecs import hookimpl
 
 from .cupy_device import CupyDeviceMemory, CupyPinnedAllocator
 from .kernels import CupyKernels

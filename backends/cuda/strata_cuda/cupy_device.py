@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from strata_core.backend_api import PinnedBudget, PinnedBuffer
+from strata_core.api.backend import PinnedBudget, PinnedBuffer
 
 #: cudaErrorMemoryAllocation and hipErrorOutOfMemory share the value 2: the one status that means "no memory".
 OUT_OF_MEMORY_STATUS = 2

@@ -1,4 +1,4 @@
-"""The fast MoE paths on a CUDA (or ROCm) device: strata_core/kernels/moe_fast.cu through cupy, GEMMs in cuBLAS.
+"""The fast MoE paths on a CUDA (or ROCm) device: strata_cuda/moe_fast.cu through cupy, GEMMs in cuBLAS.
 
 `FastMoE` runs MoE layers on ExpertPool-layout device arrays, so the runtime's KernelSet and
 executor can call it with the cache's own pool, slot maps and lent ring slots:
@@ -31,7 +31,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from strata_core.kernels.reference import QK8_0, ExpertPool
+from strata_core.reference.kernels import QK8_0, ExpertPool
 
 SOURCE_NAME = "moe_fast.cu"
 COMPILE_OPTIONS = ("-std=c++17",)
@@ -62,8 +62,8 @@ ROW_ALIGN = 8
 
 
 def kernel_source() -> str:
-    """The text of strata_core/kernels/moe_fast.cu."""
-    return files("strata_core.kernels").joinpath(SOURCE_NAME).read_text()
+    """The text of strata_cuda/moe_fast.cu."""
+    return files("strata_cuda").joinpath(SOURCE_NAME).read_text()
 
 
 def compile_to_ptx(arch: str = "compute_90") -> bytes:

@@ -1,4 +1,4 @@
-"""The KernelSet of the cuda and rocm backends: strata_core/kernels/moe.cu through cupy.RawModule, GEMMs in the BLAS.
+"""The KernelSet of the cuda and rocm backends: strata_cuda/moe.cu through cupy.RawModule, GEMMs in the BLAS.
 
 Device arrays are cupy arrays; an ExpertPool's arrays are cupy arrays. Kernels run on cupy's current stream.
 moe_grouped_ffn is gather-pad-batched-GEMM: the active groups' expert weights are copied (f16) or dequantized
@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from strata_core.kernels.reference import QK8_0, ExpertPool
+from strata_core.reference.kernels import QK8_0, ExpertPool
 
 from .grouping import GroupLayout, group_layouts
 
@@ -36,8 +36,8 @@ STRIDE_MAX_BLOCKS = 65535
 
 
 def kernel_source() -> str:
-    """The text of strata_core/kernels/moe.cu."""
-    return files("strata_core.kernels").joinpath(SOURCE_NAME).read_text()
+    """The text of strata_cuda/moe.cu."""
+    return files("strata_cuda").joinpath(SOURCE_NAME).read_text()
 
 
 def compile_to_ptx(arch: str = "compute_90", options: tuple[str, ...] = COMPILE_OPTIONS,

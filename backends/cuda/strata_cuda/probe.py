@@ -15,8 +15,8 @@ import sys
 from pathlib import Path
 from typing import Any, Callable
 
-from strata_core.backend_api import ProbeResult
-from strata_core.facts import GIB, DeviceInfo
+from strata_core.api.backend import ProbeResult
+from strata_core.api.facts import GIB, DeviceInfo
 
 NAME = "cuda"
 INSTALL_HINT = "pip install 'strata-core[cuda]'"

@@ -7,7 +7,7 @@ share rule hold for any discrete GPU on a PC, so strata_rocm.rules uses them fro
 
 from __future__ import annotations
 
-from strata_core.facts import GIB, DeviceInfo, HostInfo, PlatformDefaults
+from strata_core.api.facts import GIB, DeviceInfo, HostInfo, PlatformDefaults
 
 NAME = "cuda"
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from strata_core.backend_api import ProbeResult
-from strata_core.facts import DeviceInfo
+from strata_core.api.backend import ProbeResult
+from strata_core.api.facts import DeviceInfo
 from strata_cuda.probe import BASE_SCORE, memory_info, probe_cupy, probe_devices, text
 
 __all__ = ["BASE_SCORE", "INSTALL_HINT", "NAME", "device_info", "gfx_arch", "probe", "probe_with"]

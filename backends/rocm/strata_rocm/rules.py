@@ -8,7 +8,7 @@ host borrow + headroom do not fit the available RAM.
 
 from __future__ import annotations
 
-from strata_core.facts import GIB, DeviceInfo, HostInfo, PlatformDefaults
+from strata_core.api.facts import GIB, DeviceInfo, HostInfo, PlatformDefaults
 # the display reserve and the CPU share rule are the same on any discrete GPU; they are written once, in strata_cuda
 from strata_cuda.rules import (CPU_SHARE_FLAGS, DISPLAY_VRAM_RESERVE_MIB, HEADLESS_VRAM_RESERVE_MIB,
                                cpu_share_default, vram_reserve_mib)

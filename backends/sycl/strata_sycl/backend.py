@@ -8,7 +8,7 @@ Platform rules of this backend (each a default of ours; settings and site plugin
   lock existing memory in place, so registration is refused on a GPU (on a CPU device it is budget accounting only);
 - a CPU device (the Intel OpenCL CPU runtime) is the host itself: the CPU share is off by default.
 Only OpenCL-backend SYCL devices with USM device memory are used, because the kernels are OpenCL C
-(strata_core/kernels/moe.cl) built through dpctl.program; PoCL's platform is kept out (it can abort SYCL).
+(strata_core/kits/opencl/moe.cl) built through dpctl.program; PoCL's platform is kept out (it can abort SYCL).
 This module imports without dpctl; the probe then says why the backend is unavailable.
 """
 
@@ -17,13 +17,14 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from strata_core import API_VERSION, __version__
-from strata_core.backend_api import Backend, ProbeResult
+from strata_core import __version__
+from strata_core.api import API_VERSION
+from strata_core.api.backend import Backend, ProbeResult
 from strata_core.errors import StrataError
-from strata_core.facts import DeviceInfo, HostInfo, PlatformDefaults
-from strata_core.hookspecs import hookimpl
+from strata_core.api.facts import DeviceInfo, HostInfo, PlatformDefaults
+from strata_core.api.hookspecs import hookimpl
 from strata_core.hostinfo import probe_host
-from strata_core.kernels.opencl_driver import backend_hooks, device_score
+from strata_core.kits.opencl.driver import backend_hooks, device_score
 
 from . import INSTALL_HINT
 

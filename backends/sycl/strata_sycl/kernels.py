@@ -12,14 +12,14 @@ import ctypes
 from collections import deque
 from typing import Any
 
-from strata_core.kernels.opencl_driver import OpenClKernels
+from strata_core.kits.opencl.driver import OpenClKernels
 
 from .memory import SyclDeviceMemory, UsmArray
 from .runtime import Session
 
 
 class SyclKernels(OpenClKernels):
-    """KernelSet of one SYCL device; the contract is strata_core.kernels.reference."""
+    """KernelSet of one SYCL device; the contract is strata_core.reference.kernels."""
 
     name = "sycl-opencl-c"
     label = "sycl"

@@ -15,10 +15,10 @@ import os
 import sys
 from typing import Any
 
-from strata_core.backend_api import Backend, ProbeResult
-from strata_core.facts import DeviceInfo, HostInfo, PlatformDefaults
-from strata_core.hookspecs import hookimpl
-from strata_core.kernels.opencl_driver import backend_hooks, device_score
+from strata_core.api.backend import Backend, ProbeResult
+from strata_core.api.facts import DeviceInfo, HostInfo, PlatformDefaults
+from strata_core.api.hookspecs import hookimpl
+from strata_core.kits.opencl.driver import backend_hooks, device_score
 
 from . import INSTALL_HINT, __version__
 

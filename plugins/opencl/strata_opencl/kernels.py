@@ -12,14 +12,14 @@ import warnings
 from functools import cached_property
 from typing import Any
 
-from strata_core.kernels.opencl_driver import OpenClKernels
+from strata_core.kits.opencl.driver import OpenClKernels
 
 from .memory import ClArray, ClDeviceMemory
 from .runtime import Session
 
 
 class ClKernels(OpenClKernels):
-    """KernelSet of one OpenCL device; the contract is strata_core.kernels.reference."""
+    """KernelSet of one OpenCL device; the contract is strata_core.reference.kernels."""
 
     name = "opencl-c"
     label = "opencl"

@@ -10,8 +10,8 @@ from typing import Any
 
 import numpy as np
 
-from strata_core.backend_api import PinnedBudget, PinnedBuffer
-from strata_core.kernels.opencl_driver import (DeviceArray, EventSlot, OpenClDeviceMemory, OpenClPinnedAllocator,
+from strata_core.api.backend import PinnedBudget, PinnedBuffer
+from strata_core.kits.opencl.driver import (DeviceArray, EventSlot, OpenClDeviceMemory, OpenClPinnedAllocator,
                                                handle_alias)
 
 from .runtime import Session

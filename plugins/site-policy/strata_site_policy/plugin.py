@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from strata_core.hookspecs import hookimpl
+from strata_core.api.hookspecs import hookimpl
 
 MIB = 1 << 20
 

@@ -25,9 +25,9 @@ from typing import Any
 
 import numpy as np
 
-from .errors import BadInput
-from .kernels.reference import QK8_0, quantize_q8_0
-from .model import ModelSpec, prompt_bytes_for
+from strata_core.errors import BadInput
+from strata_core.reference.kernels import QK8_0, quantize_q8_0
+from strata_core.models.spec import ModelSpec, prompt_bytes_for
 
 GGUF_MAGIC = b"GGUF"
 TINY_ARCH = "strata-moe"
@@ -160,7 +160,7 @@ def _q8_0_pack(w: np.ndarray) -> np.ndarray:
 
 
 def _q8_0_unpack(raw: np.ndarray, shape: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
-    """ggml Q8_0 bytes -> (qs int8 [shape], d f16 [.., C/32]) in the layout of strata_core.kernels.reference."""
+    """ggml Q8_0 bytes -> (qs int8 [shape], d f16 [.., C/32]) in the layout of strata_core.reference.kernels."""
     blocks = np.asarray(raw, dtype=np.uint8).reshape(*shape[:-1], shape[-1] // QK8_0, 2 + QK8_0)
     d = np.ascontiguousarray(blocks[..., :2]).view(np.float16)[..., 0]
     qs = np.ascontiguousarray(blocks[..., 2:]).view(np.int8).reshape(shape)
@@ -234,7 +234,7 @@ def load_gguf_weights(path: str | Path) -> dict[str, Weight]:
     """Every tensor of a GGUF file by name, in numpy order (see the module docstring), copied out of the file.
 
     F32 and F16 stay as they are; BF16 becomes f32; Q8_0 stays quantized as (qs int8 [.., C], d f16 [.., C/32]),
-    the layout of strata_core.kernels.reference; any other quant type is dequantized to f32 by the gguf package.
+    the layout of strata_core.reference.kernels; any other quant type is dequantized to f32 by the gguf package.
     """
     gguf = _gguf()
     path = Path(path)

@@ -87,5 +87,5 @@ def strata_device_memory(device):
 def strata_kernels(device):
     """Called when the runtime starts on `device`: return its `KernelSet`, or None if it is not yours.
 
-    Every kernel must match `strata_core.kernels.reference` within the conformance suite's bounds.
+    Every kernel must match `strata_core.reference.kernels` within the conformance suite's bounds.
     """

@@ -5,8 +5,18 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import StrataError
-from .plan import Decision
+from strata_core.errors import StrataError
+
+
+@dataclass(frozen=True)
+class Decision:
+    """One planning decision: what was decided, the value, why, and which source it came from."""
+
+    what: str
+    value: Any
+    why: str
+    source: str
+
 
 #: knob -> the direction that is "tighter": 'down' (smaller is safer) or 'up' (larger is safer) or 'off'.
 KNOBS = {

@@ -2,7 +2,7 @@
 
 Its arrays are numpy arrays (so a run on sim computes real numbers) while every byte is counted against the
 simulated device's capacity; `strata simulate` drives it in accounting-only mode. Fault injection lives in
-`strata_core.sim.faults`.
+`strata_core.builtin.sim.faults`.
 
 The backend reads its own settings group (`sim.profile`, `sim.inject`) through the `strata_configure` hook, which
 `plugins.load_from_settings` calls before any probe; what it read stays until the next call (`configure`).
@@ -16,13 +16,14 @@ import threading
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from .. import API_VERSION, __version__
-from ..backend_api import Backend, ProbeResult
-from ..facts import GIB, CpuInfo, DeviceInfo, HostInfo, PlatformDefaults, Profile, load_profile
-from ..hookspecs import hookimpl
-from ..kernels.reference import ReferenceKernels
-from .faults import FaultPlan
-from .memory import SimDeviceMemory, SimPinnedAllocator
+from strata_core import __version__
+from strata_core.api import API_VERSION
+from strata_core.api.backend import Backend, ProbeResult
+from strata_core.api.facts import GIB, CpuInfo, DeviceInfo, HostInfo, PlatformDefaults, Profile, load_profile
+from strata_core.api.hookspecs import hookimpl
+from strata_core.reference.kernels import ReferenceKernels
+from strata_core.builtin.sim.faults import FaultPlan
+from strata_core.builtin.sim.memory import SimDeviceMemory, SimPinnedAllocator
 
 NAME = "sim"
 

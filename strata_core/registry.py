@@ -8,11 +8,12 @@ from typing import Any, Iterable
 
 import pluggy
 
-from . import API_VERSION, hookspecs
-from .backend_api import Backend, ProbeResult
-from .errors import BadInput, StrataError
-from .facts import VENDOR_OF_BACKEND, PlatformDefaults
-from .hostinfo import probe_host
+from strata_core.api import API_VERSION
+from strata_core.api import hookspecs
+from strata_core.api.backend import Backend, ProbeResult
+from strata_core.errors import BadInput, StrataError
+from strata_core.api.facts import VENDOR_OF_BACKEND, PlatformDefaults
+from strata_core.hostinfo import probe_host
 
 ENTRY_POINT_GROUPS = ("strata.backends", "strata.plugins")
 

@@ -16,8 +16,8 @@ from typing import Any, Callable, Protocol, runtime_checkable
 
 import numpy as np
 
-from . import API_VERSION
-from .facts import DeviceInfo
+from strata_core.api import API_VERSION
+from strata_core.api.facts import DeviceInfo
 
 
 @dataclass(frozen=True)
@@ -157,31 +157,3 @@ class DeviceMemory(Protocol):
 
     def mem_info(self) -> tuple[int, int]:
         """(free_bytes, total_bytes) of the device now."""
-
-
-@runtime_checkable
-class KernelSet(Protocol):
-    """The kernels of one device. The contract, with shapes and dtypes, is `strata_core.kernels.reference`."""
-
-    name: str
-
-    def route_topk(self, logits: Any, k: int) -> tuple[Any, Any]:
-        """[T,E] f32 router logits -> (ids [T,k] int32, weights [T,k] f32, softmax over the top k)."""
-
-    def gather(self, x: Any, rows: Any) -> Any:
-        """x [T,H], rows [N] int32 -> x[rows] [N,H]."""
-
-    def scatter_add(self, out: Any, rows: Any, y: Any, scale: Any) -> None:
-        """out[rows[i]] += scale[i] * y[i] for i < N (out [T,H] f32, y [N,H] f32, scale [N] f32)."""
-
-    def moe_grouped_ffn(self, x: Any, offsets: Any, slots: Any, weights: Any) -> Any:
-        """SwiGLU experts over token groups: rows offsets[g]:offsets[g+1] of x run expert slot slots[g]."""
-
-    def dequantize_q8_0(self, qs: Any, d: Any) -> Any:
-        """Q8_0 blocks (qs [R,C] int8, d [R,C/32] f16) -> [R,C] f16."""
-
-    def rmsnorm(self, x: Any, w: Any, eps: float = 1e-6) -> Any:
-        """[T,H] f32, w [H] -> x / rms(x) * w."""
-
-    def linear(self, x: Any, w: Any) -> Any:
-        """x [T,H] f32, w [O,H] f16 or f32 -> x w^T [T,O] f32."""

@@ -52,7 +52,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from .errors import BadInput
+from strata_core.errors import BadInput
 
 ENV_PREFIX = "STRATA_"
 ENV_NESTED_DELIMITER = "__"

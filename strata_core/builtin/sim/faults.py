@@ -12,7 +12,7 @@ import re
 import threading
 from dataclasses import dataclass, field
 
-from ..errors import BadInput
+from strata_core.errors import BadInput
 
 #: Injections recorded in full; beyond this only per-site counts grow, so a long soak keeps a bounded record.
 MAX_RECORDED_FAULTS = 256

@@ -13,9 +13,9 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import BadInput
-from ..kernels.reference import ExpertPool, dequantize_q8_0
-from ..model import ModelSpec
+from strata_core.errors import BadInput
+from strata_core.reference.kernels import ExpertPool, dequantize_q8_0
+from strata_core.models.spec import ModelSpec
 
 
 @dataclass
@@ -67,7 +67,7 @@ def _as_f16(w: Any) -> np.ndarray:
 
 def weights_from_gguf(path: str | Path, spec: ModelSpec) -> ModelWeights:
     """Load a GGUF MoE model's weights (F16, BF16 and Q8_0 experts; BF16 becomes f16 for the pool)."""
-    from ..gguf_model import layer_expert_pool_arrays, load_gguf_weights
+    from strata_core.models.gguf import layer_expert_pool_arrays, load_gguf_weights
     w = load_gguf_weights(path)
     need = ["token_embd.weight", "output_norm.weight"]
     missing = [n for n in need if n not in w]

@@ -2,7 +2,7 @@
 expressed over a few primitives that each backend supplies (launch a kernel, allocate, copy, record and wait).
 
 The in-tree sycl backend (dpctl) and the opencl plugin (pyopencl) run the same OpenCL C source under the same
-KernelSet contract (strata_core.kernels.reference), so everything but the vendor calls lives here once: host-side
+KernelSet contract (strata_core.reference.kernels), so everything but the vendor calls lives here once: host-side
 argument checks and uploads, the scatter's grouping passes, the tiled/plain and reduction launch geometry, the
 array wrapper's view bookkeeping, the allocation count, the pinned-memory budget accounting, the sessions' queue
 bookkeeping, where intel-opencl-rt put its library, device scoring and the device-memory and kernel hooks.
@@ -23,10 +23,10 @@ from typing import Any, Callable
 
 import numpy as np
 
-from strata_core.backend_api import PinnedBudget, PinnedBuffer
-from strata_core.hookspecs import hookimpl
-from strata_core.kernels import kernel_source
-from strata_core.kernels.reference import QK8_0, ExpertPool
+from strata_core.api.backend import PinnedBudget, PinnedBuffer
+from strata_core.api.hookspecs import hookimpl
+from strata_core.kits.opencl import kernel_source
+from strata_core.reference.kernels import QK8_0, ExpertPool
 
 __all__ = ["INTEL_OCL_NAMES", "LINEAR_TILE", "DeviceArray", "EventSlot", "Local", "OpenClDeviceMemory",
            "OpenClKernels", "OpenClPinnedAllocator", "QueueSession", "QueueStream", "find_intel_opencl_runtime",
@@ -453,7 +453,7 @@ class Local:
 
 
 class OpenClKernels:
-    """KernelSet over moe.cl; the contract is strata_core.kernels.reference.
+    """KernelSet over moe.cl; the contract is strata_core.reference.kernels.
 
     A subclass supplies `_build` (the program from the source, once per session), `_get_kernel` (one kernel of it),
     `_submit` (run kernel NAME with converted arguments over a global/local size, in OpenCL order), the argument

@@ -2,7 +2,7 @@
 
 Real mode hands out numpy arrays, so a run on sim computes the same numbers as the cpu backend. Accounting-only
 mode hands out `PhantomArray`s (a shape, a dtype, a byte count, no memory behind them) so `strata simulate` can
-replay a 24 GiB card's plan on a laptop. Faults (`strata_core.sim.faults`) refuse allocations where a real
+replay a 24 GiB card's plan on a laptop. Faults (`strata_core.builtin.sim.faults`) refuse allocations where a real
 platform would.
 """
 
@@ -14,9 +14,9 @@ from typing import Any
 
 import numpy as np
 
-from ..backend_api import PinnedBudget, PinnedBuffer
-from ..phantom import PhantomArray
-from .faults import FaultPlan
+from strata_core.api.backend import PinnedBudget, PinnedBuffer
+from strata_core.phantom import PhantomArray
+from strata_core.builtin.sim.faults import FaultPlan
 
 #: Simulated host<->device copy bandwidth (a PCIe 4.0 x16 link's order of magnitude), bytes per second.
 SIM_COPY_BYTES_PER_S = 25_000_000_000

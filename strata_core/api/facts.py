@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Callable
 
-from .errors import BadInput
+from strata_core.errors import BadInput
 
 GIB = 1 << 30
 MIB = 1 << 20

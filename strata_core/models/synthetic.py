@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..kernels.reference import ExpertPool, quantize_q8_0
-from ..model import ModelSpec, prompt_bytes_for
-from .weights import DenseWeights, ModelWeights
+from strata_core.reference.kernels import ExpertPool, quantize_q8_0
+from strata_core.models.spec import ModelSpec, prompt_bytes_for
+from strata_core.models.weights import DenseWeights, ModelWeights
 
 TINY_LAYERS = 8
 TINY_EXPERTS = 256

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from .errors import BadInput
+from strata_core.errors import BadInput
 
 
 #: Bounds far above any published MoE model: a count beyond them is a corrupt file or a typo, not a model.
@@ -130,20 +130,20 @@ def kv_bytes_per_token(spec: ModelSpec, dtype: str) -> int:
 
 
 def model_from_name(name: str, quant: str | None = None) -> ModelSpec:
-    """A preset by name ('Qwen3-30B-A3B' or 'Qwen3-30B-A3B@Q4_K'); see strata_core.presets."""
-    from .presets import model_from_name as _from_name
+    """A preset by name ('Qwen3-30B-A3B' or 'Qwen3-30B-A3B@Q4_K'); see strata_core.models.presets."""
+    from strata_core.models.presets import model_from_name as _from_name
     return _from_name(name, quant)
 
 
 def list_presets() -> tuple[str, ...]:
     """The names of the built-in presets."""
-    from .presets import list_presets as _list
+    from strata_core.models.presets import list_presets as _list
     return _list()
 
 
 def model_from_gguf(path) -> ModelSpec:
-    """A ModelSpec read from a GGUF file; see strata_core.gguf_model."""
-    from .gguf_model import model_from_gguf as _from_gguf
+    """A ModelSpec read from a GGUF file; see strata_core.models.gguf."""
+    from strata_core.models.gguf import model_from_gguf as _from_gguf
     return _from_gguf(path)
 
 

@@ -10,49 +10,11 @@ SwiGLU: y = (silu(x Wg^T) * (x Wu^T)) Wd^T.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-QK8_0 = 32  # ggml's Q8_0 block length
-
-
-@dataclass
-class ExpertPool:
-    """Expert weights held in S slots of one memory (device or host), in one of two dtypes ('f16' or 'q8_0')."""
-
-    dtype: str
-    arrays: dict[str, Any]
-
-    @property
-    def slots(self) -> int:
-        """How many expert slots the pool holds."""
-        key = "w_gate_up" if self.dtype == "f16" else "gate_up_q"
-        return int(self.arrays[key].shape[0])
-
-    @staticmethod
-    def slot_bytes(dtype: str, hidden: int, ffn: int) -> int:
-        """Bytes of one expert slot in this dtype."""
-        n = 3 * hidden * ffn
-        if dtype == "f16":
-            return 2 * n
-        if dtype == "q8_0":
-            return n + 2 * (n // QK8_0)
-        raise ValueError(f"unknown expert dtype {dtype!r}")
-
-    @staticmethod
-    def array_specs(dtype: str, slots: int, hidden: int, ffn: int) -> dict[str, tuple[tuple[int, ...], Any]]:
-        """name -> (shape, numpy dtype) of every array a pool of this dtype holds."""
-        if dtype == "f16":
-            return {"w_gate_up": ((slots, 2 * ffn, hidden), np.float16),
-                    "w_down": ((slots, hidden, ffn), np.float16)}
-        if dtype == "q8_0":
-            return {"gate_up_q": ((slots, 2 * ffn, hidden), np.int8),
-                    "gate_up_d": ((slots, 2 * ffn, hidden // QK8_0), np.float16),
-                    "down_q": ((slots, hidden, ffn), np.int8),
-                    "down_d": ((slots, hidden, ffn // QK8_0), np.float16)}
-        raise ValueError(f"unknown expert dtype {dtype!r}")
+from strata_core.api.kernels import QK8_0, ExpertPool  # noqa: F401  (re-exported: the oracle speaks the contract)
 
 
 def quantize_q8_0(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -11,7 +11,7 @@ Approximations, in one place so the planner's consumers know what they get:
   quant, but never below Q4_K's rate, because llama.cpp's quant mixes keep attention and output tensors at higher
   precision in low-bit files; norms, biases and routers are f32. A real file differs by its quant mix (read it
   with `strata plan --model FILE.gguf` for the exact figure);
-- KV bytes per token are counted at f16 (`strata_core.model.kv_bytes_per_token` scales them to the KV dtype).
+- KV bytes per token are counted at f16 (`strata_core.models.spec.kv_bytes_per_token` scales them to the KV dtype).
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from .errors import BadInput
-from .model import F32_BYTES, ModelSpec, prompt_bytes_for
+from strata_core.errors import BadInput
+from strata_core.models.spec import F32_BYTES, ModelSpec, prompt_bytes_for
 
 
 @dataclass(frozen=True)

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from .. import API_VERSION, __version__
-from ..backend_api import Backend, PinnedBudget, PinnedBuffer, ProbeResult
-from ..facts import DeviceInfo, PlatformDefaults
-from ..hookspecs import hookimpl
-from ..hostinfo import probe_host
-from ..kernels.reference import ReferenceKernels
+from strata_core import __version__
+from strata_core.api import API_VERSION
+from strata_core.api.backend import Backend, PinnedBudget, PinnedBuffer, ProbeResult
+from strata_core.api.facts import DeviceInfo, PlatformDefaults
+from strata_core.api.hookspecs import hookimpl
+from strata_core.hostinfo import probe_host
+from strata_core.reference.kernels import ReferenceKernels
 
 NAME = "cpu"
 

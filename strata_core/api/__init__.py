@@ -1,0 +1,21 @@
+"""The Strata Core contract: the one package a backend or plugin author imports.
+
+Everything a plugin needs is named in `__all__`; nothing here imports the runtime, the planner or a command.
+"""
+
+#: The contract's version. A backend must declare it; one of another major version is refused.
+API_VERSION = "2.0"
+
+from strata_core.api.backend import (  # noqa: E402
+    Backend, DeviceMemory, PinnedAllocator, PinnedBudget, PinnedBuffer, ProbeResult,
+)
+from strata_core.api.facts import CpuInfo, DeviceInfo, HostInfo, PlatformDefaults, Profile  # noqa: E402
+from strata_core.api.hookspecs import hookimpl, hookspec  # noqa: E402
+from strata_core.api.kernels import QK8_0, ExpertPool, KernelSet  # noqa: E402
+from strata_core.api.plan_draft import PlanDraft  # noqa: E402
+
+__all__ = [
+    "API_VERSION", "Backend", "CpuInfo", "DeviceInfo", "DeviceMemory", "ExpertPool", "HostInfo", "KernelSet",
+    "PinnedAllocator", "PinnedBudget", "PinnedBuffer", "PlanDraft", "PlatformDefaults", "ProbeResult", "Profile",
+    "QK8_0", "hookimpl", "hookspec",
+]

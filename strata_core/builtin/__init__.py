@@ -1,0 +1,1 @@
+"""The built-in backends, always present: cpu (the numpy reference) and sim (a simulated device)."""

@@ -1,0 +1,1 @@
+"""Settings: one typed StrataSettings from flags, environment, legacy variables, TOML and defaults."""

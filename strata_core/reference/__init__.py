@@ -1,0 +1,1 @@
+"""The numpy reference: the oracle every backend is checked against."""
