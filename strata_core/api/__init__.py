@@ -7,15 +7,21 @@ Everything a plugin needs is named in `__all__`; nothing here imports the runtim
 API_VERSION = "2.0"
 
 from strata_core.api.backend import (  # noqa: E402
-    Backend, DeviceMemory, PinnedAllocator, PinnedBudget, PinnedBuffer, ProbeResult,
+    Backend, Device, DeviceMemory, DeviceSession, FactsOnlyDevice, PinnedAllocator, PinnedBudget, PinnedBuffer,
+    ProbeResult,
 )
-from strata_core.api.facts import CpuInfo, DeviceInfo, HostInfo, PlatformDefaults, Profile  # noqa: E402
+from strata_core.api.facts import (  # noqa: E402
+    CpuInfo, DeviceCaps, DeviceInfo, DeviceType, HostInfo, PlatformDefaults, Profile,
+)
 from strata_core.api.hookspecs import hookimpl, hookspec  # noqa: E402
-from strata_core.api.kernels import QK8_0, ExpertPool, KernelSet  # noqa: E402
+from strata_core.api.kernels import (  # noqa: E402
+    QK8_0, ExpertPool, ExpertSource, KernelSet, LayerOps, LayerWork, SlotTable, Workspace,
+)
 from strata_core.api.plan_draft import PlanDraft  # noqa: E402
 
 __all__ = [
-    "API_VERSION", "Backend", "CpuInfo", "DeviceInfo", "DeviceMemory", "ExpertPool", "HostInfo", "KernelSet",
+    "API_VERSION", "Backend", "CpuInfo", "Device", "DeviceCaps", "DeviceInfo", "DeviceMemory", "DeviceSession",
+    "DeviceType", "ExpertPool", "ExpertSource", "FactsOnlyDevice", "HostInfo", "KernelSet", "LayerOps", "LayerWork",
     "PinnedAllocator", "PinnedBudget", "PinnedBuffer", "PlanDraft", "PlatformDefaults", "ProbeResult", "Profile",
-    "QK8_0", "hookimpl", "hookspec",
+    "QK8_0", "SlotTable", "Workspace", "hookimpl", "hookspec",
 ]

@@ -1,32 +1,90 @@
-"""What a backend hands the core: the Backend itself, its probe result, and the three objects the runtime drives.
+"""What a backend hands the core (API 2.0): the Backend, its probe result, its Device objects and their sessions.
 
-Three different things with small interfaces (after ggml-backend's reg / device / buffer-type split):
-- `Backend`: what is installed (name, vendor, api version, how to install it, a probe that never raises);
-- `DeviceInfo` (facts.py): one device the probe found;
-- `PinnedAllocator` / `DeviceMemory`: what memory kinds that device offers; `KernelSet`: what it computes.
+After ggml-backend's reg / device / buffer split:
+- `Backend`: what is installed (name, vendor, the api version it was written against, how to install it, a probe
+  that never raises). Discovery is the only thing the core asks a Backend.
+- `Device`: one device the probe found. Everything about that device is asked of the object itself: its facts
+  (`info`), its platform rules (`platform_defaults(host)`) and `open(plan)`, which returns the `DeviceSession` the
+  runtime drives. No per-device question is broadcast to every plugin.
+- `DeviceSession`: device memory, the pinned allocator (charging the plan's budget), streams and events, the
+  primitive kernels and the layer ops.
 Device arrays are the backend's own objects (numpy arrays for cpu and sim, cupy arrays, USM buffers); the core
-never looks inside them, it only passes them between `DeviceMemory` and `KernelSet`.
+never looks inside them, it only passes them between `DeviceMemory` and the kernels.
 """
 
 from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Callable, Protocol, runtime_checkable
 
 import numpy as np
 
-from strata_core.api import API_VERSION
-from strata_core.api.facts import DeviceInfo
+from strata_core.api.facts import DeviceInfo, HostInfo, PlatformDefaults
+
+if TYPE_CHECKING:  # the contract names these types; it imports nothing of the runtime or the planner
+    from strata_core.api.kernels import KernelSet, LayerOps
+
+
+@runtime_checkable
+class Device(Protocol):
+    """One device of a backend (versionadded 2.0)."""
+
+    #: The device's facts: what the planner reads.
+    info: DeviceInfo
+
+    def platform_defaults(self, host: HostInfo) -> PlatformDefaults:
+        """This device's platform rules on `host` (chunk ceiling, reserves, pin caps, ...); never raises."""
+
+    def open(self, plan: Any) -> "DeviceSession":
+        """Start a session on this device for a proven plan: memory, pinned allocator, streams, kernels."""
+
+
+@dataclass
+class DeviceSession:
+    """What the runtime drives on one device for one plan (versionadded 2.0).
+
+    `pinned` is None when the device offers no page-locked memory (every copy is then pageable, said in one line).
+    `layer_ops` is None when the backend relies on the core's composition of its primitive kernels.
+    """
+
+    memory: "DeviceMemory"
+    kernels: "KernelSet"
+    budget: "PinnedBudget"
+    pinned: "PinnedAllocator | None" = None
+    layer_ops: "LayerOps | None" = None
+    closers: list[Callable[[], None]] = field(default_factory=list)
+
+    def close(self) -> None:
+        """Release what the backend holds for this session (idempotent)."""
+        while self.closers:
+            self.closers.pop()()
+
+
+@dataclass(frozen=True)
+class FactsOnlyDevice:
+    """A device known only by its facts (a profile or a scenario from another machine): it plans, it cannot open."""
+
+    info: DeviceInfo
+    defaults: PlatformDefaults = field(default_factory=PlatformDefaults)
+
+    def platform_defaults(self, host: HostInfo) -> PlatformDefaults:
+        """The defaults this device was described with."""
+        return self.defaults
+
+    def open(self, plan: Any) -> "DeviceSession":
+        """A device of another machine cannot be opened here."""
+        from strata_core.errors import BadInput
+        raise BadInput(f"device '{self.info.name}' ({self.info.backend}) is described by a profile, not present here")
 
 
 @dataclass(frozen=True)
 class ProbeResult:
-    """What a probe found: available or not, why not, the devices, a selection score (higher wins)."""
+    """What a probe found: available or not, why not, the Device objects, a selection score (higher wins)."""
 
     available: bool
     reason: str = ""
-    devices: tuple[DeviceInfo, ...] = ()
+    devices: tuple[Device, ...] = ()
     score: int = 0
     version: str = ""
 
@@ -38,15 +96,21 @@ class ProbeResult:
 
 @dataclass(frozen=True)
 class Backend:
-    """A backend as a plugin provides it. `probe` must never raise; the core guards it anyway."""
+    """A backend as a plugin provides it. `probe` must never raise; the core guards it anyway.
+
+    `api_version` is required (versionchanged 2.0: it had a default, so a plugin that left it out always passed).
+    `describe(info)` turns facts from a profile or scenario of this backend into a Device that can plan (its
+    `open` may refuse); None means the core plans such facts with its own PlatformDefaults.
+    """
 
     name: str
     vendor: str
     probe: Callable[[], ProbeResult]
+    api_version: str
     version: str = ""
-    api_version: str = API_VERSION
     install_hint: str = ""
     description: str = ""
+    describe: Callable[[DeviceInfo], Device] | None = None
 
 
 class PinnedBudget:

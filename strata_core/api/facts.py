@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, field, fields
+from enum import Enum
 from pathlib import Path
 from typing import Any, Callable
 
@@ -56,6 +57,51 @@ class CpuInfo:
         )
 
 
+class DeviceType(str, Enum):
+    """What kind of device a backend found (versionadded 2.0)."""
+
+    CPU = "cpu"
+    GPU = "gpu"
+    INTEGRATED_GPU = "integrated_gpu"
+    ACCELERATOR = "accelerator"
+    SIMULATED = "simulated"
+
+
+@dataclass(frozen=True)
+class DeviceCaps:
+    """Optional abilities of a device; the runtime uses a path only where its cap is true (versionadded 2.0)."""
+
+    #: Copies on their own stream overlap kernels (a copy engine).
+    async_copies: bool = False
+    #: Kernels can read page-locked host memory in place (mapped / zero-copy).
+    host_mapped_memory: bool = False
+    #: A sequence of launches can be captured once and replayed (CUDA graphs).
+    graph_capture: bool = False
+    #: Direct copies between two devices of the backend.
+    peer_copies: bool = False
+    #: The session's layer ops are the backend's own (fused), not the core's composition of primitives.
+    fused_layer_ops: bool = False
+    #: Expert formats the kernels compute from their own bytes.
+    expert_formats: tuple[str, ...] = ("f16", "q8_0")
+
+    def to_json(self) -> dict:
+        """The caps record as JSON."""
+        d = asdict(self)
+        d["expert_formats"] = list(self.expert_formats)
+        return d
+
+    @classmethod
+    def from_json(cls, d: Any) -> "DeviceCaps":
+        """Build from JSON (unknown keys ignored, so older profiles and newer ones both read)."""
+        if not isinstance(d, dict):
+            return cls()
+        known = {f.name for f in fields(cls)}
+        kw = {k: v for k, v in d.items() if k in known}
+        if "expert_formats" in kw:
+            kw["expert_formats"] = tuple(str(x) for x in kw["expert_formats"])
+        return cls(**{k: (bool(v) if k != "expert_formats" else v) for k, v in kw.items()})
+
+
 @dataclass(frozen=True)
 class DeviceInfo:
     """One accelerator as its backend reports it. Bytes are ints; driver_model is 'linux', 'wddm', 'tcc', 'wsl2', 'host'."""
@@ -70,10 +116,17 @@ class DeviceInfo:
     drives_display: bool = False
     index: int = 0
     unified_memory: bool = False
+    #: versionadded 2.0
+    device_type: DeviceType = DeviceType.GPU
+    #: versionadded 2.0
+    caps: DeviceCaps = field(default_factory=DeviceCaps)
 
     def to_json(self) -> dict:
         """The DeviceInfo JSON of profiles and plans."""
-        return asdict(self)
+        d = asdict(self)
+        d["device_type"] = self.device_type.value
+        d["caps"] = self.caps.to_json()
+        return d
 
     @classmethod
     def from_json(cls, d: dict, backend: str | None = None, where: str = "device") -> "DeviceInfo":
@@ -93,6 +146,8 @@ class DeviceInfo:
                 drives_display=bool(d.get("drives_display", False)),
                 index=int(d.get("index", 0)),
                 unified_memory=bool(d.get("unified_memory", False)),
+                device_type=DeviceType(str(d.get("device_type", "simulated" if be == "sim" else "gpu"))),
+                caps=DeviceCaps.from_json(d.get("caps")),
             )
         except (TypeError, ValueError) as e:
             raise BadInput(f"{where}: {e}") from None

@@ -10,7 +10,7 @@ SwiGLU: y = (silu(x Wg^T) * (x Wu^T)) Wd^T. The numpy oracle of every kernel is 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
@@ -81,3 +81,82 @@ class KernelSet(Protocol):
 
     def linear(self, x: Any, w: Any) -> Any:
         """x [T,H] f32, w [O,H] f16 or f32 -> x w^T [T,O] f32."""
+
+
+# --- layer ops (versionadded 2.0) ----------------------------------------------------------------------------------
+# The executor calls only these. The core composes a default from the primitives above, so a new backend needs only
+# the primitives; a fast backend overrides them (fused paths, graphs), as a ggml backend computes a whole graph.
+
+
+@runtime_checkable
+class SlotTable(Protocol):
+    """The expert cache's slot table as a layer op sees it (slots on loan are never returned by lookup or admit)."""
+
+    def lookup(self, layer: int, experts: np.ndarray, counts: np.ndarray) -> np.ndarray:
+        """Slot of each (layer, expert) in the device pool, or -1 for a miss; counts feed the eviction order."""
+
+    def admit(self, layer: int, experts: np.ndarray, keep: np.ndarray) -> np.ndarray:
+        """Slots for missed experts (evicting the coldest, never a slot in `keep`); -1 where none can be had."""
+
+    def row(self, layer: int, expert: int) -> int:
+        """The host store's row of (layer, expert)."""
+
+
+@runtime_checkable
+class ExpertSource(Protocol):
+    """Where missed experts come from: the host store (page-locked where the plan pinned it)."""
+
+    def upload(self, row: int, slot: int, stream: Any) -> None:
+        """Copy expert `row` of the host store into device pool slot `slot` on `stream` (asynchronous)."""
+
+
+@runtime_checkable
+class Workspace(Protocol):
+    """The plan's device workspace region: every buffer a layer op needs is carved from it (no kernel allocates)."""
+
+    def carve(self, shape: tuple[int, ...], dtype: Any) -> Any:
+        """A device array view of the region (released with `reset`); raises DeviceFull when the region is spent."""
+
+    def reset(self) -> None:
+        """Release every carved view (between layers or steps)."""
+
+
+@dataclass
+class LayerWork:
+    """One MoE layer's whole work, as the executor hands it to a layer op.
+
+    `x` is the residual [T,H] f32 on the device, updated in place: x += sum_k w_k * expert_k(rmsnorm(x)).
+    `ring` holds the pool slots lent to this chunk for streaming misses (empty: misses are admitted into the cache).
+    """
+
+    phase: str                 # "prefill" or "decode"
+    layer: int
+    tokens: int
+    x: Any
+    norm_w: Any
+    router_w: Any
+    top_k: int
+    pool: ExpertPool
+    slots: SlotTable
+    source: ExpertSource
+    workspace: Workspace
+    ring: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
+    compute_stream: Any = None
+    copy_stream: Any = None
+    #: counters the op adds to: hits, misses, experts_streamed, bytes_streamed, experts_admitted, ...
+    stats: dict = field(default_factory=dict)
+    #: the runtime's own handles a composed op may use (the CPU share, the observer); a fused op may ignore them
+    extras: dict = field(default_factory=dict)
+
+
+@runtime_checkable
+class LayerOps(Protocol):
+    """A prefill layer and a decode step, each given its whole work."""
+
+    name: str
+
+    def prefill_layer(self, work: LayerWork) -> None:
+        """Run one MoE layer of a prompt chunk in place on work.x."""
+
+    def decode_step(self, works: list[LayerWork]) -> None:
+        """Run every MoE layer of one decode token in order (one graph replay where the device can)."""
