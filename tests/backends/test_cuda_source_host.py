@@ -32,7 +32,8 @@ static std::barrier<>* strata_bar = nullptr;
 static inline void __syncthreads() { strata_bar->arrive_and_wait(); }
 static inline float __uint_as_float(unsigned int u) { float f; std::memcpy(&f, &u, 4); return f; }
 static inline unsigned int __float_as_uint(float f) { unsigned int u; std::memcpy(&u, &f, 4); return u; }
-static inline float atomicAdd(float* p, float v) { return std::atomic_ref<float>(*p).fetch_add(v); }
+static inline float __fadd_rn(float a, float b) { volatile float r = a + b; return r; }
+static inline float __fmul_rn(float a, float b) { volatile float r = a * b; return r; }
 #define __device__
 #define __global__
 #define __shared__ static
@@ -57,8 +58,9 @@ void host_route_topk(const float* l, int T, int E, int k, int* ids, float* w) {
     strata_launch(T, STRATA_ROUTE_THREADS, [&] { strata_route_topk(l, T, E, k, ids, w); }); }
 void host_gather(const float* x, const int* rows, long long N, int H, float* out) {
     strata_launch(G, B, [&] { strata_gather_f32(x, rows, N, H, out); }); }
-void host_scatter_add(float* out, const int* rows, const float* y, const float* s, long long N, int H) {
-    strata_launch(G, B, [&] { strata_scatter_add_f32(out, rows, y, s, N, H); }); }
+void host_scatter_add(float* out, const int* order, const int* seg, const float* y, const float* s, long long T,
+                      int H) {
+    strata_launch(G, B, [&] { strata_scatter_add_f32(out, order, seg, y, s, T, H); }); }
 void host_dequantize(const signed char* q, const unsigned short* d, long long n, unsigned short* out) {
     strata_launch(G, B, [&] { strata_dequantize_q8_0(q, d, n, out); }); }
 void host_dequantize_slots(const signed char* q, const unsigned short* d, const int* slots, int n_slots,
@@ -183,10 +185,25 @@ def test_gather_and_scatter_add_match_the_reference(lib):
     y = rng.standard_normal((14, 33)).astype(np.float32)
     scale = rng.random(14).astype(np.float32)
     acc = rng.standard_normal((9, 33)).astype(np.float32)
+    before = acc.copy()
     want = acc.copy()
     ref.scatter_add(want, rows, y, scale)
-    lib.host_scatter_add(_p(acc), _p(rows), _p(y), _p(scale), LL(14), I32(33))
+    # the order and segments kernels.py computes on the device: sorted by (row, position), one segment per row
+    order = np.argsort(rows.astype(np.int64) * 14 + np.arange(14), kind="stable").astype(np.int32)
+    seg = np.searchsorted(rows[order], np.arange(10)).astype(np.int32)
+    lib.host_scatter_add(_p(acc), _p(order), _p(seg), _p(y), _p(scale), LL(9), I32(33))
     assert ref.relative_error(acc, want) < 1e-6
+    # one owner per element, summing its row's rounded products in ascending position, then adding to out: exactly
+    # these bits (a kernel that summed in another order, or fused the multiply-add, would differ in the last place)
+    seq = before.copy()
+    for t in range(9):
+        js = np.flatnonzero(rows == t)
+        if js.size:
+            part = scale[js[0]] * y[js[0]]
+            for j in js[1:]:
+                part = part + scale[j] * y[j]
+            seq[t] = seq[t] + part
+    assert np.array_equal(acc.view(np.uint32), seq.view(np.uint32))
 
 
 def test_dequantize_is_bit_exact(lib):

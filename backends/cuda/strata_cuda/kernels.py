@@ -119,7 +119,7 @@ class CupyKernels:
         return out
 
     def scatter_add(self, out: Any, rows: Any, y: Any, scale: Any) -> None:
-        """out[rows[i]] += scale[i] * y[i] in place (out [T,H] f32 and C-contiguous; rows may repeat)."""
+        """out[rows[i]] += scale[i] * y[i] in place (out [T,H] f32 and C-contiguous; rows may repeat), deterministic."""
         if out.dtype != self._cp.float32 or not out.flags.c_contiguous:
             raise ValueError("scatter_add: out must be a C-contiguous float32 array")
         rows = self._i32(rows).reshape(-1)
@@ -128,7 +128,15 @@ class CupyKernels:
         n, h = int(rows.shape[0]), int(out.shape[1])
         if y.shape != (n, h) or scale.shape[0] != n:
             raise ValueError(f"scatter_add: y {y.shape} and scale {scale.shape} must match {n} rows of {h}")
-        self._stride_launch("strata_scatter_add_f32", n * h, (out, rows, y, scale, np.int64(n), np.int32(h)))
+        if n == 0:
+            return
+        cp = self._cp
+        t = int(out.shape[0])
+        # sort by (row, position): the keys are unique, so every sort gives this one permutation, and each output
+        # row's contributions are then summed by one thread in ascending position (no atomics, same bits each run)
+        order = cp.argsort(rows.astype(cp.int64) * n + cp.arange(n, dtype=cp.int64)).astype(cp.int32)
+        seg = cp.searchsorted(rows[order], cp.arange(t + 1, dtype=cp.int32)).astype(cp.int32)
+        self._stride_launch("strata_scatter_add_f32", t * h, (out, order, seg, y, scale, np.int64(t), np.int32(h)))
 
     def dequantize_q8_0(self, qs: Any, d: Any) -> Any:
         """Q8_0 blocks (qs [.., C] int8, d [.., C/32] f16) -> [.., C] f16, bit-exact with the reference."""

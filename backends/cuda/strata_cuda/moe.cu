@@ -6,7 +6,8 @@
 //   cuda_fp16.h and hip_fp16.h differ and hiprtc's built-in headers vary by ROCm release;
 // - no warp intrinsics and no assumption on the warp size (32 on NVIDIA and RDNA, 64 on CDNA): reductions go
 //   through shared memory with __syncthreads();
-// - only device functions both compilers provide: expf, sqrtf, rintf, __float_as_uint, __uint_as_float, atomicAdd.
+// - only device functions both compilers provide: expf, sqrtf, rintf, __float_as_uint, __uint_as_float, __fadd_rn,
+//   __fmul_rn; no atomics (reductions are owned by one thread each, so results do not depend on scheduling).
 // Element counts are long long so that tensors of more than 2^31 elements index correctly.
 
 #define STRATA_ROUTE_THREADS 128
@@ -129,15 +130,26 @@ extern "C" __global__ void strata_gather_f32(const float* __restrict__ x, const 
     }
 }
 
-// out[rows[i], c] += scale[i] * y[i, c]; rows may repeat, hence the atomics
-extern "C" __global__ void strata_scatter_add_f32(float* __restrict__ out, const int* __restrict__ rows,
-                                                  const float* __restrict__ y, const float* __restrict__ scale,
-                                                  long long N, int H) {
-    const long long n = N * H;
+// out[t, c] += scale[j] * y[j, c] for every j with rows[j] == t, in ascending j: each output element is owned by one
+// thread, which sums its row's segment of `order` (the routed rows sorted by (row, j), seg[t]..seg[t+1]) in order
+// and adds the sum to out. No atomics: the same inputs give the same bits on every run. Products are rounded before
+// the sum (no fused multiply-add), so the bits are those of that order in plain f32 arithmetic on any device.
+extern "C" __global__ void strata_scatter_add_f32(float* __restrict__ out, const int* __restrict__ order,
+                                                  const int* __restrict__ seg, const float* __restrict__ y,
+                                                  const float* __restrict__ scale, long long T, int H) {
+    const long long n = T * H;
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
          i += (long long)gridDim.x * blockDim.x) {
-        const long long r = i / H;
-        atomicAdd(out + (long long)rows[r] * H + (i - r * H), y[i] * scale[r]);
+        const long long t = i / H;
+        const int j0 = seg[t], j1 = seg[t + 1];
+        if (j0 == j1) continue;
+        const long long c = i - t * H;
+        float acc = __fmul_rn(scale[order[j0]], y[(long long)order[j0] * H + c]);
+        for (int j = j0 + 1; j < j1; ++j) {
+            const int r = order[j];
+            acc = __fadd_rn(acc, __fmul_rn(scale[r], y[(long long)r * H + c]));
+        }
+        out[i] = __fadd_rn(out[i], acc);
     }
 }
 
