@@ -9,7 +9,8 @@ from pathlib import Path
 
 from strata_core.api.facts import load_profile
 
-SCENARIO_DIR = (Path(__file__).resolve().parents[2] / ".." / "shared" / "scenarios").resolve()
+#: The project's own copies of the seed scenarios (the tests own their data).
+SCENARIO_DIR = Path(__file__).resolve().parents[1] / "data" / "scenarios"
 
 
 class FakeRuntime:
@@ -53,7 +54,7 @@ def assert_imports_without_cupy(*modules: str) -> None:
 
 
 def scenario_paths(backend: str) -> list[Path]:
-    """The seed scenario files whose profile is on `backend` (none when the shared scenarios are not checked out)."""
+    """The seed scenario files whose profile is on `backend`."""
     if not SCENARIO_DIR.is_dir():
         return []
     return sorted(p for p in SCENARIO_DIR.glob("*.json") if load_profile(p).backend == backend)

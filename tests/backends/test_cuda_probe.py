@@ -1,5 +1,6 @@
 """The cuda backend imports without cupy, and its probe never raises: without cupy, without a device, and with one
-(through runtime and NVML doubles, so the mapping of their answers to DeviceInfo is checked on any machine)."""
+(through runtime and NVML doubles, so the mapping of their answers to DeviceInfo is checked on any machine).
+The backend wraps those facts into Device objects (API 2.0) with their caps, platform rules and sessions."""
 
 from __future__ import annotations
 
@@ -7,8 +8,9 @@ import sys
 
 import pytest
 
-from strata_core.api.backend import ProbeResult
+from strata_core.api import Device, DeviceInfo, DeviceType, HostInfo, ProbeResult
 from strata_core.api.facts import GIB
+from strata_core.errors import BadInput
 from strata_cuda import backend as cuda_backend
 from strata_cuda import probe as cuda_probe
 
@@ -56,16 +58,49 @@ def test_importing_the_backend_does_not_import_cupy():
     assert_imports_without_cupy("strata_cuda.backend", "strata_cuda.kernels", "strata_cuda.cupy_device")
 
 
-def test_the_backend_carries_the_install_line():
-    assert cuda_backend.BACKEND.install_hint == "pip install 'strata-core[cuda]'"
+def test_the_backend_carries_the_install_line_of_where_it_is_installed():
+    # this test suite runs from the source checkout (an editable install): the line installs from it
+    assert cuda_backend.BACKEND.install_hint == cuda_probe.install_line("cuda", cuda_probe.Path(cuda_probe.__file__).parent)
+    assert cuda_backend.BACKEND.install_hint.startswith("pip install -e ") and "[cuda]'" in cuda_backend.BACKEND.install_hint
     assert cuda_backend.BACKEND.name == "cuda" and cuda_backend.BACKEND.vendor == "nvidia"
 
 
-def test_without_cupy_the_probe_says_so_with_the_install_line(monkeypatch):
+def _package_in(root, pyproject: str | None):
+    """backends/cuda/strata_cuda under `root`, with strata-core's pyproject.toml (or another, or none) at the root."""
+    pkg = root / "backends" / "cuda" / "strata_cuda"
+    pkg.mkdir(parents=True)
+    if pyproject is not None:
+        (root / "pyproject.toml").write_text(pyproject)
+    return pkg
+
+
+def test_install_line_from_inside_a_checkout_says_dot(tmp_path, monkeypatch):
+    pkg = _package_in(tmp_path, '[project]\nname = "strata-core"\n')
+    monkeypatch.chdir(tmp_path)
+    assert cuda_probe.install_line("cuda", pkg) == "pip install -e '.[cuda]'"
+
+
+def test_install_line_from_elsewhere_names_the_checkout(tmp_path, monkeypatch):
+    pkg = _package_in(tmp_path / "src", '[project]\nname = "strata-core"\n')
+    monkeypatch.chdir(tmp_path)
+    assert cuda_probe.install_line("rocm", pkg) == f"pip install -e '{(tmp_path / 'src').resolve()}[rocm]'"
+
+
+@pytest.mark.parametrize("pyproject", [None, '[project]\nname = "someone-else"\n'])
+def test_install_line_outside_a_checkout_is_the_pypi_one(tmp_path, monkeypatch, pyproject):
+    pkg = _package_in(tmp_path, pyproject)
+    monkeypatch.chdir(tmp_path)
+    assert cuda_probe.install_line("cuda", pkg) == "pip install 'strata-core[cuda]'"
+
+
+def test_without_cupy_the_probe_says_so_and_leaves_the_install_line_to_the_backend(monkeypatch):
     monkeypatch.setitem(sys.modules, "cupy", None)  # import cupy now raises ImportError
     r = cuda_probe.probe()
     assert r.available is False
-    assert "cupy is not installed" in r.reason and "pip install 'strata-core[cuda]'" in r.reason
+    assert "cupy is not installed" in r.reason
+    # said once: the registry shows the backend's install_hint beside the reason
+    assert "pip install" not in r.reason
+    assert cuda_backend.BACKEND.probe() == r
 
 
 def test_no_device_is_reported_as_a_reason_not_an_exception():
@@ -80,10 +115,11 @@ def test_zero_devices_is_unavailable():
 
 
 def test_the_real_probe_never_raises_and_is_consistent():
-    r = cuda_probe.probe()
+    r = cuda_backend.BACKEND.probe()
     assert isinstance(r, ProbeResult)
     if r.available:  # a GPU machine
-        assert r.devices and r.score > 100 and all(d.arch.startswith("sm_") for d in r.devices)
+        assert r.devices and r.score > 100 and all(d.info.arch.startswith("sm_") for d in r.devices)
+        assert all(isinstance(d, Device) for d in r.devices)
     else:
         assert r.reason and r.devices == () and r.score == 0
 
@@ -142,12 +178,65 @@ def test_a_card_that_fails_to_answer_makes_the_probe_unavailable_not_raise():
     assert r.available is False and "cudaErrorUnknown" in r.reason
 
 
-@pytest.mark.parametrize("hook", ["strata_pinned_allocator", "strata_device_memory", "strata_kernels"])
-def test_runtime_hooks_answer_none_for_other_backends(hook):
-    from strata_core.api.backend import PinnedBudget
-    from strata_core.api.facts import DeviceInfo
-    other = DeviceInfo(backend="rocm", name="x", vram_total_bytes=1, vram_free_bytes=1)
-    kwargs = {"device": other}
-    if hook == "strata_pinned_allocator":
-        kwargs["budget"] = PinnedBudget(1 << 20)
-    assert getattr(cuda_backend, hook)(**kwargs) is None
+def _plugin_over(runtime, nvml=None, os_name="linux"):
+    """The cuda backend's plugin with its probe's facts read through runtime and NVML doubles."""
+    return cuda_backend.CupyBackendPlugin(
+        name="cuda", vendor="nvidia", install_hint="hint", description="test", defaults=cuda_backend.nvidia_defaults,
+        probe=lambda: cuda_probe.probe_with(runtime, nvml=nvml, os_name=os_name, wsl=False), pinned_kind="cuda-host",
+        kernel_name="cuda-moe.cu", caps=cuda_backend.CUDA_CAPS)
+
+
+class PeerRuntime(FakeRuntime):
+    """A runtime double whose cards can all reach each other (cudaDeviceCanAccessPeer)."""
+
+    def deviceCanAccessPeer(self, i, j):
+        return 1
+
+
+def test_the_backend_probe_gives_device_objects_with_the_cuda_caps():
+    cards = [{"props": props(9, 0, name=b"NVIDIA H200", total=141 * GIB), "bus": "a", "free": 130 * GIB,
+              "total": 141 * GIB}] * 2
+    r = _plugin_over(PeerRuntime(cards=cards)).probe()
+    assert r.available and len(r.devices) == 2
+    for i, d in enumerate(r.devices):
+        assert isinstance(d, Device) and isinstance(d.info, DeviceInfo) and d.info.index == i
+        assert d.info.device_type is DeviceType.GPU
+        caps = d.info.caps
+        assert (caps.async_copies, caps.graph_capture, caps.host_mapped_memory, caps.fused_layer_ops) == \
+            (True, True, False, False)
+        assert caps.peer_copies is True and caps.expert_formats == ("f16", "q8_0")
+
+
+def test_a_single_card_claims_no_peer_copies_and_an_integrated_one_says_so():
+    card = {"props": {**props(8, 7, name=b"Orin"), "integrated": 1}, "bus": "a", "free": 8 * GIB,
+            "total": 16 * GIB}
+    (d,) = _plugin_over(PeerRuntime(cards=[card])).probe().devices
+    assert d.info.caps.peer_copies is False
+    assert d.info.device_type is DeviceType.INTEGRATED_GPU and d.info.unified_memory is True
+
+
+def test_a_probed_device_answers_its_own_platform_defaults():
+    card = {"props": props(8, 6, total=24 * GIB), "bus": "a", "free": 20 * GIB, "total": 24 * GIB}
+    (d,) = _plugin_over(FakeRuntime(cards=[card]), os_name="windows").probe().devices
+    host = HostInfo(os="windows", ram_total_bytes=64 * GIB, ram_available_bytes=40 * GIB)
+    pd = d.platform_defaults(host)
+    assert pd.source == "cuda backend" and pd.chunk_ceiling_tokens == 32768
+    assert d.info.driver_model == "wddm" and pd.pin_cap_bytes == 8 * GIB
+
+
+def test_describe_plans_from_a_profile_and_open_refuses_in_one_line():
+    info = DeviceInfo(backend="cuda", name="NVIDIA GeForce RTX 3090", vram_total_bytes=24 * GIB,
+                      vram_free_bytes=22 * GIB, driver_model="wddm")
+    d = cuda_backend.BACKEND.describe(info)
+    assert isinstance(d, Device) and d.info == info
+    assert d.platform_defaults(HostInfo(os="windows", ram_total_bytes=32 * GIB,
+                                        ram_available_bytes=20 * GIB)).pin_cap_bytes == 8 * GIB
+    with pytest.raises(BadInput) as e:
+        d.open(plan=None)
+    assert "\n" not in str(e.value) and "RTX 3090" in str(e.value) and "profile" in str(e.value)
+
+
+def test_the_only_hook_is_discovery():
+    hooks = sorted(n for n in dir(cuda_backend) if n.startswith("strata_"))
+    assert hooks == ["strata_backends"]
+    assert cuda_backend.strata_backends() == [cuda_backend.BACKEND]

@@ -72,13 +72,16 @@ def test_nvidia_keeps_the_prompt_borrow_off_the_host_and_trusts_free_vram():
     assert d.source == "cuda backend"
 
 
-def test_the_hook_answers_for_cuda_devices_only():
+def test_the_registry_describes_cuda_facts_as_a_cuda_device_with_these_rules():
     plugins = load_plugins(autoload=False, extra=[cuda_backend])
-    mine = plugins.hook.strata_platform_defaults(device=card(24 * GIB), host=host())
-    theirs = plugins.hook.strata_platform_defaults(device=card(24 * GIB, backend="rocm"), host=host())
-    assert mine is not None and mine.chunk_ceiling_tokens == 32768
-    assert theirs is None
-    assert [b.name for b in plugins.backends.values()] == ["cuda"]
+    mine = plugins.describe(card(24 * GIB))
+    assert isinstance(mine, cuda_backend.CupyDevice)
+    assert mine.platform_defaults(host()).chunk_ceiling_tokens == 32768
+    # another backend's facts are not this backend's business: the core plans them with its own defaults
+    theirs = plugins.describe(card(24 * GIB, backend="rocm"))
+    assert not isinstance(theirs, cuda_backend.CupyDevice)
+    assert theirs.platform_defaults(host()).source != "cuda backend"
+    assert "cuda" in plugins.backends
 
 
 @pytest.mark.skipif(not scenario_paths("cuda"), reason=f"no cuda scenario files in {SCENARIO_DIR}")

@@ -51,10 +51,13 @@ def test_reserve_is_larger_on_a_card_that_drives_a_display():
     assert rules.amd_defaults(card("gfx1201"), HOST).vram_reserve_mib == 512
 
 
-def test_the_hook_answers_for_rocm_devices_only():
+def test_the_registry_describes_rocm_facts_as_a_rocm_device_with_these_rules():
     plugins = load_plugins(autoload=False, extra=[rocm_backend])
-    assert plugins.hook.strata_platform_defaults(device=card("gfx1201"), host=HOST).chunk_ceiling_tokens == 16384
-    assert plugins.hook.strata_platform_defaults(device=card("gfx1201", backend="cuda"), host=HOST) is None
+    mine = plugins.describe(card("gfx1201"))
+    assert mine.platform_defaults(HOST).chunk_ceiling_tokens == 16384
+    assert mine.platform_defaults(HOST).source == "rocm backend (gfx12 rules)"
+    assert plugins.describe(card("gfx1201", backend="cuda")).platform_defaults(HOST).source != \
+        "rocm backend (gfx12 rules)"
 
 
 @pytest.mark.skipif(not scenario_paths("rocm"), reason=f"no rocm scenario files in {SCENARIO_DIR}")

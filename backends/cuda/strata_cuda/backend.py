@@ -1,19 +1,21 @@
-"""The 'cuda' backend plugin: NVIDIA GPUs through cupy. Imports without cupy; says why it is unavailable instead.
+"""The 'cuda' backend plugin (API 2.0): NVIDIA GPUs through cupy. Imports without cupy; says why it is unavailable.
 
-`CupyBackendPlugin` holds the hookimpls of any backend that runs on cupy: the rocm backend instantiates it with its
-own name, rules, probe and kernel options, since cupy offers the same runtime API on its CUDA and ROCm builds.
+`CupyBackendPlugin` is the backend of any GPU that runs on cupy: the rocm backend instantiates it with its own name,
+rules, probe, caps and kernel options, since cupy offers the same runtime API on its CUDA and ROCm builds.
+The only hook is discovery (`strata_backends`); everything about one device is asked of its `CupyDevice`:
+its facts (`info`), its platform rules (`platform_defaults(host)`) and `open(plan)`, the session the runtime drives.
 Nothing here sets environment variables: cupy and the CUDA runtime need none from us.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+from dataclasses import dataclass, replace
+from typing import Any, Callable
 
 from strata_core import __version__
-from strata_core.api import API_VERSION
-from strata_core.api.backend import Backend, ProbeResult
-from strata_core.api.facts import DeviceInfo, HostInfo, PlatformDefaults
-from strata_core.api.hookspecs import hookimpl
+from strata_core.api import (API_VERSION, Backend, DeviceCaps, DeviceInfo, DeviceSession, HostInfo, PinnedBudget,
+                             PlatformDefaults, ProbeResult, hookimpl)
+from strata_core.errors import BadInput, StrataError
 
 from .cupy_device import CupyDeviceMemory, CupyPinnedAllocator
 from .kernels import CupyKernels
@@ -22,59 +24,101 @@ from .rules import nvidia_defaults
 
 PINNED_KIND = "cuda-host"
 
+#: What the CUDA session offers: copies on their own non-blocking streams overlap kernels (the copy engines); cupy
+#: captures and replays CUDA graphs; the kernels compute f16 and Q8_0 experts from their own bytes. Host-mapped
+#: memory is off because the pinned allocator asks for portable, not mapped, memory (cudaHostAllocMapped is never
+#: requested); fused layer ops are off until the session sets its own (`_layer_ops`).
+CUDA_CAPS = DeviceCaps(async_copies=True, host_mapped_memory=False, graph_capture=True, peer_copies=False,
+                       fused_layer_ops=False, expert_formats=("f16", "q8_0"))
+
+
+@dataclass(frozen=True)
+class CupyDevice:
+    """One GPU of a cupy backend: its facts, its platform rules and `open(plan)`.
+
+    `present` is False for a device described by a profile of another machine: it plans, it cannot open.
+    """
+
+    info: DeviceInfo
+    plugin: "CupyBackendPlugin"
+    present: bool = True
+
+    def platform_defaults(self, host: HostInfo) -> PlatformDefaults:
+        """This card's platform rules on `host` (pure: from the facts alone, no cupy needed)."""
+        return self.plugin.defaults(self.info, host)
+
+    def open(self, plan: Any) -> DeviceSession:
+        """A session on this card for a proven plan: cupy memory and streams, the pinned allocator, the kernels."""
+        return self.plugin.open(self, plan)
+
 
 class CupyBackendPlugin:
-    """The hookimpls of one cupy-based backend; each answers only for devices of that backend's name."""
+    """One cupy-based backend: the Backend it registers, how it wraps its probe's facts into devices, its sessions."""
 
     def __init__(self, *, name: str, vendor: str, probe: Callable[[], ProbeResult], install_hint: str,
                  description: str, defaults: Callable[[DeviceInfo, HostInfo], PlatformDefaults], pinned_kind: str,
-                 kernel_name: str, fast_grouped_ffn: bool = False):
-        self.backend = Backend(name=name, vendor=vendor, probe=probe, version=__version__, api_version=API_VERSION,
-                               install_hint=install_hint, description=description)
+                 kernel_name: str, caps: DeviceCaps, fast_grouped_ffn: bool = False):
+        self._probe = probe
         self.defaults = defaults
         self.pinned_kind = pinned_kind
         self.kernel_name = kernel_name
+        self.caps = caps
         self.fast_grouped_ffn = fast_grouped_ffn
+        self.backend = Backend(name=name, vendor=vendor, probe=self.probe, version=__version__,
+                               api_version=API_VERSION, install_hint=install_hint, description=description,
+                               describe=self.describe)
 
-    def _mine(self, device) -> bool:
-        return device.backend == self.backend.name
+    def _device_info(self, info: DeviceInfo) -> DeviceInfo:
+        """The probe's facts with this backend's caps (an integrated GPU keeps the type the probe gave it)."""
+        return replace(info, caps=replace(self.caps, peer_copies=info.caps.peer_copies))
+
+    def probe(self) -> ProbeResult:
+        """The probe's result with each device's facts wrapped in a CupyDevice. Never raises."""
+        try:
+            r = self._probe()
+            if not r.available:
+                return r
+            return replace(r, devices=tuple(CupyDevice(self._device_info(i), self) for i in r.devices))
+        except Exception as e:  # the contract: a probe never raises
+            return ProbeResult.unavailable(f"the {self.backend.name} probe failed: {type(e).__name__}: {e}")
+
+    def describe(self, info: DeviceInfo) -> CupyDevice:
+        """A device of this backend known only from a profile's facts: it plans with the backend's rules."""
+        return CupyDevice(info, self, present=False)
+
+    def _layer_ops(self, session: DeviceSession) -> Any:
+        """The session's own layer ops (the fused CUDA paths will go here); None: the core composes the kernels'."""
+        return None
+
+    def open(self, device: CupyDevice, plan: Any) -> DeviceSession:
+        """Device memory, page-locked memory charging the plan's pinned budget, and moe.cu's KernelSet on `device`."""
+        info = device.info
+        if not device.present:
+            raise BadInput(f"{self.backend.name} device '{info.name}' (index {info.index}) comes from a profile: "
+                           f"it can be planned for here, not opened")
+        try:
+            memory = CupyDeviceMemory(info.index)
+            kernels = CupyKernels(info.index, name=self.kernel_name, fast_grouped_ffn=self.fast_grouped_ffn)
+        except ImportError as e:
+            raise StrataError(f"{self.backend.name}: cupy does not import ({e}); "
+                              f"install: {self.backend.install_hint}") from None
+        budget = PinnedBudget(plan.pinned.limit_bytes, plan.pinned.floor_bytes)
+        session = DeviceSession(memory=memory, kernels=kernels, budget=budget,
+                                pinned=CupyPinnedAllocator(budget, kind=self.pinned_kind),
+                                closers=[memory.release_cached])
+        session.layer_ops = self._layer_ops(session)
+        return session
 
     @hookimpl
-    def strata_backends(self):
+    def strata_backends(self) -> list[Backend]:
         """This backend."""
         return [self.backend]
-
-    @hookimpl
-    def strata_platform_defaults(self, device, host):
-        """The backend's platform rules for its own device; None for any other."""
-        return self.defaults(device, host) if self._mine(device) else None
-
-    @hookimpl
-    def strata_pinned_allocator(self, device, budget):
-        """Page-locked host buffers (cudaHostAlloc / hipHostMalloc through cupy) through the budget."""
-        return CupyPinnedAllocator(budget, kind=self.pinned_kind) if self._mine(device) else None
-
-    @hookimpl
-    def strata_device_memory(self, device):
-        """cupy arrays, streams and events on the backend's device."""
-        return CupyDeviceMemory(device.index) if self._mine(device) else None
-
-    @hookimpl
-    def strata_kernels(self, device):
-        """moe.cu through NVRTC (or hiprtc) plus cuBLAS (or hipBLAS), on the backend's device."""
-        if not self._mine(device):
-            return None
-        return CupyKernels(device.index, name=self.kernel_name, fast_grouped_ffn=self.fast_grouped_ffn)
 
 
 PLUGIN = CupyBackendPlugin(name=NAME, vendor="nvidia", probe=probe, install_hint=INSTALL_HINT,
                            description="NVIDIA GPUs through cupy (CUDA) and nvidia-ml-py", defaults=nvidia_defaults,
-                           pinned_kind=PINNED_KIND, kernel_name="cuda-moe.cu", fast_grouped_ffn=True)
+                           pinned_kind=PINNED_KIND, kernel_name="cuda-moe.cu", caps=CUDA_CAPS, fast_grouped_ffn=True)
 BACKEND = PLUGIN.backend
 
-# The entry point names this module, so the hookimpls are its attributes (pluggy reads bound methods' markers).
+# The entry point names this module, so the hookimpl is its attribute (pluggy reads bound methods' markers).
 strata_backends = PLUGIN.strata_backends
-strata_platform_defaults = PLUGIN.strata_platform_defaults
-strata_pinned_allocator = PLUGIN.strata_pinned_allocator
-strata_device_memory = PLUGIN.strata_device_memory
-strata_kernels = PLUGIN.strata_kernels

@@ -227,6 +227,12 @@ class CupyDeviceMemory:
         else:
             stream.synchronize()
 
+    def release_cached(self) -> None:
+        """Wait for the device, then hand cupy's cached unused blocks back to the driver (a session's closer)."""
+        self._device.synchronize()
+        self._cp.get_default_memory_pool().free_all_blocks()
+        self._cp.get_default_pinned_memory_pool().free_all_blocks()
+
     def mem_info(self) -> tuple[int, int]:
         """(free_bytes, total_bytes): the driver's free memory plus what cupy's pool holds unused (ours to reuse)."""
         free, total = self._rt.memGetInfo()

@@ -15,11 +15,33 @@ import sys
 from pathlib import Path
 from typing import Any, Callable
 
-from strata_core.api.backend import ProbeResult
-from strata_core.api.facts import GIB, DeviceInfo
+from strata_core.api import DeviceCaps, DeviceInfo, DeviceType, ProbeResult
+from strata_core.api.facts import GIB
 
 NAME = "cuda"
-INSTALL_HINT = "pip install 'strata-core[cuda]'"
+
+
+def install_line(extra: str, package_dir: Path) -> str:
+    """How to install strata-core's `extra` from where the user stands: the checkout the package lives in, else PyPI.
+
+    A source checkout is recognized by strata-core's own pyproject.toml two levels above the backend's package
+    (backends/<name>/<package>); from inside that checkout the line says '.', from elsewhere the checkout's path.
+    """
+    root = package_dir.resolve().parents[2]
+    try:
+        is_checkout = 'name = "strata-core"' in (root / "pyproject.toml").read_text()
+    except OSError:
+        is_checkout = False
+    if not is_checkout:
+        return f"pip install 'strata-core[{extra}]'"
+    try:
+        here = Path.cwd().resolve() == root
+    except OSError:  # the working directory was removed
+        here = False
+    return f"pip install -e '{'.' if here else root}[{extra}]'"
+
+
+INSTALL_HINT = install_line("cuda", Path(__file__).parent)
 
 #: A usable GPU outranks the cpu backend (10) and the sim backend (0); a larger card outranks a smaller one.
 BASE_SCORE = 100
@@ -28,11 +50,19 @@ BASE_SCORE = 100
 _NVML_DRIVER_MODELS = {0: "wddm", 1: "tcc", 2: "mcdm"}
 
 
-def _os_name() -> str:
+def driver_model(os_name: str, wsl: bool) -> str:
+    """The driver model of a GPU without a vendor query for it: WDDM on Windows, WSL2's paravirtualized WDDM, Linux."""
+    if os_name == "windows":
+        return "wddm"
+    return "wsl2" if wsl else "linux"
+
+
+def current_os() -> str:
+    """This OS as DeviceInfo and HostInfo name it: 'windows', 'macos' or 'linux'."""
     return {"win32": "windows", "darwin": "macos"}.get(sys.platform, "linux")
 
 
-def _is_wsl() -> bool:
+def is_wsl() -> bool:
     """True under WSL2, whose GPU paravirtualization inherits WDDM's page-locked limits."""
     try:
         return "microsoft" in Path("/proc/version").read_text().lower()
@@ -59,9 +89,12 @@ def memory_info(runtime: Any, index: int) -> tuple[int, int]:
     return int(free), int(total)
 
 
-def probe_devices(runtime: Any, read: Callable[[int], DeviceInfo], *, label: str, no_device: str, count_call: str,
-                  version: str = "") -> ProbeResult:
-    """Count the runtime's devices and read each with `read(index)`; a reason instead of an exception."""
+def probe_devices(runtime: Any, read: Callable[[int, int], DeviceInfo], *, label: str, no_device: str,
+                  count_call: str, version: str = "") -> ProbeResult:
+    """Count the runtime's devices and read each with `read(index, count)`; a reason instead of an exception.
+
+    The devices of the result are DeviceInfo facts; the backend wraps them into its Device objects.
+    """
     try:
         count = int(runtime.getDeviceCount())
     except Exception as e:
@@ -69,7 +102,7 @@ def probe_devices(runtime: Any, read: Callable[[int], DeviceInfo], *, label: str
     if count <= 0:
         return ProbeResult.unavailable(f"{no_device}: {count_call} found 0", version=version)
     try:
-        devices = tuple(read(i) for i in range(count))
+        devices = tuple(read(i, count) for i in range(count))
     except Exception as e:
         return ProbeResult.unavailable(f"{label} devices found but not readable: {type(e).__name__}: {e}",
                                        version=version)
@@ -79,9 +112,26 @@ def probe_devices(runtime: Any, read: Callable[[int], DeviceInfo], *, label: str
                        score=int(score), version=version)
 
 
+def peer_copies(runtime: Any, index: int, count: int) -> bool:
+    """True when device `index` can copy directly to or from another device of the runtime (peer access)."""
+    for j in range(count):
+        if j == index:
+            continue
+        try:
+            if int(runtime.deviceCanAccessPeer(index, j)):
+                return True
+        except Exception:  # a runtime (or a double) without the query: no peer copies are claimed
+            return False
+    return False
+
+
 def probe_cupy(*, hip: bool, label: str, missing: Callable[[Exception], str], wrong_build: Callable[[str], str],
                run: Callable[[Any, str], ProbeResult]) -> ProbeResult:
-    """Import cupy, check it is the wanted build (ROCm when `hip`) and probe through `run(runtime, cupy version)`."""
+    """Import cupy, check it is the wanted build (ROCm when `hip`) and probe through `run(runtime, cupy version)`.
+
+    Importing cupy can fail in more ways than ImportError (cupy-rocm without ROCm's libraries raises OSError or
+    RuntimeError from its extension modules): each is a reason, never a crash.
+    """
     try:
         import cupy
         from cupy.cuda import runtime
@@ -140,8 +190,8 @@ def _nvml_facts(nvml: Any, bus_id: str, os_name: str) -> dict:
     return out
 
 
-def device_info(index: int, runtime: Any, nvml: Any | None, os_name: str, wsl: bool) -> DeviceInfo:
-    """DeviceInfo of CUDA device `index`: NVML's facts where it has them, cupy's runtime for the rest."""
+def device_info(index: int, runtime: Any, nvml: Any | None, os_name: str, wsl: bool, count: int = 1) -> DeviceInfo:
+    """DeviceInfo of CUDA device `index` (of `count`): NVML's facts where it has them, cupy's runtime for the rest."""
     props = runtime.getDeviceProperties(index)
     arch = f"sm_{int(props['major'])}{int(props['minor'])}"
     facts: dict = {}
@@ -156,21 +206,28 @@ def device_info(index: int, runtime: Any, nvml: Any | None, os_name: str, wsl: b
         if os_name == "windows":
             facts["driver_model"] = "tcc" if int(props.get("tccDriver", 0)) else "wddm"
         else:
-            facts["driver_model"] = "wsl2" if wsl else "linux"
+            facts["driver_model"] = driver_model(os_name, wsl)
     if "drives_display" not in facts:
         # the kernel watchdog is on exactly when the card runs a display
         facts["drives_display"] = bool(int(props.get("kernelExecTimeoutEnabled", 0)))
     return DeviceInfo(backend=NAME, vendor="nvidia", name=facts.get("name") or text(props.get("name", "")),
                       arch=arch, vram_total_bytes=facts["vram_total_bytes"], vram_free_bytes=facts["vram_free_bytes"],
-                      driver_model=facts["driver_model"], drives_display=facts["drives_display"], index=index)
+                      driver_model=facts["driver_model"], drives_display=facts["drives_display"], index=index,
+                      unified_memory=bool(int(props.get("integrated", 0))), device_type=device_type(props),
+                      caps=DeviceCaps(peer_copies=peer_copies(runtime, index, count)))
+
+
+def device_type(props: dict) -> DeviceType:
+    """An integrated GPU (Jetson, a GPU sharing host RAM) or a discrete one, from the runtime's properties."""
+    return DeviceType.INTEGRATED_GPU if int(props.get("integrated", 0)) else DeviceType.GPU
 
 
 def probe_with(runtime: Any, nvml: Any | None = None, os_name: str | None = None, wsl: bool | None = None,
                version: str = "") -> ProbeResult:
     """Probe through the given runtime (cupy's, or a fake in tests) and NVML module; never raises."""
-    os_name = os_name or _os_name()
-    wsl = _is_wsl() if wsl is None else wsl
-    return probe_devices(runtime, lambda i: device_info(i, runtime, nvml, os_name, wsl), label="CUDA",
+    os_name = os_name or current_os()
+    wsl = is_wsl() if wsl is None else wsl
+    return probe_devices(runtime, lambda i, n: device_info(i, runtime, nvml, os_name, wsl, n), label="CUDA",
                          no_device="cupy is installed but no CUDA device", count_call="cudaGetDeviceCount",
                          version=version)
 
@@ -198,9 +255,11 @@ def _probe_cuda(runtime: Any, cupy_version: str) -> ProbeResult:
 
 
 def probe() -> ProbeResult:
-    """The cuda backend's probe: cupy (the CUDA build) must import and see a device. Never raises."""
+    """The cuda probe's facts: cupy (the CUDA build) must import and see a device; DeviceInfo per card. Never raises.
+
+    `strata_cuda.backend.BACKEND.probe` wraps each DeviceInfo into the device object the core drives.
+    """
     return probe_cupy(
         hip=False, label="CUDA", run=_probe_cuda,
-        missing=lambda e: f"cupy is not installed ({type(e).__name__}: {e}); install: {INSTALL_HINT}",
-        wrong_build=lambda v: (f"the installed cupy {v} is the ROCm build; the cuda backend needs the CUDA build: "
-                               f"{INSTALL_HINT}"))
+        missing=lambda e: f"cupy is not installed ({type(e).__name__}: {e})",
+        wrong_build=lambda v: f"the installed cupy {v} is the ROCm build; the cuda backend needs the CUDA build")
