@@ -83,8 +83,16 @@ def expert_matrices(pool: ExpertPool, slot: int) -> tuple[np.ndarray, np.ndarray
     a = pool.arrays
     if pool.dtype == "f16":
         return a["w_gate_up"][slot].astype(np.float32), a["w_down"][slot].astype(np.float32)
-    return (dequantize_q8_0(a["gate_up_q"][slot], a["gate_up_d"][slot]).astype(np.float32),
-            dequantize_q8_0(a["down_q"][slot], a["down_d"][slot]).astype(np.float32))
+    # q * d exactly (an int8 times an f16 fits f32's mantissa), as ggml and moe.cl compute it: the contract's f16
+    # dequantize_q8_0 output would round every weight once more, an error only an f16 path makes
+    return _dequantize_q8_0_f32(a["gate_up_q"][slot], a["gate_up_d"][slot]), \
+        _dequantize_q8_0_f32(a["down_q"][slot], a["down_d"][slot])
+
+
+def _dequantize_q8_0_f32(qs: np.ndarray, d: np.ndarray) -> np.ndarray:
+    """Q8_0 -> [.., C] f32 q * d, exact (not rounded to f16)."""
+    b = qs.reshape(*qs.shape[:-1], qs.shape[-1] // QK8_0, QK8_0).astype(np.float32)
+    return (b * d.astype(np.float32)[..., None]).reshape(qs.shape)
 
 
 def moe_grouped_ffn(x: np.ndarray, offsets: np.ndarray, slots: np.ndarray, pool: ExpertPool) -> np.ndarray:
@@ -116,6 +124,8 @@ class ReferenceKernels:
     """The numpy KernelSet: device arrays are numpy arrays. Used by the cpu and sim backends."""
 
     name = "numpy-reference"
+    #: every kernel accumulates in f32 (see strata_core.testing.tolerance)
+    precision = "f32"
 
     def route_topk(self, logits, k):
         """See module docstring."""

@@ -1,10 +1,11 @@
-"""The pytest plugin of the conformance kit (entry point `pytest11: strata`): `--strata-backend` and its fixture.
+"""The pytest plugin of the conformance kit (entry point `pytest11: strata`): `--strata-backend` and its fixtures.
 
 Tests that take the `strata_backend` fixture (the suite in `strata_core.testing.conformance`) are parametrized over
 the backends selected by `--strata-backend NAME[,NAME...]|all`, or, without the option, by a module-level
 `STRATA_CONFORMANCE_BACKENDS = [...]`. With neither they are deselected, so a plain `pytest` never runs them by
 accident. Under `all` a backend that is unavailable here is skipped with its probe's reason; a backend named
 explicitly (on the command line or in the module) that is unavailable fails, because someone asked for it.
+`strata_session` opens the backend's first device for the test (`device.open(plan)`) and closes it after.
 """
 
 from __future__ import annotations
@@ -13,9 +14,12 @@ from dataclasses import dataclass
 
 import pytest
 
+from typing import Any
+
 from strata_core.api.backend import Backend, ProbeResult
 from strata_core.api.facts import DeviceInfo, HostInfo
 from strata_core.registry import PluginHost, load_plugins
+from strata_core.testing.session import KitSession, info_of, open_kit_session
 
 FIXTURE = "strata_backend"
 MODULE_SELECTION = "STRATA_CONFORMANCE_BACKENDS"
@@ -24,14 +28,20 @@ _HOST_KEY = pytest.StashKey[PluginHost]()
 
 @dataclass(frozen=True)
 class BackendUnderTest:
-    """What a conformance test gets: the backend, its probe, its first device, the host facts and the plugin host."""
+    """What a conformance test gets: the backend, its probe, its first device (a Device object; `info` its facts),
+    the host facts and the plugin host."""
 
     name: str
     backend: Backend
     probe: ProbeResult
-    device: DeviceInfo
+    device: Any
     host_info: HostInfo
     plugins: PluginHost
+
+    @property
+    def info(self) -> DeviceInfo:
+        """The device's facts."""
+        return info_of(self.device)
 
 
 @dataclass(frozen=True)
@@ -133,10 +143,13 @@ def resolve(config, selection: _Selection) -> BackendUnderTest:
         pytest.skip(why)
     if not probe.devices:
         pytest.fail(f"backend '{name}' says it is available but its probe lists no device", pytrace=False)
-    host_info = host.hook.strata_host_info()
-    if host_info is None:
-        from strata_core.hostinfo import probe_host  # the core's own reading, as the planner falls back to
-        host_info = probe_host()
+    if hasattr(host, "host_info"):
+        host_info = host.host_info()
+    else:
+        host_info = host.hook.strata_host_info()
+        if host_info is None:
+            from strata_core.hostinfo import probe_host  # the core's own reading, as the planner falls back to
+            host_info = probe_host()
     return BackendUnderTest(name=name, backend=host.backends[name], probe=probe, device=probe.devices[0],
                             host_info=host_info, plugins=host)
 
@@ -149,3 +162,14 @@ def strata_backend(request) -> BackendUnderTest:
         pytest.fail("strata_backend is parametrized by --strata-backend or STRATA_CONFORMANCE_BACKENDS only",
                     pytrace=False)
     return resolve(request.config, selection)
+
+
+@pytest.fixture
+def strata_session(strata_backend) -> KitSession:
+    """The backend's first device opened for the test (memory, kernels, layer ops, pinned), closed after it."""
+    bt = strata_backend
+    session = open_kit_session(bt.plugins, bt.backend, bt.device, bt.host_info)
+    try:
+        yield session
+    finally:
+        session.close()

@@ -1,0 +1,101 @@
+"""The kit's expected values: every kernel of the contract computed in float64 from the same inputs.
+
+The numpy oracle (`strata_core.reference.kernels`) is an f32 implementation under test like any backend; the kit
+and `strata run --check` compare against these float64 values instead, so the oracle is never its own judge.
+Quantized weights are dequantized exactly (q * d in float64). Integer results (top-k ids, gathered rows) are the
+same as the oracle's by definition of the contract (ties to the lower id).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from strata_core.api.kernels import QK8_0, ExpertPool
+
+F64 = np.float64
+
+
+def dequantize_q8_0_exact(qs: np.ndarray, d: np.ndarray) -> np.ndarray:
+    """Q8_0 (qs [.., C] int8, d [.., C/32] f16) -> [.., C] float64 q * d, not rounded."""
+    b = np.asarray(qs).reshape(*qs.shape[:-1], qs.shape[-1] // QK8_0, QK8_0).astype(F64)
+    return (b * np.asarray(d).astype(F64)[..., None]).reshape(qs.shape)
+
+
+def dequantize_q8_0(qs: np.ndarray, d: np.ndarray) -> np.ndarray:
+    """The contract's dequantize_q8_0 result: the exact q * d rounded once to f16 (round to nearest even)."""
+    return dequantize_q8_0_exact(qs, d).astype(np.float16)
+
+
+def route_topk(logits: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """(ids [T,k] int32 by descending logit, ties to the lower id; softmax weights over them in float64)."""
+    logits = np.asarray(logits)
+    order = np.argsort(-logits.astype(F64), axis=1, kind="stable")[:, :k]
+    top = np.take_along_axis(logits.astype(F64), order, axis=1)
+    e = np.exp(top - top[:, :1])
+    return order.astype(np.int32), e / e.sum(axis=1, keepdims=True)
+
+
+def gather(x: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """x[rows], in x's own dtype (a copy: exact)."""
+    return np.ascontiguousarray(np.asarray(x)[np.asarray(rows, dtype=np.int64)])
+
+
+def scatter_add(out: np.ndarray, rows: np.ndarray, y: np.ndarray, scale: np.ndarray) -> np.ndarray:
+    """out + sum_i scale[i] * y[i] at rows[i], in float64 (a new array)."""
+    acc = np.asarray(out, dtype=F64).copy()
+    np.add.at(acc, np.asarray(rows, dtype=np.int64), np.asarray(y, dtype=F64) * np.asarray(scale, dtype=F64)[:, None])
+    return acc
+
+
+def rmsnorm(x: np.ndarray, w: np.ndarray, eps: float = 1e-6) -> np.ndarray:
+    """x / rms(x) * w in float64."""
+    x = np.asarray(x, dtype=F64)
+    return x / np.sqrt(np.mean(x * x, axis=1, keepdims=True) + eps) * np.asarray(w, dtype=F64)
+
+
+def linear(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """x @ w^T in float64 (f16 weights are exact in float64)."""
+    return np.asarray(x, dtype=F64) @ np.asarray(w, dtype=F64).T
+
+
+def _silu(v: np.ndarray) -> np.ndarray:
+    return v / (1.0 + np.exp(-v))
+
+
+def expert_matrices(pool: ExpertPool, slot: int) -> tuple[np.ndarray, np.ndarray]:
+    """(w_gate_up [2F,H], w_down [H,F]) of one host slot in float64, quantized formats dequantized exactly."""
+    a = pool.arrays
+    if pool.dtype == "f16":
+        return np.asarray(a["w_gate_up"][slot], dtype=F64), np.asarray(a["w_down"][slot], dtype=F64)
+    if pool.dtype == "q8_0":
+        return (dequantize_q8_0_exact(a["gate_up_q"][slot], a["gate_up_d"][slot]),
+                dequantize_q8_0_exact(a["down_q"][slot], a["down_d"][slot]))
+    raise ValueError(f"the float64 reference has no expert format {pool.dtype!r}")
+
+
+def swiglu_expert(x: np.ndarray, w13: np.ndarray, w2: np.ndarray) -> np.ndarray:
+    """One SwiGLU expert on rows x [n,H] in float64."""
+    f = w2.shape[1]
+    gu = np.asarray(x, dtype=F64) @ w13.T
+    return (_silu(gu[:, :f]) * gu[:, f:]) @ w2.T
+
+
+def moe_grouped_ffn(x: np.ndarray, offsets: np.ndarray, slots: np.ndarray, pool: ExpertPool) -> np.ndarray:
+    """Rows offsets[g]:offsets[g+1] of x run the expert in slot slots[g], in float64; rows of no group are 0."""
+    x = np.asarray(x, dtype=F64)
+    y = np.zeros_like(x)
+    for g in range(len(slots)):
+        lo, hi = int(offsets[g]), int(offsets[g + 1])
+        if hi > lo:
+            y[lo:hi] = swiglu_expert(x[lo:hi], *expert_matrices(pool, int(slots[g])))
+    return y
+
+
+def relative_error(out: np.ndarray, want: np.ndarray) -> float:
+    """||out - want|| / ||want|| in float64 (NaN or inf anywhere in out gives inf)."""
+    out = np.asarray(out, dtype=F64)
+    want = np.asarray(want, dtype=F64)
+    if not np.all(np.isfinite(out)):
+        return float("inf")
+    den = np.linalg.norm(want)
+    return float(np.linalg.norm(out - want) / (den if den > 0 else 1.0))

@@ -1,0 +1,120 @@
+"""How the kit reaches one backend's device memory, kernels, pinned allocator and layer ops, on either contract.
+
+API 2.0: the probe lists Device objects and everything is asked of the device: `device.open(plan)` returns a
+DeviceSession (memory, kernels, budget, pinned, layer_ops). The kit plans the built-in tiny model for the device
+(core defaults, the backend named) and opens one session per test. Until every backend has moved there, a probe
+that still lists DeviceInfo facts is reached through the per-device hooks (`strata_device_memory`,
+`strata_kernels`, `strata_pinned_allocator`) of the plugin host, exactly as the runtime reaches it then.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from strata_core.api.backend import PinnedBudget
+from strata_core.api.facts import DeviceInfo, HostInfo, PlatformDefaults
+
+#: The per-device hooks of API 1.x, gone in 2.0: the kit calls them only while the hookspec still declares them.
+DEVICE_HOOKS = ("strata_device_memory", "strata_kernels", "strata_pinned_allocator", "strata_platform_defaults")
+
+
+def info_of(device: Any) -> DeviceInfo:
+    """The DeviceInfo of a probe's device entry (a Device object's `info`, or the facts themselves)."""
+    return device if isinstance(device, DeviceInfo) else device.info
+
+
+def is_device_object(device: Any) -> bool:
+    """True when a probe's device entry is an API 2.0 Device (it can be opened), not bare facts."""
+    return not isinstance(device, DeviceInfo) and callable(getattr(device, "open", None))
+
+
+def declared_hooks(plugins: Any) -> set[str]:
+    """The per-device hooks the plugin host's hookspec still declares."""
+    return {h for h in DEVICE_HOOKS if hasattr(plugins.hook, h)}
+
+
+def platform_defaults(plugins: Any, device: Any, host: HostInfo) -> PlatformDefaults | None:
+    """The device's PlatformDefaults: asked of the Device object, or through the hook on the 1.x contract."""
+    if is_device_object(device):
+        return device.platform_defaults(host)
+    if "strata_platform_defaults" in declared_hooks(plugins):
+        return plugins.hook.strata_platform_defaults(device=device, host=host)
+    return None
+
+
+def kit_plan(plugins: Any, backend: Any, device: Any, host: HostInfo) -> Any:
+    """A proven plan of the built-in tiny model on this device (core defaults, this backend), to open a session."""
+    from strata_core.config import settings_from_partial
+    from strata_core.models.synthetic import tiny_cache_slots, tiny_model_spec
+    from strata_core.planner import plan_for_machine
+    spec = tiny_model_spec()
+    info = info_of(device)
+    settings = settings_from_partial({"backend": {"name": info.backend, "device": info.index},
+                                      "memory": {"expert_cache": tiny_cache_slots(spec)}}, where="the kit")
+    if is_device_object(device):
+        from strata_core.api.target import Target
+        target = Target(backend=backend, device=device, host=host, defaults=device.platform_defaults(host),
+                        origin="the conformance kit")
+        return plan_for_machine(plugins, target, spec, settings)
+    return plan_for_machine(plugins, info, host, spec, settings)
+
+
+@dataclass
+class KitSession:
+    """What the kit drives on one device: memory, kernels, layer ops (or None) and pinned allocators on a budget."""
+
+    memory: Any
+    kernels: Any
+    layer_ops: Any
+    #: (limit_bytes, floor_bytes) -> (PinnedAllocator or None, the PinnedBudget it charges)
+    pinned: Callable[[int, int], tuple[Any, PinnedBudget]]
+    contract: str  # "2.0 session" or "1.x hooks"
+    closers: list[Callable[[], None]] = field(default_factory=list)
+
+    def close(self) -> None:
+        """Close the device session, if the backend opened one."""
+        while self.closers:
+            self.closers.pop()()
+
+
+def _pinned_on_session(session: Any) -> Callable[[int, int], tuple[Any, PinnedBudget]]:
+    """The session's own allocator, with its budget set to the test's limits (the allocator charges that object)."""
+
+    def pinned(limit_bytes: int, floor_bytes: int = 0) -> tuple[Any, PinnedBudget]:
+        budget = session.budget
+        if budget.used_bytes:
+            raise AssertionError(f"the session's pinned budget holds {budget.used_bytes} bytes before the test")
+        budget.limit_bytes, budget.floor_bytes = int(limit_bytes), int(floor_bytes)
+        return session.pinned, budget
+
+    return pinned
+
+
+def _pinned_by_hook(hook: Any, device: Any) -> Callable[[int, int], tuple[Any, PinnedBudget]]:
+    """A fresh budget of the test's limits and the allocator the hook gives for it."""
+
+    def pinned(limit_bytes: int, floor_bytes: int = 0) -> tuple[Any, PinnedBudget]:
+        budget = PinnedBudget(limit_bytes, floor_bytes)
+        return hook.strata_pinned_allocator(device=device, budget=budget), budget
+
+    return pinned
+
+
+def open_kit_session(plugins: Any, backend: Any, device: Any, host: HostInfo) -> KitSession:
+    """Open the device the way the runtime does on its contract (2.0: device.open(plan); 1.x: the device hooks)."""
+    if is_device_object(device):
+        session = device.open(kit_plan(plugins, backend, device, host))
+        return KitSession(memory=session.memory, kernels=session.kernels, layer_ops=session.layer_ops,
+                          pinned=_pinned_on_session(session), contract="2.0 session", closers=[session.close])
+    missing = {"strata_device_memory", "strata_kernels", "strata_pinned_allocator"} - declared_hooks(plugins)
+    if missing:
+        raise AssertionError(f"backend '{info_of(device).backend}' lists DeviceInfo facts, not Device objects, and "
+                             f"this core has no {', '.join(sorted(missing))} hook to reach them: open() is the way")
+    hook = plugins.hook
+    mem = hook.strata_device_memory(device=device)
+    kernels = hook.strata_kernels(device=device)
+    assert mem is not None, f"no plugin answered strata_device_memory for a '{device.backend}' device"
+    assert kernels is not None, f"no plugin answered strata_kernels for a '{device.backend}' device"
+    return KitSession(memory=mem, kernels=kernels, layer_ops=None,
+                      pinned=_pinned_by_hook(hook, device), contract="1.x hooks")
