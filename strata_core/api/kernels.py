@@ -127,6 +127,9 @@ class LayerWork:
 
     `x` is the residual [T,H] f32 on the device, updated in place: x += sum_k w_k * expert_k(rmsnorm(x)).
     `ring` holds the pool slots lent to this chunk for streaming misses (empty: misses are admitted into the cache).
+    `workspace` is where every buffer of the op comes from: for a prefill chunk, the loan's buffer slots and the
+    plan's workspace region; for decode, the workspace region. It is reset by the executor between layers.
+    The works of one chunk (or one decode step) share `x`, `stats` and `extras`.
     """
 
     phase: str                 # "prefill" or "decode"
@@ -143,9 +146,12 @@ class LayerWork:
     ring: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
     compute_stream: Any = None
     copy_stream: Any = None
-    #: counters the op adds to: hits, misses, experts_streamed, bytes_streamed, experts_admitted, ...
+    #: counters the op adds to (ints, all present): experts_streamed, bytes_streamed, experts_admitted,
+    #: cpu_share_experts, ring_batches, workspace_peak_bytes. Hits and misses are counted by `slots.lookup`.
     stats: dict = field(default_factory=dict)
-    #: the runtime's own handles a composed op may use (the CPU share, the observer); a fused op may ignore them
+    #: the runtime's own handles an op may use. "observer" (only in --check runs): call it after each layer as
+    #: observer(phase, layer, x_in, x_out) with host copies of the residual before and after the layer; an op that
+    #: cannot (a fused decode graph) leaves the layer unchecked, and --check reports fewer layers.
     extras: dict = field(default_factory=dict)
 
 

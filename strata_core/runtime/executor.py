@@ -1,81 +1,99 @@
-"""The executor: chunked prefill and decode over the MoE layers, on any backend, through DeviceMemory and KernelSet.
+"""The executor: chunked prefill and decode over the MoE layers, through the layer ops only.
 
-Per layer: route on the device (rmsnorm, linear, route_topk), download the ids (small) and group tokens by expert on
-the host; run the cached experts over the cache pool's slots while the misses stream into the ring (slots lent from
-the same pool) on a copy stream, double-buffered with events; when armed, the CPU share runs some misses on host
-weights in a thread at the same time. Decode reads hits from the cache and admits its misses (evicting the coldest
-slots). The model has no attention (out of scope for Strata Core): each token is independent.
-
-In accounting-only mode (`strata simulate`) there are no weights: routing is drawn from a seeded popularity per
-layer and every decision (hits, misses, the ring, the CPU share's arming and buffers) runs as it would, with the
-bytes counted and no kernel launched.
+The executor embeds a chunk (or a decode token), hands every MoE layer's whole work (`LayerWork`) to the session's
+`LayerOps` (`prefill_layer` per layer of a chunk, `decode_step` for all layers of one token), then runs the LM head.
+It keeps chunking, ticks, stats and progress; routing, grouping, hits, the ring, admission and the CPU share are the
+layer op's (the core's default composition is `strata_core.runtime.layer_ops.ComposedLayerOps`). The model has no
+attention (out of scope for Strata Core): each token is independent.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import numpy as np
 
-from strata_core.errors import StrataError
+from strata_core.api.kernels import LayerWork
 from strata_core.reference.kernels import ExpertPool
-from strata_core.models.spec import ACTIVATION_BUFFERS, F32_BYTES
-from strata_core.runtime.cache import EMPTY, ExpertCache
+from strata_core.runtime.cache import ExpertCache
 from strata_core.runtime.cpu_share import CpuShare
+from strata_core.runtime.layer_ops import (KERNEL_SCRATCH_FACTOR, MIN_ROWS_PER_CALL, ComposedLayerOps,  # noqa: F401
+                                           DeviceFull, Routing, StoreSource, new_counters)
 from strata_core.runtime.loan import Loan, NoLoan
 from strata_core.runtime.runlog import RunLog
 from strata_core.runtime.store import ExpertStore
 from strata_core.models.weights import ModelWeights
 
 
-#: A grouped-FFN call takes at least this many routed rows, however small the workspace.
-MIN_ROWS_PER_CALL = 64
-#: A grouped kernel may hold scratch beside the buffers the contract names (padded f16 copies of the rows, staged
-#: expert weights): a call is sized as if its buffers took this many times their contract bytes. 3 kept the cuda
-#: backend's memory pool at 93-97% of the plan's device figures on an H200 for prompts of 300 to 6000 tokens (2 let
-#: a 300-token prompt go 0.4% above).
-KERNEL_SCRATCH_FACTOR = 3
-
-
-class DeviceFull(StrataError):
-    """The device refused an allocation the request cannot run without."""
-
-
 @dataclass
 class ExecStats:
-    """Counters of one run (all requests)."""
+    """Counters of one run (all requests); the layer ops' counters live in `layer` (see layer_ops.COUNTERS)."""
 
     prefill_tokens: int = 0
     decode_tokens: int = 0
-    experts_streamed: int = 0
-    bytes_streamed: int = 0
-    experts_admitted: int = 0
-    cpu_share_experts: int = 0
     chunks: int = 0
-    workspace_peak_bytes: int = 0
-    ring_batches: int = 0
+    layer: dict = field(default_factory=new_counters)
 
+    @property
+    def experts_streamed(self) -> int:
+        """Experts copied into the device (ring or admission)."""
+        return self.layer["experts_streamed"]
 
-@dataclass
-class Routing:
-    """One layer's routing of T tokens, grouped by expert on the host."""
+    @property
+    def bytes_streamed(self) -> int:
+        """Bytes copied into the device for missed experts."""
+        return self.layer["bytes_streamed"]
 
-    experts: np.ndarray      # [G] expert ids of the layer, ascending
-    counts: np.ndarray       # [G] tokens each
-    starts: np.ndarray       # [G] start of each group in rows/scales
-    rows: np.ndarray | None  # [N] token index of each routed row, grouped by expert
-    scales: np.ndarray | None  # [N] routing weight of each routed row
+    @property
+    def experts_admitted(self) -> int:
+        """Missed experts admitted into the cache."""
+        return self.layer["experts_admitted"]
 
-    def group(self, g: int) -> tuple[np.ndarray, np.ndarray]:
-        """(rows, scales) of group g."""
-        s, n = int(self.starts[g]), int(self.counts[g])
-        return self.rows[s:s + n], self.scales[s:s + n]
+    @property
+    def cpu_share_experts(self) -> int:
+        """Missed experts the CPU share ran."""
+        return self.layer["cpu_share_experts"]
+
+    @property
+    def ring_batches(self) -> int:
+        """Batches streamed through the ring."""
+        return self.layer["ring_batches"]
+
+    @property
+    def workspace_peak_bytes(self) -> int:
+        """The largest chunk buffers plus one grouped call's buffers, from their shapes."""
+        return self.layer["workspace_peak_bytes"]
 
 
 #: Called in --check runs after every layer, (phase, layer, x_in [T,H] f32, x_out [T,H] f32), and after the LM head,
 #: ("head", -1, x_last [1,H] f32, logits [1,V] f32); host arrays.
 LayerObserver = Callable[[str, int, np.ndarray, np.ndarray], None]
+
+_NO_RING = np.zeros(0, np.int32)
+
+
+class HeapWorkspace:
+    """A Workspace whose views are fresh device arrays, freed on reset."""
+
+    def __init__(self, dm: Any):
+        self.dm = dm
+        self._live: list = []
+
+    def carve(self, shape: tuple[int, ...], dtype: Any) -> Any:
+        """A device array of this shape; DeviceFull when the device refuses it."""
+        a = self.dm.alloc(shape, dtype)
+        if a is None:
+            raise DeviceFull(f"the device refused a {shape} {np.dtype(dtype).name} workspace buffer")
+        self._live.append(a)
+        return a
+
+    def reset(self) -> None:
+        """Free every carved array."""
+        for a in self._live:
+            self.dm.free(a)
+        self._live.clear()
 
 
 class Executor:
@@ -84,7 +102,7 @@ class Executor:
     def __init__(self, *, dm: Any, kernels: Any, cache: ExpertCache, store: ExpertStore, device_pool: ExpertPool,
                  weights: ModelWeights | None, dense_dev: dict[str, Any] | None, share: CpuShare, log: RunLog,
                  top_k: int, hidden: int, workspace_bytes: int = 0, accounting_only: bool = False, seed: int = 0,
-                 observer: LayerObserver | None = None, staging: Any = None):
+                 observer: LayerObserver | None = None, staging: Any = None, layer_ops: Any = None):
         self.dm = dm
         self.k = kernels
         self.cache = cache
@@ -96,23 +114,35 @@ class Executor:
         self.log = log
         self.top_k = int(top_k)
         self.hidden = int(hidden)
-        #: The plan's device workspace: a chunk's buffers beyond the lent slots stay within it where they can.
         self.workspace_bytes = int(workspace_bytes)
         self.accounting_only = accounting_only
-        self.observer = observer
+        self.observer = self._timed(observer) if observer is not None else None
+        #: Seconds spent in the observer (--check): excluded from the request's timings.
+        self.observer_s = 0.0
         self.stats = ExecStats()
-        #: Does the layer in progress keep its routed rows in routing order (see _run_groups)?
-        self._ordered = False
+        self.counters = self.stats.layer
         #: Page-locked staging for experts the arena could not pin (None: copies from pageable memory).
         self.staging = staging
         #: Called with (phase, tokens) after every prefill chunk and decode step (progress bars).
         self.progress: Callable[[str, int], None] | None = None
         self.copy_stream = dm.new_stream()
-        self._rng = np.random.default_rng(seed)
-        E = cache.experts_per_layer
-        # accounting mode: a Zipf-like popularity per layer, a different hot set in every layer
-        base = 1.0 / np.arange(1, E + 1) ** 0.8
-        self._popularity = [self._rng.permutation(base / base.sum()) for _ in range(cache.layers)]
+        self.source = StoreSource(dm, device_pool, store, staging, self.counters, accounting_only)
+        self.workspace = HeapWorkspace(dm)
+        ffn = weights.expert_ffn if weights is not None else 0
+        self.ops = layer_ops if layer_ops is not None else ComposedLayerOps(
+            dm=dm, kernels=kernels, store=store, share=share, hidden=hidden, expert_ffn=ffn,
+            experts_per_layer=cache.experts_per_layer, layers=cache.layers, workspace_bytes=workspace_bytes,
+            accounting_only=accounting_only, seed=seed)
+
+    def _timed(self, observer: LayerObserver) -> LayerObserver:
+        """The observer, its time (downloads and comparisons) added to observer_s."""
+        def call(phase: str, layer: int, x_in: np.ndarray, x_out: np.ndarray) -> None:
+            t0 = time.perf_counter()
+            try:
+                observer(phase, layer, x_in, x_out)
+            finally:
+                self.observer_s += time.perf_counter() - t0
+        return call
 
     # --- device helpers ------------------------------------------------------------------------------------
 
@@ -129,287 +159,14 @@ class Executor:
             self.dm.free(a)
         temps.clear()
 
-    def _upload_expert(self, row: int, slot: int) -> None:
-        """Copy one expert from the host store (or its page-locked staging copy) into a device slot, on the copy stream."""
-        if not self.accounting_only:
-            staged = self.staging.stage(row, lambda: self.dm.synchronize(self.copy_stream)) if self.staging else None
-            for name, src in (staged or self.store.expert(row)).items():
-                self.dm.upload(self.pool.arrays[name][slot], src, self.copy_stream)
-        self.stats.experts_streamed += 1
-        self.stats.bytes_streamed += self.store.row_bytes
-
-    # --- routing -------------------------------------------------------------------------------------------
-
-    def _route(self, layer: int, xn: Any, tokens: int) -> Routing:
-        """Route on the device and group on the host (or draw a routing in accounting mode)."""
-        k = self.top_k
-        if self.accounting_only:
-            counts = self._rng.multinomial(tokens * k, self._popularity[layer])
-            experts = np.flatnonzero(counts)
-            counts = counts[experts]
-            starts = np.concatenate([[0], np.cumsum(counts)[:-1]]) if len(counts) else counts
-            return Routing(experts, counts, starts, None, None)
-        logits = self.k.linear(xn, self.dense[f"router.{layer}"])
-        ids_d, w_d = self.k.route_topk(logits, k)
-        ids = np.asarray(self.dm.download(ids_d)).reshape(-1)
-        w = np.asarray(self.dm.download(w_d), dtype=np.float32).reshape(-1)
-        order = np.argsort(ids, kind="stable")
-        experts, starts, counts = np.unique(ids[order], return_index=True, return_counts=True)
-        return Routing(experts.astype(np.int64), counts, starts, (order // k).astype(np.int32), w[order])
-
-    # --- one MoE layer -------------------------------------------------------------------------------------
-
-    def _token_part_bytes(self, tokens: int) -> int:
-        """Device bytes of a chunk's per-token buffers (activations, router logits, top-k), as the plan counts them."""
-        E = self.cache.experts_per_layer
-        base = ACTIVATION_BUFFERS * self.hidden * F32_BYTES + E * F32_BYTES + self.top_k * 8
-        return tokens * (base + (self._ordered_row_bytes() if self._ordered else 0))
-
-    def _ordered_row_bytes(self) -> int:
-        """Per token: every routed row's output kept in routing order (hidden f32), its token index and weight."""
-        return self.top_k * (self.hidden * F32_BYTES + 8)
-
-    def _ordered_fits(self, tokens: int) -> bool:
-        """Can this chunk keep its routed rows in routing order within the plan's workspace?"""
-        if not self.workspace_bytes:
-            return True
-        E = self.cache.experts_per_layer
-        per_token = (ACTIVATION_BUFFERS * self.hidden * F32_BYTES + E * F32_BYTES + self.top_k * 8
-                     + self._ordered_row_bytes())
-        return tokens * per_token + MIN_ROWS_PER_CALL * KERNEL_SCRATCH_FACTOR * self._row_bytes() \
-            <= self.workspace_bytes
-
-    def _row_bytes(self) -> int:
-        """Device bytes of one routed row: its gathered input, its output, the gate and up intermediates, its index."""
-        return (2 * self.hidden + 2 * self._ffn()) * F32_BYTES + 8
-
-    def _staged_slot_bytes(self) -> int:
-        """Bytes a grouped kernel may stage per group: the expert's weights, dequantized to f16 where quantized."""
-        return max(self.store.row_bytes, 6 * self.hidden * self._ffn())
-
-    def _call_budget(self, tokens: int) -> int:
-        """Bytes one grouped-FFN call may take so the chunk's buffers stay within the plan's workspace."""
-        if not self.workspace_bytes:
-            return 1 << 62
-        return max(MIN_ROWS_PER_CALL * self._row_bytes(), self.workspace_bytes - self._token_part_bytes(tokens))
-
-    def _run_groups(self, r: Routing, groups: np.ndarray, slots: np.ndarray, xn: Any, out: Any, temps: list,
-                    tokens: int) -> None:
-        """Run these groups' experts, each from its device slot, on their rows of xn, into `out`.
-
-        When the layer keeps its rows in routing order (`self._ordered`), `out` is that [N,H] buffer and each row's
-        output lands at its position, so the layer adds them to the residual in one fixed order whichever experts
-        hit, missed or ran in which call (the bits do not depend on the cache's contents). When that buffer would
-        not fit the workspace (a large chunk), `out` is the residual itself and rows add as their calls finish.
-        A call's cost is its routed rows' buffers plus one slot's bytes per group, since a grouped kernel may stage
-        each group's expert weights; a call never exceeds what the workspace has left beside the chunk's buffers.
-        """
-        if self.accounting_only or len(groups) == 0:
-            return
-        budget = self._call_budget(tokens)
-        row_b, slot_b = KERNEL_SCRATCH_FACTOR * self._row_bytes(), KERNEL_SCRATCH_FACTOR * self._staged_slot_bytes()
-        cap = max(1, (budget - slot_b) // row_b)
-        pieces: list[tuple] = []  # (rows, positions, scales, slot), a group split where too long
-        for g, slot in zip(groups, slots):
-            rows, scales = r.group(int(g))
-            start = int(r.starts[g])
-            positions = np.arange(start, start + len(rows), dtype=np.int32)
-            for i in range(0, len(rows), cap):
-                pieces.append((rows[i:i + cap], positions[i:i + cap], scales[i:i + cap], int(slot)))
-        call: list[tuple[np.ndarray, np.ndarray, int]] = []
-        cost = 0
-        for piece in pieces + [None]:
-            more = 0 if piece is None else len(piece[0]) * row_b + slot_b
-            if piece is None or (call and cost + more > budget):
-                self._grouped_call(call, xn, out, tokens)
-                call, cost = [], 0
-            if piece is not None:
-                call.append(piece)
-                cost += more
-
-    def _grouped_call(self, call: list, xn: Any, out: Any, tokens: int) -> None:
-        """One moe_grouped_ffn over these (rows, positions, scales, slot) groups into `out`; buffers freed after."""
-        if not call:
-            return
-        temps: list = []
-        try:
-            rows = np.concatenate([p[0] for p in call]).astype(np.int32)
-            offsets = np.concatenate([[0], np.cumsum([len(p[0]) for p in call])]).astype(np.int32)
-            rows_d = self._put(rows, temps)
-            xg = self.k.gather(xn, rows_d)
-            y = self.k.moe_grouped_ffn(xg, self._put(offsets, temps),
-                                       self._put(np.array([p[3] for p in call], np.int32), temps), self.pool)
-            if self._ordered:
-                # out starts at zero and each position is written once: 0 + y is y, bit for bit
-                positions = np.concatenate([p[1] for p in call]).astype(np.int32)
-                self.k.scatter_add(out, self._put(positions, temps), y,
-                                   self._put(np.ones(len(rows), np.float32), temps))
-            else:
-                scales = np.concatenate([p[2] for p in call]).astype(np.float32)
-                self.k.scatter_add(out, rows_d, y, self._put(scales, temps))
-            del xg, y
-        finally:
-            self._free(temps)
-        self.stats.workspace_peak_bytes = max(self.stats.workspace_peak_bytes, self._token_part_bytes(tokens)
-                                              + len(rows) * self._row_bytes() + len(call) * self._staged_slot_bytes())
-
-    def _ffn(self) -> int:
-        return self.weights.expert_ffn if self.weights is not None else 0
-
-    def _stream_through_ring(self, layer: int, r: Routing, groups: np.ndarray, ring: np.ndarray, xn: Any, out: Any,
-                             temps: list, tokens: int) -> None:
-        """Stream missed experts into the ring's two halves in turn: copy one half while the other computes."""
-        if len(groups) == 0:
-            return
-        halves = [ring[: len(ring) // 2], ring[len(ring) // 2:]] if len(ring) >= 2 else [ring]
-        width = min(len(h) for h in halves)
-        ready: list[Any] = [None] * len(halves)
-        for b, i0 in enumerate(range(0, len(groups), width)):
-            batch = groups[i0:i0 + width]
-            h = b % len(halves)
-            slots = halves[h][:len(batch)]
-            if ready[h] is not None:
-                self.dm.wait(self.copy_stream, ready[h])  # the compute of two batches ago is done with this half
-            for g, slot in zip(batch, slots):
-                self._upload_expert(int(self.cache.row(layer, int(r.experts[g]))), int(slot))
-            copied = self.dm.new_event()
-            self.dm.record(copied, self.copy_stream)
-            self.dm.wait(None, copied)
-            self._run_groups(r, batch, slots, xn, out, temps, tokens)
-            done = self.dm.new_event()
-            self.dm.record(done, None)
-            ready[h] = done
-            self.stats.ring_batches += 1
-
-    def _run_misses(self, layer: int, r: Routing, groups: np.ndarray, ring: np.ndarray | None, keep: np.ndarray,
-                    xn: Any, out: Any, temps: list, tokens: int) -> None:
-        """Run missed experts: streamed through the lent ring when the chunk has one, else admitted into the cache."""
-        if ring is not None and len(ring):
-            self._stream_through_ring(layer, r, groups, ring, xn, out, temps, tokens)
-        else:
-            self._admit_and_run(layer, r, groups, keep, xn, out, temps, tokens)
-
-    def _admit_and_run(self, layer: int, r: Routing, groups: np.ndarray, keep: np.ndarray, xn: Any, out: Any,
-                       temps: list, tokens: int) -> None:
-        """Misses without a ring (decode, short prompts): admit them into the cache, evicting the coldest, and run.
-
-        The first pass keeps this step's hits (the hot set); when the cache is too small for every miss, later passes
-        may reuse any slot, after a fence that orders their copies behind the kernels already launched.
-        """
-        todo = groups
-        while len(todo):
-            slots = self.cache.admit(layer, r.experts[todo], keep=keep)
-            ok = slots != EMPTY
-            if not ok.any():
-                if len(keep) == 0:
-                    raise StrataError(f"layer {layer}: no cache slot can take a missed expert "
-                                      f"({self.cache.slots_on_loan} of {self.cache.slots} slots on loan)")
-                self._fence_copies()
-                keep = keep[:0]
-                continue
-            for g, slot in zip(todo[ok], slots[ok]):
-                self._upload_expert(int(self.cache.row(layer, int(r.experts[g]))), int(slot))
-            self.stats.experts_admitted += int(ok.sum())
-            copied = self.dm.new_event()
-            self.dm.record(copied, self.copy_stream)
-            self.dm.wait(None, copied)
-            self._run_groups(r, todo[ok], slots[ok], xn, out, temps, tokens)
-            keep = np.concatenate([keep, slots[ok]])
-            todo = todo[~ok]
-
-    def _fence_copies(self) -> None:
-        """Order later copies on the copy stream behind every kernel launched so far."""
-        fence = self.dm.new_event()
-        self.dm.record(fence, None)
-        self.dm.wait(self.copy_stream, fence)
-
-    def _share_split(self, r: Routing, misses: np.ndarray, tokens: int) -> np.ndarray:
-        """The misses the CPU takes: the half with the fewest tokens (cheap on the CPU, costly to stream), as many
-        as its buffer's rows hold."""
-        if not self.share.armed_for(tokens) or len(misses) < 2:
-            return misses[:0]
-        by_size = misses[np.argsort(r.counts[misses], kind="stable")][: len(misses) // 2]
-        fits = np.cumsum(r.counts[by_size]) <= self.share.rows_capacity
-        return np.sort(by_size[fits])
-
-    def _layer(self, phase: str, layer: int, x: Any, tokens: int, ring: np.ndarray | None, temps: list) -> None:
-        """One MoE layer in place on the residual x [T,H] (a device array; None in accounting mode)."""
-        xn = None if self.accounting_only else self.k.rmsnorm(x, self.dense[f"norm.{layer}"])
-        x_in = None
-        if self.observer is not None and not self.accounting_only:
-            x_in = np.asarray(self.dm.download(x))
-        r = self._route(layer, xn, tokens)
-        # copies into ring or evicted slots must not overtake kernels of earlier layers that still read those slots;
-        # this layer's own hits never sit in them, so their compute still overlaps the copies
-        self._fence_copies()
-        slots = self.cache.lookup(layer, r.experts, r.counts)
-        hits = np.flatnonzero(slots != EMPTY)
-        misses = np.flatnonzero(slots == EMPTY)
-        cpu = self._share_split(r, misses, tokens)
-        job = out = None
-        cpu_rows = int(r.counts[cpu].sum()) if len(cpu) else 0
-        if len(cpu):
-            out = self.share.output(cpu_rows)
-            if out is None:
-                cpu = cpu[:0]
-        if len(cpu):
-            self.stats.cpu_share_experts += len(cpu)
-            if not self.accounting_only:
-                xh = np.asarray(self.dm.download(xn), dtype=np.float32)
-                groups = [(self.store.expert(int(self.cache.row(layer, int(r.experts[g])))), r.group(int(g))[0])
-                          for g in cpu]
-                job = self.share.start(xh, groups, out, self.store.pool.dtype)
-        device_misses = np.setdiff1d(misses, cpu, assume_unique=True)
-        layer_temps: list = []
-        try:
-            routed = None
-            self._ordered = not self.accounting_only and self._ordered_fits(tokens)
-            if self._ordered:
-                routed = self._put(np.zeros((len(r.rows), self.hidden), np.float32), layer_temps)
-            elif not self.accounting_only:
-                routed = x
-            self._run_groups(r, hits, slots[hits], xn, routed, temps, tokens)
-            self._run_misses(layer, r, device_misses, ring, slots[hits], xn, routed, temps, tokens)
-        except BaseException:
-            self._free(layer_temps)
-            if job is not None:
-                job.join()  # the share writes into a buffer the next attempt reuses: let it finish first
-            raise
-        if job is not None:
-            err = job.join()
-            if err is None:
-                # the share's rows go to their routing positions, so they add to the residual in the same order
-                # (and to the same bits) as rows the device ran
-                try:
-                    if self._ordered:
-                        positions = np.concatenate([np.arange(int(r.starts[g]), int(r.starts[g] + r.counts[g]))
-                                                    for g in cpu]).astype(np.int32)
-                        self.k.scatter_add(routed, self._put(positions, layer_temps), self._put(out, layer_temps),
-                                           self._put(np.ones(cpu_rows, np.float32), layer_temps))
-                    else:
-                        rows = np.concatenate([r.group(int(g))[0] for g in cpu]).astype(np.int32)
-                        scales = np.concatenate([r.group(int(g))[1] for g in cpu]).astype(np.float32)
-                        self.k.scatter_add(x, self._put(rows, layer_temps), self._put(out, layer_temps),
-                                           self._put(scales, layer_temps))
-                except BaseException:
-                    self._free(layer_temps)
-                    raise
-            else:
-                # the share's result is lost: turn it off for the run and run its experts on the device path
-                self.share.turn_off(f"its thread failed ({type(err).__name__}: {err}); off for this run")
-                try:
-                    self._run_misses(layer, r, cpu, ring, slots[hits], xn, routed, temps, tokens)
-                except BaseException:
-                    self._free(layer_temps)
-                    raise
-        try:
-            if self._ordered:
-                # every routed row's weighted output into the residual, in routing order (experts ascending)
-                self.k.scatter_add(x, self._put(r.rows, layer_temps), routed, self._put(r.scales, layer_temps))
-        finally:
-            self._free(layer_temps)
-        if x_in is not None:
-            self.observer(phase, layer, x_in, np.asarray(self.dm.download(x)))
+    def _works(self, phase: str, x: Any, tokens: int, ring: np.ndarray) -> list[LayerWork]:
+        """The LayerWork of every MoE layer for one chunk or one decode step (all on the same residual x)."""
+        extras = {"observer": self.observer} if self.observer is not None else {}
+        return [LayerWork(phase=phase, layer=layer, tokens=tokens, x=x, norm_w=self.dense.get(f"norm.{layer}"),
+                          router_w=self.dense.get(f"router.{layer}"), top_k=self.top_k, pool=self.pool,
+                          slots=self.cache, source=self.source, workspace=self.workspace, ring=ring,
+                          compute_stream=None, copy_stream=self.copy_stream, stats=self.counters, extras=extras)
+                for layer in range(self.cache.layers)]
 
     # --- prefill and decode --------------------------------------------------------------------------------
 
@@ -432,7 +189,7 @@ class Executor:
         """Read a prompt in the loan's chunks; the last token's logits (None in accounting mode)."""
         total = int(prompt) if np.isscalar(prompt) else len(prompt)
         chunk = max(1, int(loan.chunk_tokens))
-        ring = loan.ring if isinstance(loan, Loan) else None
+        ring = loan.ring if isinstance(loan, Loan) else _NO_RING
         logits = None
         for start in range(0, total, chunk):
             n = min(chunk, total - start)
@@ -440,8 +197,8 @@ class Executor:
             try:
                 self.cache.tick()
                 x = self._embed(None if np.isscalar(prompt) else prompt[start:start + n], temps)
-                for layer in range(self.cache.layers):
-                    self._layer("prefill", layer, x, n, ring, temps)
+                for work in self._works("prefill", x, n, ring):
+                    self.ops.prefill_layer(work)
                 if start + n >= total and not self.accounting_only:
                     logits = self._head(x, temps)
             finally:
@@ -458,8 +215,7 @@ class Executor:
         try:
             self.cache.tick()
             x = self._embed(np.array([token]) if not self.accounting_only else None, temps)
-            for layer in range(self.cache.layers):
-                self._layer("decode", layer, x, 1, None, temps)
+            self.ops.decode_step(self._works("decode", x, 1, _NO_RING))
             logits = None if self.accounting_only else self._head(x, temps)
         finally:
             self._free(temps)

@@ -45,8 +45,8 @@ def test_prefill_with_a_lent_ring_and_decode_match_the_reference(dtype):
 def test_ring_slots_are_the_lent_cache_slots():
     eng, plan, _, _ = tiny_engine()
     seen = []
-    orig = eng.executor._upload_expert
-    eng.executor._upload_expert = lambda row, slot: (seen.append(slot), orig(row, slot))
+    orig = eng.executor.source.upload
+    eng.executor.source.upload = lambda row, slot, stream: (seen.append(slot), orig(row, slot, stream))
     loans = []
     orig_lend = eng.loans.lend
     eng.loans.lend = lambda n, **kw: loans.append(orig_lend(n, **kw)) or loans[-1]

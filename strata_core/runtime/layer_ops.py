@@ -1,0 +1,411 @@
+"""The core's default layer ops, composed from a session's primitive KernelSet (used when `session.layer_ops` is None).
+
+Per layer: route on the device (rmsnorm, linear, route_topk), download the ids (small) and group tokens by expert on
+the host; run the cached experts over the cache pool's slots while the misses stream into the ring (slots lent from
+the same pool) on a copy stream, double-buffered with events; when armed, the CPU share runs some misses on host
+weights in a thread at the same time. Decode reads hits from the cache and admits its misses (evicting the coldest
+slots). A decode step is its layers in order.
+
+In accounting-only mode (`strata simulate`) there are no weights: routing is drawn from a seeded popularity per
+layer and every decision (hits, misses, the ring, the CPU share's arming and buffers) runs as it would, with the
+bytes counted and no kernel launched.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from strata_core.api.kernels import ExpertPool, LayerWork
+from strata_core.errors import StrataError
+from strata_core.models.spec import ACTIVATION_BUFFERS, F32_BYTES
+from strata_core.runtime.cache import EMPTY
+
+#: A grouped-FFN call takes at least this many routed rows, however small the workspace.
+MIN_ROWS_PER_CALL = 64
+#: A grouped kernel may hold scratch beside the buffers the contract names (padded f16 copies of the rows, staged
+#: expert weights): a call is sized as if its buffers took this many times their contract bytes. 3 kept the cuda
+#: backend's memory pool at 93-97% of the plan's device figures on an H200 for prompts of 300 to 6000 tokens (2 let
+#: a 300-token prompt go 0.4% above).
+KERNEL_SCRATCH_FACTOR = 3
+
+#: The counters a layer op adds to (LayerWork.stats); the executor keeps one such dict for the run.
+COUNTERS = ("experts_streamed", "bytes_streamed", "experts_admitted", "cpu_share_experts", "ring_batches",
+            "workspace_peak_bytes")
+
+
+class DeviceFull(StrataError):
+    """The device refused an allocation the request cannot run without."""
+
+
+def new_counters() -> dict[str, int]:
+    """A zeroed counter dict of the names a layer op adds to."""
+    return {k: 0 for k in COUNTERS}
+
+
+@dataclass
+class Routing:
+    """One layer's routing of T tokens, grouped by expert on the host."""
+
+    experts: np.ndarray      # [G] expert ids of the layer, ascending
+    counts: np.ndarray       # [G] tokens each
+    starts: np.ndarray       # [G] start of each group in rows/scales
+    rows: np.ndarray | None  # [N] token index of each routed row, grouped by expert
+    scales: np.ndarray | None  # [N] routing weight of each routed row
+
+    def group(self, g: int) -> tuple[np.ndarray, np.ndarray]:
+        """(rows, scales) of group g."""
+        s, n = int(self.starts[g]), int(self.counts[g])
+        return self.rows[s:s + n], self.scales[s:s + n]
+
+
+class StoreSource:
+    """ExpertSource over the host store (or its page-locked staging copy), counting what it streams."""
+
+    def __init__(self, dm: Any, pool: ExpertPool, store: Any, staging: Any, stats: dict, accounting_only: bool):
+        self.dm = dm
+        self.pool = pool
+        self.store = store
+        self.staging = staging
+        self.stats = stats
+        self.accounting_only = accounting_only
+
+    def upload(self, row: int, slot: int, stream: Any) -> None:
+        """Copy expert `row` of the host store into device slot `slot` on `stream`."""
+        if not self.accounting_only:
+            staged = self.staging.stage(row, lambda: self.dm.synchronize(stream)) if self.staging else None
+            for name, src in (staged or self.store.expert(row)).items():
+                self.dm.upload(self.pool.arrays[name][slot], src, stream)
+        self.stats["experts_streamed"] += 1
+        self.stats["bytes_streamed"] += self.store.row_bytes
+
+
+class ComposedLayerOps:
+    """LayerOps composed from primitive kernels: route, group, hits, ring streaming or admission, CPU share."""
+
+    name = "composed"
+
+    def __init__(self, *, dm: Any, kernels: Any, store: Any, share: Any, hidden: int, expert_ffn: int,
+                 experts_per_layer: int, layers: int, workspace_bytes: int = 0, accounting_only: bool = False,
+                 seed: int = 0):
+        self.dm = dm
+        self.k = kernels
+        self.store = store
+        self.share = share
+        self.hidden = int(hidden)
+        self.ffn = int(expert_ffn)
+        self.E = int(experts_per_layer)
+        #: The plan's device workspace: a chunk's buffers beyond the lent slots stay within it where they can.
+        self.workspace_bytes = int(workspace_bytes)
+        self.accounting_only = accounting_only
+        #: Does the layer in progress keep its routed rows in routing order (see _run_groups)?
+        self._ordered = False
+        self._rng = np.random.default_rng(seed)
+        # accounting mode: a Zipf-like popularity per layer, a different hot set in every layer
+        base = 1.0 / np.arange(1, self.E + 1) ** 0.8
+        self._popularity = [self._rng.permutation(base / base.sum()) for _ in range(int(layers))]
+
+    # --- the contract --------------------------------------------------------------------------------------
+
+    def prefill_layer(self, work: LayerWork) -> None:
+        """Run one MoE layer of a prompt chunk in place on work.x."""
+        self._layer(work)
+
+    def decode_step(self, works: list[LayerWork]) -> None:
+        """Run every MoE layer of one decode token in order."""
+        for w in works:
+            self._layer(w)
+
+    # --- device helpers ------------------------------------------------------------------------------------
+
+    def _put(self, host: np.ndarray, temps: list) -> Any:
+        """Host -> a fresh device array, remembered in temps to free; DeviceFull when the device says no."""
+        arr = self.dm.to_device(np.ascontiguousarray(host))
+        if arr is None:
+            raise DeviceFull(f"the device refused {host.nbytes} bytes of prompt buffers")
+        temps.append(arr)
+        return arr
+
+    def _free(self, temps: list) -> None:
+        for a in temps:
+            self.dm.free(a)
+        temps.clear()
+
+    # --- routing -------------------------------------------------------------------------------------------
+
+    def _route(self, w: LayerWork, xn: Any) -> Routing:
+        """Route on the device and group on the host (or draw a routing in accounting mode)."""
+        k, tokens, layer = w.top_k, w.tokens, w.layer
+        if self.accounting_only:
+            counts = self._rng.multinomial(tokens * k, self._popularity[layer])
+            experts = np.flatnonzero(counts)
+            counts = counts[experts]
+            starts = np.concatenate([[0], np.cumsum(counts)[:-1]]) if len(counts) else counts
+            return Routing(experts, counts, starts, None, None)
+        logits = self.k.linear(xn, w.router_w)
+        ids_d, w_d = self.k.route_topk(logits, k)
+        ids = np.asarray(self.dm.download(ids_d)).reshape(-1)
+        wts = np.asarray(self.dm.download(w_d), dtype=np.float32).reshape(-1)
+        order = np.argsort(ids, kind="stable")
+        experts, starts, counts = np.unique(ids[order], return_index=True, return_counts=True)
+        return Routing(experts.astype(np.int64), counts, starts, (order // k).astype(np.int32), wts[order])
+
+    # --- sizes ---------------------------------------------------------------------------------------------
+
+    def _token_part_bytes(self, w: LayerWork) -> int:
+        """Device bytes of a chunk's per-token buffers (activations, router logits, top-k), as the plan counts them."""
+        base = ACTIVATION_BUFFERS * self.hidden * F32_BYTES + self.E * F32_BYTES + w.top_k * 8
+        return w.tokens * (base + (self._ordered_row_bytes(w) if self._ordered else 0))
+
+    def _ordered_row_bytes(self, w: LayerWork) -> int:
+        """Per token: every routed row's output kept in routing order (hidden f32), its token index and weight."""
+        return w.top_k * (self.hidden * F32_BYTES + 8)
+
+    def _ordered_fits(self, w: LayerWork) -> bool:
+        """Can this chunk keep its routed rows in routing order within the plan's workspace?"""
+        if not self.workspace_bytes:
+            return True
+        per_token = (ACTIVATION_BUFFERS * self.hidden * F32_BYTES + self.E * F32_BYTES + w.top_k * 8
+                     + self._ordered_row_bytes(w))
+        return w.tokens * per_token + MIN_ROWS_PER_CALL * KERNEL_SCRATCH_FACTOR * self._row_bytes() \
+            <= self.workspace_bytes
+
+    def _row_bytes(self) -> int:
+        """Device bytes of one routed row: its gathered input, its output, the gate and up intermediates, its index."""
+        return (2 * self.hidden + 2 * self.ffn) * F32_BYTES + 8
+
+    def _staged_slot_bytes(self) -> int:
+        """Bytes a grouped kernel may stage per group: the expert's weights, dequantized to f16 where quantized."""
+        return max(self.store.row_bytes, 6 * self.hidden * self.ffn)
+
+    def _call_budget(self, w: LayerWork) -> int:
+        """Bytes one grouped-FFN call may take so the chunk's buffers stay within the plan's workspace."""
+        if not self.workspace_bytes:
+            return 1 << 62
+        return max(MIN_ROWS_PER_CALL * self._row_bytes(), self.workspace_bytes - self._token_part_bytes(w))
+
+    # --- grouped calls -------------------------------------------------------------------------------------
+
+    def _run_groups(self, w: LayerWork, r: Routing, groups: np.ndarray, slots: np.ndarray, xn: Any,
+                    out: Any) -> None:
+        """Run these groups' experts, each from its device slot, on their rows of xn, into `out`.
+
+        When the layer keeps its rows in routing order (`self._ordered`), `out` is that [N,H] buffer and each row's
+        output lands at its position, so the layer adds them to the residual in one fixed order whichever experts
+        hit, missed or ran in which call (the bits do not depend on the cache's contents). When that buffer would
+        not fit the workspace (a large chunk), `out` is the residual itself and rows add as their calls finish.
+        A call's cost is its routed rows' buffers plus one slot's bytes per group, since a grouped kernel may stage
+        each group's expert weights; a call never exceeds what the workspace has left beside the chunk's buffers.
+        """
+        if self.accounting_only or len(groups) == 0:
+            return
+        budget = self._call_budget(w)
+        row_b, slot_b = KERNEL_SCRATCH_FACTOR * self._row_bytes(), KERNEL_SCRATCH_FACTOR * self._staged_slot_bytes()
+        cap = max(1, (budget - slot_b) // row_b)
+        pieces: list[tuple] = []  # (rows, positions, scales, slot), a group split where too long
+        for g, slot in zip(groups, slots):
+            rows, scales = r.group(int(g))
+            start = int(r.starts[g])
+            positions = np.arange(start, start + len(rows), dtype=np.int32)
+            for i in range(0, len(rows), cap):
+                pieces.append((rows[i:i + cap], positions[i:i + cap], scales[i:i + cap], int(slot)))
+        call: list[tuple] = []
+        cost = 0
+        for piece in pieces + [None]:
+            more = 0 if piece is None else len(piece[0]) * row_b + slot_b
+            if piece is None or (call and cost + more > budget):
+                self._grouped_call(w, call, xn, out)
+                call, cost = [], 0
+            if piece is not None:
+                call.append(piece)
+                cost += more
+
+    def _grouped_call(self, w: LayerWork, call: list, xn: Any, out: Any) -> None:
+        """One moe_grouped_ffn over these (rows, positions, scales, slot) groups into `out`; buffers freed after."""
+        if not call:
+            return
+        temps: list = []
+        try:
+            rows = np.concatenate([p[0] for p in call]).astype(np.int32)
+            offsets = np.concatenate([[0], np.cumsum([len(p[0]) for p in call])]).astype(np.int32)
+            rows_d = self._put(rows, temps)
+            xg = self.k.gather(xn, rows_d)
+            y = self.k.moe_grouped_ffn(xg, self._put(offsets, temps),
+                                       self._put(np.array([p[3] for p in call], np.int32), temps), w.pool)
+            if self._ordered:
+                # out starts at zero and each position is written once: 0 + y is y, bit for bit
+                positions = np.concatenate([p[1] for p in call]).astype(np.int32)
+                self.k.scatter_add(out, self._put(positions, temps), y,
+                                   self._put(np.ones(len(rows), np.float32), temps))
+            else:
+                scales = np.concatenate([p[2] for p in call]).astype(np.float32)
+                self.k.scatter_add(out, rows_d, y, self._put(scales, temps))
+            del xg, y
+        finally:
+            self._free(temps)
+        w.stats["workspace_peak_bytes"] = max(w.stats["workspace_peak_bytes"], self._token_part_bytes(w)
+                                              + len(rows) * self._row_bytes() + len(call) * self._staged_slot_bytes())
+
+    # --- misses --------------------------------------------------------------------------------------------
+
+    def _stream_through_ring(self, w: LayerWork, r: Routing, groups: np.ndarray, xn: Any, out: Any) -> None:
+        """Stream missed experts into the ring's two halves in turn: copy one half while the other computes."""
+        if len(groups) == 0:
+            return
+        ring = w.ring
+        halves = [ring[: len(ring) // 2], ring[len(ring) // 2:]] if len(ring) >= 2 else [ring]
+        width = min(len(h) for h in halves)
+        ready: list[Any] = [None] * len(halves)
+        for b, i0 in enumerate(range(0, len(groups), width)):
+            batch = groups[i0:i0 + width]
+            h = b % len(halves)
+            slots = halves[h][:len(batch)]
+            if ready[h] is not None:
+                self.dm.wait(w.copy_stream, ready[h])  # the compute of two batches ago is done with this half
+            for g, slot in zip(batch, slots):
+                w.source.upload(int(w.slots.row(w.layer, int(r.experts[g]))), int(slot), w.copy_stream)
+            copied = self.dm.new_event()
+            self.dm.record(copied, w.copy_stream)
+            self.dm.wait(None, copied)
+            self._run_groups(w, r, batch, slots, xn, out)
+            done = self.dm.new_event()
+            self.dm.record(done, None)
+            ready[h] = done
+            w.stats["ring_batches"] += 1
+
+    def _run_misses(self, w: LayerWork, r: Routing, groups: np.ndarray, keep: np.ndarray, xn: Any, out: Any) -> None:
+        """Run missed experts: streamed through the lent ring when the chunk has one, else admitted into the cache."""
+        if w.ring is not None and len(w.ring):
+            self._stream_through_ring(w, r, groups, xn, out)
+        else:
+            self._admit_and_run(w, r, groups, keep, xn, out)
+
+    def _admit_and_run(self, w: LayerWork, r: Routing, groups: np.ndarray, keep: np.ndarray, xn: Any,
+                       out: Any) -> None:
+        """Misses without a ring (decode, short prompts): admit them into the cache, evicting the coldest, and run.
+
+        The first pass keeps this step's hits (the hot set); when the cache is too small for every miss, later passes
+        may reuse any slot, after a fence that orders their copies behind the kernels already launched.
+        """
+        todo = groups
+        layer = w.layer
+        while len(todo):
+            slots = w.slots.admit(layer, r.experts[todo], keep=keep)
+            ok = slots != EMPTY
+            if not ok.any():
+                if len(keep) == 0:
+                    raise StrataError(f"layer {layer}: no cache slot can take a missed expert "
+                                      f"({getattr(w.slots, 'slots_on_loan', '?')} of "
+                                      f"{getattr(w.slots, 'slots', '?')} slots on loan)")
+                self._fence_copies(w)
+                keep = keep[:0]
+                continue
+            for g, slot in zip(todo[ok], slots[ok]):
+                w.source.upload(int(w.slots.row(layer, int(r.experts[g]))), int(slot), w.copy_stream)
+            w.stats["experts_admitted"] += int(ok.sum())
+            copied = self.dm.new_event()
+            self.dm.record(copied, w.copy_stream)
+            self.dm.wait(None, copied)
+            self._run_groups(w, r, todo[ok], slots[ok], xn, out)
+            keep = np.concatenate([keep, slots[ok]])
+            todo = todo[~ok]
+
+    def _fence_copies(self, w: LayerWork) -> None:
+        """Order later copies on the copy stream behind every kernel launched so far."""
+        fence = self.dm.new_event()
+        self.dm.record(fence, None)
+        self.dm.wait(w.copy_stream, fence)
+
+    def _share_split(self, r: Routing, misses: np.ndarray, tokens: int) -> np.ndarray:
+        """The misses the CPU takes: the half with the fewest tokens (cheap on the CPU, costly to stream), as many
+        as its buffer's rows hold."""
+        if not self.share.armed_for(tokens) or len(misses) < 2:
+            return misses[:0]
+        by_size = misses[np.argsort(r.counts[misses], kind="stable")][: len(misses) // 2]
+        fits = np.cumsum(r.counts[by_size]) <= self.share.rows_capacity
+        return np.sort(by_size[fits])
+
+    # --- one MoE layer -------------------------------------------------------------------------------------
+
+    def _layer(self, w: LayerWork) -> None:
+        """One MoE layer in place on the residual w.x [T,H] (a device array; None in accounting mode)."""
+        layer, tokens, x = w.layer, w.tokens, w.x
+        xn = None if self.accounting_only else self.k.rmsnorm(x, w.norm_w)
+        observer = w.extras.get("observer")
+        x_in = None
+        if observer is not None and not self.accounting_only:
+            x_in = np.asarray(self.dm.download(x))
+        r = self._route(w, xn)
+        # copies into ring or evicted slots must not overtake kernels of earlier layers that still read those slots;
+        # this layer's own hits never sit in them, so their compute still overlaps the copies
+        self._fence_copies(w)
+        slots = w.slots.lookup(layer, r.experts, r.counts)
+        hits = np.flatnonzero(slots != EMPTY)
+        misses = np.flatnonzero(slots == EMPTY)
+        cpu = self._share_split(r, misses, tokens)
+        job = out = None
+        cpu_rows = int(r.counts[cpu].sum()) if len(cpu) else 0
+        if len(cpu):
+            out = self.share.output(cpu_rows)
+            if out is None:
+                cpu = cpu[:0]
+        if len(cpu):
+            w.stats["cpu_share_experts"] += len(cpu)
+            if not self.accounting_only:
+                xh = np.asarray(self.dm.download(xn), dtype=np.float32)
+                groups = [(self.store.expert(int(w.slots.row(layer, int(r.experts[g])))), r.group(int(g))[0])
+                          for g in cpu]
+                job = self.share.start(xh, groups, out, self.store.pool.dtype)
+        device_misses = np.setdiff1d(misses, cpu, assume_unique=True)
+        layer_temps: list = []
+        try:
+            routed = None
+            self._ordered = not self.accounting_only and self._ordered_fits(w)
+            if self._ordered:
+                routed = self._put(np.zeros((len(r.rows), self.hidden), np.float32), layer_temps)
+            elif not self.accounting_only:
+                routed = x
+            self._run_groups(w, r, hits, slots[hits], xn, routed)
+            self._run_misses(w, r, device_misses, slots[hits], xn, routed)
+        except BaseException:
+            self._free(layer_temps)
+            if job is not None:
+                job.join()  # the share writes into a buffer the next attempt reuses: let it finish first
+            raise
+        if job is not None:
+            err = job.join()
+            if err is None:
+                # the share's rows go to their routing positions, so they add to the residual in the same order
+                # (and to the same bits) as rows the device ran
+                try:
+                    if self._ordered:
+                        positions = np.concatenate([np.arange(int(r.starts[g]), int(r.starts[g] + r.counts[g]))
+                                                    for g in cpu]).astype(np.int32)
+                        self.k.scatter_add(routed, self._put(positions, layer_temps), self._put(out, layer_temps),
+                                           self._put(np.ones(cpu_rows, np.float32), layer_temps))
+                    else:
+                        rows = np.concatenate([r.group(int(g))[0] for g in cpu]).astype(np.int32)
+                        scales = np.concatenate([r.group(int(g))[1] for g in cpu]).astype(np.float32)
+                        self.k.scatter_add(x, self._put(rows, layer_temps), self._put(out, layer_temps),
+                                           self._put(scales, layer_temps))
+                except BaseException:
+                    self._free(layer_temps)
+                    raise
+            else:
+                # the share's result is lost: turn it off for the run and run its experts on the device path
+                self.share.turn_off(f"its thread failed ({type(err).__name__}: {err}); off for this run")
+                try:
+                    self._run_misses(w, r, cpu, slots[hits], xn, routed)
+                except BaseException:
+                    self._free(layer_temps)
+                    raise
+        try:
+            if self._ordered:
+                # every routed row's weighted output into the residual, in routing order (experts ascending)
+                self.k.scatter_add(x, self._put(r.rows, layer_temps), routed, self._put(r.scales, layer_temps))
+        finally:
+            self._free(layer_temps)
+        if x_in is not None:
+            observer(w.phase, layer, x_in, np.asarray(self.dm.download(x)))
