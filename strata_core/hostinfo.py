@@ -35,10 +35,22 @@ def _cpu_name() -> str:
     return platform.processor() or platform.machine() or "unknown"
 
 
+def virtualization(proc_version: Path = Path("/proc/version"), dockerenv: Path = Path("/.dockerenv")) -> str:
+    """'docker-wsl2', 'wsl2' or 'none', from the kernel's version string and Docker's marker file (facts, not settings)."""
+    try:
+        wsl = "microsoft" in proc_version.read_text().lower()
+    except OSError:
+        wsl = False
+    if not wsl:
+        return "none"
+    return "docker-wsl2" if dockerenv.exists() else "wsl2"
+
+
 def probe_host() -> HostInfo:
     """HostInfo of this machine. The page-locked limit is unknown to the core (None); a backend may refine it."""
     vm = psutil.virtual_memory()
     os_name = {"win32": "windows", "darwin": "macos"}.get(sys.platform, "linux")
     return HostInfo(os=os_name, ram_total_bytes=int(vm.total), ram_available_bytes=int(vm.available),
                     pinnable_bytes=None,
-                    cpu=CpuInfo(name=_cpu_name(), cores=psutil.cpu_count(logical=False) or 1, flags=_cpu_flags()))
+                    cpu=CpuInfo(name=_cpu_name(), cores=psutil.cpu_count(logical=False) or 1, flags=_cpu_flags()),
+                    virtualization=virtualization() if os_name == "linux" else "none")

@@ -167,6 +167,8 @@ class HostInfo:
     ram_available_bytes: int
     pinnable_bytes: int | None = None
     cpu: CpuInfo = field(default_factory=CpuInfo)
+    #: 'none', 'wsl2' or 'docker-wsl2': virtualization that caps page-locked memory (versionadded 2.0)
+    virtualization: str = "none"
 
     def to_json(self) -> dict:
         """The HostInfo JSON of profiles and plans."""
@@ -185,9 +187,21 @@ class HostInfo:
                 ram_available_bytes=int(_require(d, "ram_available_bytes", where)),
                 pinnable_bytes=None if pin is None else int(pin),
                 cpu=CpuInfo.from_json(d.get("cpu"), where=f"{where}.cpu"),
+                virtualization=_virtualization(d.get("virtualization", "none"), where),
             )
         except (TypeError, ValueError) as e:
             raise BadInput(f"{where}: {e}") from None
+
+
+VIRTUALIZATIONS = ("none", "wsl2", "docker-wsl2")
+
+
+def _virtualization(v: Any, where: str) -> str:
+    """A HostInfo.virtualization value, or BadInput naming what is allowed."""
+    v = "none" if v is None else str(v).lower()
+    if v not in VIRTUALIZATIONS:
+        raise BadInput(f"{where}.virtualization: '{v}' is not one of {', '.join(VIRTUALIZATIONS)}")
+    return v
 
 
 RingPolicy = Callable[[int, int, float], int]
@@ -196,17 +210,21 @@ RingPolicy = Callable[[int, int, float], int]
 
 def seed_ring_policy(chunk_tokens: int, slot_bytes: int, pinned_fraction: float,
                      small_chunk_tokens: int = 4096, fixed_ring_slots: int = 384,
-                     ring_budget_bytes: int = 392 * MIB, min_ring_slots: int = 64) -> int:
+                     ring_budget_bytes: int = 392 * MIB, min_ring_slots: int = 64,
+                     min_ring_bytes: int = 128 * MIB) -> int:
     """The engine's rule from the seeds: a fixed, larger ring at or below the small-chunk limit, a byte-budget ring above.
 
     With no page-locked experts at all (pinned_fraction 0) copies run at pageable speed, several times slower, so a
     deep byte-budget ring would only hold idle bytes: it is halved. The two branches are why loan(c) is not monotonic.
     """
+    # The floor is 64 slots of the seeds' 2 MiB experts: in bytes, so 100 MB experts get a ring of a few slots (two
+    # at least, one copying while one computes), not 6 GiB (issue 12.5).
+    floor = min(min_ring_slots, max(2, min_ring_bytes // max(1, slot_bytes)))
     if chunk_tokens <= small_chunk_tokens:
         # The fixed ring is counted in slots; with large experts it would hold gigabytes, so bound it in bytes too.
-        return max(min_ring_slots, min(fixed_ring_slots, 2 * ring_budget_bytes // max(1, slot_bytes)))
+        return max(floor, min(fixed_ring_slots, 2 * ring_budget_bytes // max(1, slot_bytes)))
     budget = ring_budget_bytes if pinned_fraction > 0 else ring_budget_bytes // 2
-    return max(min_ring_slots, budget // max(1, slot_bytes))
+    return max(floor, budget // max(1, slot_bytes))
 
 
 @dataclass(frozen=True)
@@ -292,10 +310,16 @@ class Profile:
 def load_json_file(path: str | Path) -> dict:
     """Read a JSON object from a file, or raise BadInput naming the file (and line) on any problem."""
     p = Path(path)
+    if p.is_dir():
+        raise BadInput(f"{p}: is a directory, not a JSON file")
     try:
-        text = p.read_text()
+        data = p.read_bytes()
     except OSError as e:
         raise BadInput(f"{p}: cannot read ({e.strerror or e})") from None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise BadInput(f"{p}: not UTF-8 text (byte 0x{data[e.start]:02x} at offset {e.start})") from None
     try:
         d = json.loads(text)
     except json.JSONDecodeError as e:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from strata_core.errors import InvariantBroken
+from strata_core.planner.pin_caps import REGISTRATION_LIMIT_BYTES
 
 
 def check_vram(plan) -> None:
@@ -39,18 +40,26 @@ def check_loans(plan) -> None:
 
 
 def check_host(plan) -> None:
-    """resident + borrow + pinned KV + headroom <= available host RAM."""
-    h = plan.host_memory
-    need = h.resident_bytes + h.borrow_bytes + h.kv_pinned_bytes + h.headroom_bytes
+    """max(resident, pinned arena) + borrow + pinned KV + headroom <= available host RAM."""
+    h, p = plan.host_memory, plan.pinned
+    store = max(h.resident_bytes, p.arena_bytes)
+    need = store + h.borrow_bytes + h.kv_pinned_bytes + h.headroom_bytes
     if need > h.available_bytes:
-        raise InvariantBroken(f"host: planned {need} bytes > available {h.available_bytes}")
+        raise InvariantBroken(f"host: in-RAM store {store} (max of resident {h.resident_bytes}, arena "
+                              f"{p.arena_bytes}) + borrow {h.borrow_bytes} + pinned KV {h.kv_pinned_bytes} + headroom "
+                              f"{h.headroom_bytes} = {need} bytes > available {h.available_bytes}")
 
 
 def check_pinned(plan) -> None:
-    """arena + floor <= limit; the CPU share's bytes <= floor, or the share is off."""
+    """arena + floor <= limit <= cap; the slices the arena registers in stay below the per-call limit; CPU share <= floor."""
     p = plan.pinned
     if p.arena_bytes + p.floor_bytes > p.limit_bytes:
         raise InvariantBroken(f"pinned: arena {p.arena_bytes} + floor {p.floor_bytes} > limit {p.limit_bytes}")
+    if p.cap_bytes is not None and p.limit_bytes > p.cap_bytes:
+        raise InvariantBroken(f"pinned: limit {p.limit_bytes} > the platform's cap {p.cap_bytes}")
+    if not 0 < p.registration_slice_bytes < REGISTRATION_LIMIT_BYTES:
+        raise InvariantBroken(f"pinned: registration slices of {p.registration_slice_bytes} bytes are not below the "
+                              f"per-call limit {REGISTRATION_LIMIT_BYTES}")
     if plan.cpu_share.enabled and p.cpu_share_bytes > p.floor_bytes:
         raise InvariantBroken(f"pinned: CPU share {p.cpu_share_bytes} > floor {p.floor_bytes}")
     if not plan.cpu_share.enabled and p.cpu_share_bytes:

@@ -103,6 +103,8 @@ class PinnedPlan:
     floor_bytes: int
     cpu_share_bytes: int
     exhausted: bool
+    #: The arena registers in calls of at most this many bytes (one call of 512 GiB or more fails).
+    registration_slice_bytes: int = 256 << 30
 
     @property
     def pinned_fraction(self) -> float:
@@ -120,6 +122,28 @@ class CpuSharePlan:
 
 
 @dataclass(frozen=True)
+class RuntimeLimits:
+    """The settings the runtime acts on, resolved once by the planner: the runtime never reads settings back."""
+
+    max_context_tokens: int
+    kv_dtype: str
+    elastic_slots_bytes: int
+    cpu_share_mode: str
+    cpu_share_max_tokens: int
+    stream_min_tokens: int
+    trace: bool
+
+    @classmethod
+    def from_settings(cls, settings: Any, stream_min_tokens: int) -> "RuntimeLimits":
+        """The limits of a StrataSettings object (stream_min_tokens already resolved against the platform)."""
+        return cls(max_context_tokens=int(settings.kv.max_context), kv_dtype=str(settings.kv.dtype),
+                   elastic_slots_bytes=int(float(settings.memory.elastic_slots_gib or 0) * (1 << 30)),
+                   cpu_share_mode=str(settings.prefill.cpu_share),
+                   cpu_share_max_tokens=int(settings.prefill.cpu_share_max_tokens),
+                   stream_min_tokens=int(stream_min_tokens), trace=bool(settings.trace))
+
+
+@dataclass(frozen=True)
 class Plan:
     """A proven plan: built only by `make_plan`, which checks every invariant before returning it."""
 
@@ -127,7 +151,8 @@ class Plan:
     device: DeviceInfo
     host: HostInfo
     model: ModelSpec
-    settings: Any
+    settings_json: dict
+    limits: RuntimeLimits
     defaults: PlatformDefaults
     vram: VramPlan
     expert_cache: CachePlan
@@ -153,13 +178,26 @@ class Plan:
         own = -(-max(1, prompt_tokens) // g) * g
         return max(1, min(self.prompt.chunk, own)) if self.prompt.chunk else 0
 
+    def refuse_reason(self, prompt_tokens: int) -> str | None:
+        """Why a request of this many prompt tokens cannot run at all under this plan, or None (the runtime's rule)."""
+        if prompt_tokens <= 0:
+            return "an empty prompt"
+        if prompt_tokens > self.limits.max_context_tokens:
+            return (f"a prompt of {prompt_tokens} tokens is longer than kv.max_context "
+                    f"({self.limits.max_context_tokens})")
+        return None
+
+    def prompt_buffer_bytes(self, chunk_tokens: int) -> int:
+        """Device bytes of a chunk's prompt buffers: tokens x the model's per-token formula (models.spec.prompt_bytes_for)."""
+        return int(chunk_tokens) * self.model.prompt_bytes_per_token
+
     def streams(self, prompt_tokens: int) -> bool:
         """True when a prompt this long streams misses through a ring lent from the cache."""
         return prompt_tokens >= self.prompt.stream_min_tokens and not self.prompt.owned_buffers
 
     def to_json(self) -> dict:
         """The `strata.plan/1` object."""
-        settings = self.settings.model_dump(mode="json") if hasattr(self.settings, "model_dump") else self.settings
+        settings = self.settings_json
         return {
             "schema": SCHEMA,
             "backend": self.backend,
@@ -176,6 +214,7 @@ class Plan:
             "host_memory": asdict(self.host_memory),
             "pinned": {**asdict(self.pinned), "pinned_fraction": round(self.pinned.pinned_fraction, 6)},
             "cpu_share": asdict(self.cpu_share),
+            "limits": asdict(self.limits),
             "decisions": [asdict(d) for d in self.decisions],
             "warnings": list(self.warnings),
         }

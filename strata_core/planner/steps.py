@@ -12,9 +12,11 @@ from strata_core.errors import PlanRefused
 from strata_core.api.facts import GIB, MIB, DeviceInfo, HostInfo, PlatformDefaults
 from strata_core.models.spec import ModelSpec, kv_bytes_per_token
 from strata_core.api.plan_draft import PlanDraft
+from strata_core.planner.chunks import grid_chunks, halve
 from strata_core.planner.invariants import check_all
-from strata_core.planner.plan import (CachePlan, CpuSharePlan, Decision, HostPlan, LoanModel, LoanRow, PinnedPlan, Plan, PromptPlan,
-                   VramPlan)
+from strata_core.planner.pin_caps import REGISTRATION_SLICE_BYTES, platform_pin_cap
+from strata_core.planner.plan import (CachePlan, CpuSharePlan, Decision, HostPlan, LoanModel, LoanRow, PinnedPlan,
+                                     Plan, PromptPlan, RuntimeLimits, VramPlan)
 
 def _mib(n: int | float) -> str:
     return f"{n / MIB:,.0f} MiB" if abs(n) >= 10 * MIB else f"{n / MIB:.3f} MiB"
@@ -53,7 +55,7 @@ def initial_knobs(device: DeviceInfo, settings: Any, defaults: PlatformDefaults)
 
 
 def _grid_chunks(grid: int, upto: int) -> list[int]:
-    return list(range(grid, upto + 1, grid))
+    return grid_chunks(grid, upto)
 
 
 def _max_loan_upto(loans: LoanModel, grid: int, chunk: int) -> tuple[int, list[LoanRow]]:
@@ -63,21 +65,48 @@ def _max_loan_upto(loans: LoanModel, grid: int, chunk: int) -> tuple[int, list[L
     return max((r.loan_slots for r in rows), default=0), rows
 
 
-def _pinned_step(device: DeviceInfo, host: HostInfo, model: ModelSpec, settings: Any, defaults: PlatformDefaults,
-                 led: _Ledger, bsrc: str) -> tuple[int, int | None, int, int, bool]:
-    """Step 4 (its chunk-independent part): the page-locked limit, the cap, the floor and the arena."""
+def _pin_cap(device: DeviceInfo, host: HostInfo, settings: Any, defaults: PlatformDefaults,
+             bsrc: str) -> tuple[int | None, str, str]:
+    """(cap, why, source): the platform's page-locked cap, lowered by the backend's, or the explicit setting."""
     p = settings.pinning
-    pinnable = host.pinnable_bytes if host.pinnable_bytes is not None else host.ram_available_bytes
-    cap = defaults.pin_cap_bytes
-    cap_src = bsrc
-    if device.is_wddm and p.wddm_pin_cap_gib is not None:
-        cap, cap_src = int(p.wddm_pin_cap_gib * GIB), "setting pinning.wddm_pin_cap_gib"
+    fact = platform_pin_cap(device, host)
+    capped_platform = device.is_wddm or getattr(host, "virtualization", "none") != "none"
+    if capped_platform and p.wddm_pin_cap_gib is not None:
+        return int(p.wddm_pin_cap_gib * GIB), "the page-locked cap set explicitly", "setting pinning.wddm_pin_cap_gib"
+    cap, why, src = fact.cap_bytes, fact.why, "core (platform fact)"
+    if defaults.pin_cap_bytes is not None and (cap is None or defaults.pin_cap_bytes < cap):
+        # a backend's defaults may only lower the platform's cap
+        cap, why, src = defaults.pin_cap_bytes, "the backend's page-locked cap (below the platform's)", bsrc
+    return cap, why, src
+
+
+@dataclass(frozen=True)
+class _Pinned:
+    limit: int
+    cap: int | None
+    floor: int
+    arena: int
+    exhausted: bool
+
+
+def _pinned_step(device: DeviceInfo, host: HostInfo, model: ModelSpec, settings: Any, defaults: PlatformDefaults,
+                 led: _Ledger, bsrc: str, borrow: int = 0, room: int | None = None) -> _Pinned:
+    """Step 4: the page-locked limit (leaving room for the borrow), the cap, the floor and the arena.
+
+    `room` is what host RAM leaves the in-RAM store beside the borrow, pinned KV and headroom: the arena never
+    takes more (DESIGN.md's host invariant counts max(resident, arena)).
+    """
+    p = settings.pinning
+    avail = host.ram_available_bytes
+    pinnable = host.pinnable_bytes if host.pinnable_bytes is not None else avail
+    cap, cap_why, cap_src = _pin_cap(device, host, settings, defaults, bsrc)
     reserve, rsrc = _pick(None if p.pin_reserve_gib is None else int(p.pin_reserve_gib * GIB),
                           defaults.pin_reserve_bytes, "pinning.pin_reserve_gib", bsrc)
-    limit = max(0, min(pinnable, cap if cap is not None else pinnable, host.ram_available_bytes - reserve))
+    limit = max(0, min(pinnable, cap if cap is not None else pinnable, avail - reserve - borrow))
+    led.note("pinned.cap_bytes", cap, cap_why, cap_src)
     led.note("pinned.limit_bytes", limit,
              f"min(pinnable {_mib(pinnable)}, cap {'none' if cap is None else _mib(cap)}, "
-             f"available {_mib(host.ram_available_bytes)} - reserve {_mib(reserve)})",
+             f"available {_mib(avail)} - reserve {_mib(reserve)} - the prompt path's host borrow {_mib(borrow)})",
              cap_src if cap is not None and cap == limit else rsrc)
     floor, fsrc = _pick(None if p.pin_floor_mib is None else p.pin_floor_mib * MIB, defaults.pin_floor_bytes,
                         "pinning.pin_floor_mib", bsrc)
@@ -88,18 +117,21 @@ def _pinned_step(device: DeviceInfo, host: HostInfo, model: ModelSpec, settings:
              "(CPU share, staging): a later allocation must never find every page taken (seed #1756)", fsrc)
     wanted = model.host_arena_bytes
     arena = min(wanted, limit - floor)
-    src = "core"
+    src, why = "core", f"the expert arena ({_mib(wanted)}) pins at most limit - floor"
+    if room is not None and max(0, room) < arena:
+        arena = max(0, room)
+        why = (f"the expert arena ({_mib(wanted)}) shrinks to the {_mib(arena)} host RAM leaves beside the prompt "
+               f"path's host borrow ({_mib(borrow)}), pinned KV and headroom")
     if p.arena_pin_gib is not None and p.arena_pin_gib * GIB < arena:
         arena, src = int(p.arena_pin_gib * GIB), "setting pinning.arena_pin_gib"
     exhausted = arena < wanted
     led.note("pinned.arena_bytes", arena,
-             f"the expert arena ({_mib(wanted)}) pins at most limit - floor"
-             + ("; it cannot be pinned whole, so the pinned budget counts as exhausted for optional users"
-                if exhausted else ""), src)
+             why + ("; it cannot be pinned whole, so the pinned budget counts as exhausted for optional users"
+                    if exhausted else ""), src)
     if exhausted:
         led.warnings.append(f"the expert arena ({_mib(wanted)}) cannot be page-locked whole: {_mib(arena)} pinned, "
                             f"the rest is copied from pageable memory")
-    return limit, cap, floor, arena, exhausted
+    return _Pinned(limit=limit, cap=cap, floor=floor, arena=arena, exhausted=exhausted)
 
 
 def _cache_step(device: DeviceInfo, model: ModelSpec, settings: Any, defaults: PlatformDefaults, knobs: dict,
@@ -116,11 +148,16 @@ def _cache_step(device: DeviceInfo, model: ModelSpec, settings: Any, defaults: P
     if settings.kv.resident_cells is not None:
         cells = min(cells, settings.kv.resident_cells)
     kv = kv_bytes_per_token(model, settings.kv.dtype) * cells
+    if kv:
+        led.note("vram.kv_bytes", kv, f"{cells} resident cells of {kv_bytes_per_token(model, settings.kv.dtype)} "
+                 f"bytes ({settings.kv.dtype})", "setting kv.resident_cells" if cells != settings.kv.max_context
+                 else "setting kv.max_context")
     stream_min = settings.prefill.stream_min_tokens if settings.prefill.stream_min_tokens is not None \
         else defaults.stream_min_tokens
     workspace = stream_min * model.prompt_bytes_per_token
     led.note("vram.workspace_bytes", workspace, f"owned buffers of prompts shorter than {stream_min} tokens and of "
-             "decode: never lent", "core")
+             "decode: never lent", "setting prefill.stream_min_tokens"
+             if settings.prefill.stream_min_tokens is not None else bsrc)
     usable = free - reserve - model.dense_bytes - kv - workspace
     per_slot = model.slot_bytes
     fit = max(0, usable // per_slot)
@@ -130,7 +167,9 @@ def _cache_step(device: DeviceInfo, model: ModelSpec, settings: Any, defaults: P
     src = "core"
     cap = knobs["expert_cache.slots_cap"]
     if cap is not None and cap < slots:
-        slots, why, src = cap, "the expert_cache setting (or a site plugin)", "setting memory.expert_cache"
+        from_setting = settings.memory.expert_cache != "auto" and int(settings.memory.expert_cache) == cap
+        slots, why = cap, f"capped at {cap} slots"
+        src = "setting memory.expert_cache" if from_setting else "plugin"
     elif cap is not None and cap > fit:
         need = (cap * per_slot - usable)
         raise PlanRefused(f"memory.expert_cache={cap} slots need {_mib(cap * per_slot)} but only "
@@ -163,10 +202,12 @@ def _compute(device: DeviceInfo, host: HostInfo, model: ModelSpec, settings: Any
     led = _Ledger(decisions=list(plugin_decisions))
     bsrc = f"backend {defaults.source}" if not defaults.source.startswith("backend") else defaults.source
     model.validate()
+    avail = host.ram_available_bytes
 
-    # Step 4 first (its chunk-independent part): the ring's depth depends on how much of the arena is pinned.
-    limit, pin_cap, floor, arena, exhausted = _pinned_step(device, host, model, settings, defaults, led, bsrc)
-    pinned_fraction = arena / model.host_arena_bytes if model.host_arena_bytes else 1.0
+    # Step 4's chunk-independent part first, unrecorded: the ring's depth depends on how much of the arena is
+    # pinned. The recorded step 4 comes after the host step, with the borrow known.
+    first_pin = _pinned_step(device, host, model, settings, defaults, _Ledger(), bsrc)
+    pinned_fraction = first_pin.arena / model.host_arena_bytes if model.host_arena_bytes else 1.0
 
     # Step 1: VRAM and the expert cache.
     free, reserve, kv, workspace, usable, slots = _cache_step(device, model, settings, defaults, knobs, led, bsrc)
@@ -177,7 +218,7 @@ def _compute(device: DeviceInfo, host: HostInfo, model: ModelSpec, settings: Any
                           f"memory.expert_cache to at least {model.top_k}, or 'auto'")
     if usable <= 0 or slots < model.top_k:
         short = model.top_k * model.slot_bytes - usable
-        raise PlanRefused(f"{device.name}: {_mib(max(free, 0))} free VRAM leaves {_mib(max(usable, 0))} after the "
+        raise PlanRefused(f"VRAM: {device.name}: {_mib(max(free, 0))} free leaves {_mib(max(usable, 0))} after the "
                           f"reserve ({_mib(reserve)}), dense weights, KV and workspace: short by {_mib(short)} for "
                           f"even {model.top_k} expert slots; lower memory.vram_reserve_mib (now "
                           f"{reserve // MIB}) or kv.max_context, or use a smaller model")
@@ -188,25 +229,38 @@ def _compute(device: DeviceInfo, host: HostInfo, model: ModelSpec, settings: Any
     lend_fraction = knobs["prompt.lend_fraction"]
     lendable = max(0, min(int(lend_fraction * slots), slots - min_keep))
     led.note("prompt.lendable_slots", lendable, f"min({lend_fraction:g} x {slots} slots, {slots} - {min_keep} "
-             "kept for decode)", bsrc)
-    loans = LoanModel(prompt_bytes_per_token=model.prompt_bytes_per_token, slot_bytes=model.slot_bytes,
-                      pinned_fraction=pinned_fraction, defaults=defaults)
+             "kept for decode)", "setting prefill.lend_fraction" if settings.prefill.lend_fraction else bsrc)
+
+    def loan_model(fraction: float) -> LoanModel:
+        return LoanModel(prompt_bytes_per_token=model.prompt_bytes_per_token, slot_bytes=model.slot_bytes,
+                         pinned_fraction=fraction, defaults=defaults)
+
+    loans = loan_model(pinned_fraction)
     ceiling = defaults.chunk_ceiling_tokens
     led.note("prompt.ceiling", ceiling, "the platform's largest auto chunk", bsrc)
-    mode, _ = settings.prefill.chunk_request()
+    mode, set_cap = settings.prefill.chunk_request()
     cap_tokens = knobs["prompt.chunk_cap_tokens"]
     ceiling_eff = ceiling if cap_tokens is None else min(ceiling, cap_tokens)
+    # which input bounds the auto chunk, so --explain can name it
+    bound_src = bsrc
+    if cap_tokens is not None and cap_tokens < ceiling:
+        bound_src = "setting prefill.chunk" if cap_tokens == set_cap else "plugin"
+    if settings.kv.max_context < ceiling_eff:
+        bound_src = "setting kv.max_context"
     ceiling_eff = max(grid, (min(ceiling_eff, settings.kv.max_context) // grid) * grid)
     owned = False
     if mode == "fixed":
-        chunk = settings.prefill.chunk_request()[1]
+        chunk = set_cap
+        chunk_src = "setting prefill.chunk"
         if cap_tokens is not None and chunk > cap_tokens:
             chunk = led.note("prompt.chunk", cap_tokens, "capped by a site plugin", "plugin")
+            chunk_src = "plugin"
         source = "setting"
         while chunk > 1 and _max_loan_upto(loans, grid, chunk)[0] > lendable:
-            led.note("prompt.chunk", chunk // 2, f"a chunk of {chunk} tokens needs a loan larger than the "
-                     f"{lendable} slots that can be lent: halved", "core")
-            chunk //= 2
+            new = halve(chunk, grid)
+            led.note("prompt.chunk", new, f"a chunk of {chunk} tokens needs a loan larger than the {lendable} slots "
+                     "that can be lent: halved", chunk_src)
+            chunk = new
             source = "setting, halved"
         if _max_loan_upto(loans, grid, chunk)[0] > lendable:
             chunk, owned = 0, True
@@ -218,6 +272,7 @@ def _compute(device: DeviceInfo, host: HostInfo, model: ModelSpec, settings: Any
                 break
             chunk = c
         source = "auto" if cap_tokens is None else f"auto (capped at {cap_tokens})"
+        chunk_src = bound_src if chunk == ceiling_eff else "core"
         if chunk == 0:
             owned = True
     owned_bytes = 0
@@ -227,11 +282,13 @@ def _compute(device: DeviceInfo, host: HostInfo, model: ModelSpec, settings: Any
         lendable = 0
         source = "owned buffers"
     else:
-        led.note("prompt.chunk", chunk, f"the largest chunk whose loan, and every smaller chunk's, fits the "
-                 f"{lendable} lendable slots (loan(c) is not monotonic: the maximum over the grid counts)",
-                 "setting prefill.chunk" if mode == "fixed" else "core")
+        why = (f"the largest chunk whose loan, and every smaller chunk's, fits the {lendable} lendable slots (loan(c) "
+               "is not monotonic: the maximum over the grid counts)")
+        if mode != "fixed" and chunk == ceiling_eff:
+            why = f"the auto chunk's bound ({ceiling_eff} tokens), and its loan and every smaller chunk's fit"
+        led.note("prompt.chunk", chunk, why, chunk_src)
 
-    # Step 3: host RAM. Resident experts + the prompt path's host borrow + pinned KV + headroom <= available.
+    # Step 3: host RAM. max(resident, pinned arena) + the prompt path's host borrow + pinned KV + headroom <= available.
     headroom = knobs["host_memory.headroom_bytes"]
     resident_experts = (model.experts_total - slots) if settings.memory.resident_experts else 0
     kv_pinned = 0
@@ -243,9 +300,8 @@ def _compute(device: DeviceInfo, host: HostInfo, model: ModelSpec, settings: Any
             return 0
         return _max_loan_upto(loans, grid, c)[0] * model.slot_bytes
 
-    avail = host.ram_available_bytes
     while (chunk > grid and resident_experts * model.slot_bytes + borrow(chunk) + kv_pinned + headroom > avail):
-        new = max(grid, ((chunk // 2) // grid) * grid)
+        new = halve(chunk, grid)
         led.note("prompt.chunk", new, f"resident experts ({_mib(resident_experts * model.slot_bytes)}) + the prompt "
                  f"path's host borrow at {chunk} tokens ({_mib(borrow(chunk))}) + headroom do not fit the "
                  f"{_mib(avail)} of available RAM: stepped down (seed #2090, gfx12)", "core")
@@ -264,6 +320,31 @@ def _compute(device: DeviceInfo, host: HostInfo, model: ModelSpec, settings: Any
             raise PlanRefused(f"host RAM: the prompt path's borrow, pinned KV and headroom need "
                               f"{_mib(borrow(chunk) + kv_pinned + headroom)} but {_mib(avail)} is available: short "
                               f"by {_mib(short)}; lower memory.resident_headroom_gib or kv.resident_cells")
+
+    # Step 4: the page-locked arena leaves room for the borrow, and host RAM holds max(resident, arena). A smaller
+    # arena may change the ring (the pinned fraction): then the loans are re-derived and the chunk halved to fit.
+    pin = first_pin
+    for _ in range(4):
+        step_led = _Ledger()
+        pin = _pinned_step(device, host, model, settings, defaults, step_led, bsrc, borrow=borrow(chunk),
+                           room=avail - borrow(chunk) - kv_pinned - headroom)
+        fraction = pin.arena / model.host_arena_bytes if model.host_arena_bytes else 1.0
+        if fraction == loans.pinned_fraction:
+            break
+        loans = loan_model(fraction)
+        while not owned and chunk > 1 and _max_loan_upto(loans, grid, chunk)[0] > lendable:
+            new = halve(chunk, grid)
+            led.note("prompt.chunk", new, f"the arena pinned for host RAM changes the ring: a chunk of {chunk} "
+                     f"tokens needs a loan above the {lendable} lendable slots: halved", "core")
+            chunk = new
+    led.decisions.extend(step_led.decisions)
+    led.warnings.extend(step_led.warnings)
+    limit, pin_cap, floor, arena, exhausted = pin.limit, pin.cap, pin.floor, pin.arena, pin.exhausted
+    if arena < first_pin.arena:
+        led.note("host_memory.in_ram_store_bytes", max(resident_experts * model.slot_bytes, arena),
+                 f"the pinned arena shrinks from {_mib(first_pin.arena)} to {_mib(arena)} so that max(resident, "
+                 f"arena) + the borrow ({_mib(borrow(chunk))}) + pinned KV + headroom ({_mib(headroom)}) fit the "
+                 f"{_mib(avail)} available", "core")
 
     # Step 4 (the chunk-dependent part): the CPU share's buffer comes out of the pinned floor, sized once.
     share_setting = settings.prefill.cpu_share
@@ -291,23 +372,25 @@ def _compute(device: DeviceInfo, host: HostInfo, model: ModelSpec, settings: Any
     _, rows = _max_loan_upto(loans, grid, chunk) if not owned else (0, [])
     cache_bytes = slots * model.slot_bytes
     left = free - reserve - model.dense_bytes - kv - workspace - cache_bytes - owned_bytes
+    stream_min = (settings.prefill.stream_min_tokens if settings.prefill.stream_min_tokens is not None
+                  else defaults.stream_min_tokens)
+    settings_json = settings.model_dump(mode="json") if hasattr(settings, "model_dump") else dict(settings or {})
     return Plan(
-        backend=device.backend, device=device, host=host, model=model, settings=settings, defaults=defaults,
+        backend=device.backend, device=device, host=host, model=model, settings_json=settings_json,
+        limits=RuntimeLimits.from_settings(settings, stream_min), defaults=defaults,
         vram=VramPlan(free_bytes=free, reserve_bytes=reserve, dense_bytes=model.dense_bytes, kv_bytes=kv,
                       workspace_bytes=workspace, expert_cache_bytes=cache_bytes, owned_prompt_bytes=owned_bytes,
                       left_bytes=left),
         expert_cache=CachePlan(slots=slots, slot_bytes=model.slot_bytes),
         prompt=PromptPlan(chunk=chunk, chunk_source=source, ceiling=ceiling, min_keep_slots=min_keep,
                           lendable_slots=lendable, owned_buffers=owned, grid_tokens=grid,
-                          stream_min_tokens=(settings.prefill.stream_min_tokens
-                                             if settings.prefill.stream_min_tokens is not None
-                                             else defaults.stream_min_tokens),
-                          loans=tuple(rows)),
+                          stream_min_tokens=stream_min, loans=tuple(rows)),
         host_memory=HostPlan(available_bytes=avail, headroom_bytes=headroom,
                              resident_bytes=resident_experts * model.slot_bytes, resident_experts=resident_experts,
                              borrow_bytes=borrow(chunk), kv_pinned_bytes=kv_pinned),
-        pinned=PinnedPlan(limit_bytes=limit, cap_bytes=pin_cap, arena_bytes=arena, arena_wanted_bytes=model.host_arena_bytes,
-                          floor_bytes=floor, cpu_share_bytes=share_bytes, exhausted=exhausted),
+        pinned=PinnedPlan(limit_bytes=limit, cap_bytes=pin_cap, arena_bytes=arena,
+                          arena_wanted_bytes=model.host_arena_bytes, floor_bytes=floor, cpu_share_bytes=share_bytes,
+                          exhausted=exhausted, registration_slice_bytes=REGISTRATION_SLICE_BYTES),
         cpu_share=CpuSharePlan(enabled=enabled, max_chunk=max_share_chunk if enabled else 0, reason=reason),
         loan_model=loans, decisions=tuple(led.decisions), warnings=tuple(led.warnings),
     )

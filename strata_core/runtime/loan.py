@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from strata_core.planner.chunks import halve
 from strata_core.runtime.cache import ExpertCache
 from strata_core.runtime.runlog import RunLog
 
@@ -100,7 +101,7 @@ class PromptLoan:
                              once=("unlent", first_chunk))
                 return NoLoan(prompt_tokens=prompt_tokens, chunk_tokens=own, halvings=halvings,
                               why="no chunk could be lent")
-            chunk = max(grid, (chunk // 2 // grid) * grid)
+            chunk = halve(chunk, grid)
             halvings += 1
             row = self.plan.loan_for(chunk)
         if halvings:

@@ -121,7 +121,9 @@ def test_bad_profiles_exit_2_naming_file_and_field(tmp_path, capsys, text, needl
     p = tmp_path / "bad.json"
     p.write_text(text)
     rc, out, err = _run(capsys, "--profile", str(p), "--json")
-    assert rc == 2 and out == ""
+    # with --json the failure is also one strata.error/1 object on stdout (DESIGN.md, machine-readable outputs)
+    assert rc == 2 and json.loads(out) == {"schema": "strata.error/1", "error": err.strip()[len("strata: error: "):],
+                                           "exit_code": 2}
     assert str(p) in err and needle in err and len(err.strip().splitlines()) == 1
 
 

@@ -31,7 +31,8 @@ def hosts(draw) -> HostInfo:
     avail = draw(st.one_of(st.integers(total // 2, total), st.integers(0, total)))
     pin = draw(st.one_of(st.none(), st.integers(0, total)))
     return HostInfo(os=draw(st.sampled_from(["linux", "windows"])), ram_total_bytes=total, ram_available_bytes=avail,
-                    pinnable_bytes=pin, cpu=CpuInfo(name="prop cpu", cores=8, flags=("avx2",)))
+                    pinnable_bytes=pin, cpu=CpuInfo(name="prop cpu", cores=8, flags=("avx2",)),
+                    virtualization=draw(st.sampled_from(["none", "none", "wsl2", "docker-wsl2"])))
 
 
 @st.composite

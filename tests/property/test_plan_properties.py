@@ -12,6 +12,7 @@ from hypothesis import HealthCheck, given, settings as hyp_settings
 from hypothesis import strategies as st
 from prop_strategies import devices, hosts, models, platform_defaults, settings
 
+from strata_core.api.facts import GIB
 from strata_core.errors import PlanRefused
 from strata_core.planner import Plan, check_all, make_plan
 
@@ -27,6 +28,23 @@ def _loan(defaults, model, pinned_fraction: float, chunk: int) -> int:
 def _chunks_upto(grid: int, chunk: int) -> list[int]:
     """The grid chunks up to `chunk`, and `chunk` itself when it is off the grid."""
     return sorted(set(range(grid, chunk + 1, grid)) | {chunk})
+
+
+def _platform_cap(plan: Plan) -> int | None:
+    """The page-locked cap of the platform, from the public measurements (not from the planner's table)."""
+    virt, dm = plan.host.virtualization, plan.device.driver_model
+    if virt == "docker-wsl2":
+        return 500 * 1000 * 1000
+    if virt == "wsl2" or dm == "wsl2":
+        return 3 * GIB // 4
+    if dm == "wddm":
+        return plan.host.ram_total_bytes // 2
+    return None
+
+
+def _cap_set_explicitly(plan: Plan) -> bool:
+    """pinning.wddm_pin_cap_gib replaces the platform's cap where there is one."""
+    return plan.settings_json["pinning"]["wddm_pin_cap_gib"] is not None
 
 
 def _independent_checks(plan: Plan) -> None:
@@ -57,21 +75,27 @@ def _independent_checks(plan: Plan) -> None:
         assert v.owned_prompt_bytes >= worst * m.slot_bytes, (
             f"owned prompt buffers of {v.owned_prompt_bytes} bytes (chunk {p.chunk}) are smaller than a smaller "
             f"request chunk's layout ({worst} slots x {m.slot_bytes} bytes)")
-    # Host
-    assert h.resident_bytes + h.borrow_bytes + h.kv_pinned_bytes + h.headroom_bytes <= h.available_bytes
+    # Host: the in-RAM store is at least the resident set and at least its page-locked part (issue 12.3)
+    assert max(h.resident_bytes, pin.arena_bytes) + h.borrow_bytes + h.kv_pinned_bytes + h.headroom_bytes \
+        <= h.available_bytes
     assert h.available_bytes == plan.host.ram_available_bytes
     # Pinned
     pinnable = plan.host.pinnable_bytes if plan.host.pinnable_bytes is not None else plan.host.ram_available_bytes
     assert pin.arena_bytes + pin.floor_bytes <= pin.limit_bytes <= max(0, pinnable)
     if pin.cap_bytes is not None:
         assert pin.limit_bytes <= pin.cap_bytes
+    # the platform's cap holds whatever the backend, unless the cap is set explicitly (issue 12.4)
+    platform = _platform_cap(plan)
+    if platform is not None and plan.limits is not None and not _cap_set_explicitly(plan):
+        assert pin.limit_bytes <= platform, f"limit {pin.limit_bytes} above the platform's cap {platform}"
+    assert 0 < pin.registration_slice_bytes < 512 * GIB
     assert pin.arena_bytes <= m.host_arena_bytes
     assert pin.exhausted == (pin.arena_bytes < m.host_arena_bytes)
     if plan.cpu_share.enabled:
         assert 0 < pin.cpu_share_bytes <= pin.floor_bytes
-        assert plan.cpu_share.max_chunk < plan.settings.prefill.cpu_share_max_tokens
+        assert plan.cpu_share.max_chunk < plan.limits.cpu_share_max_tokens
         assert pin.cpu_share_bytes == plan.cpu_share.max_chunk * m.hidden * 4
-        assert plan.settings.prefill.cpu_share != "off"
+        assert plan.limits.cpu_share_mode != "off"
     else:
         assert pin.cpu_share_bytes == 0 and plan.cpu_share.reason
 
