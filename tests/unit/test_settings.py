@@ -247,8 +247,8 @@ def test_legacy_env_loses_to_a_flag_but_beats_toml(tmp_path):
     ({"STRATA_PREFILL__CHUNK": "auto:0"}, "prefill.chunk", "'auto', 'auto:N' or N"),
     ({"STRATA_MEMORY__VRAM_RESERVE_MIB": "-1"}, "memory.vram_reserve_mib", "an integer >= 0"),
     ({"STRATA_PREFILL__CPU_SHARE": "maybe"}, "prefill.cpu_share", "'auto', 'on' or 'off'"),
-    ({"STRATA_PREFILL__LEND_FRACTION": "1.5"}, "prefill.lend_fraction", "a number > 0 and <= 1"),
-    ({"STRATA_MEMORY__EXPERT_CACHE": "0"}, "memory.expert_cache", "'auto' or a positive slot count"),
+    ({"STRATA_PREFILL__LEND_FRACTION": "1.5"}, "prefill.lend_fraction", "a finite number > 0 and <= 1"),
+    ({"STRATA_MEMORY__EXPERT_CACHE": "0"}, "memory.expert_cache", "'auto' or a slot count from 1 to"),
     ({"STRATA_TRACE": "loud"}, "trace", "true or false"),
 ])
 def test_bad_env_value_names_key_source_and_allowed(tmp_path, env, key, allowed):
@@ -265,7 +265,7 @@ def test_bad_env_value_names_key_source_and_allowed(tmp_path, env, key, allowed)
     ("STRATA_PREFILL_LEND_PCT", "150", "percentage"),
     ("STRATA_GFX12_CHUNK", "-5", "whole number"),
     ("STRATA_PIN_RESERVE_GIB", "lots", "number >= 0"),
-    ("STRATA_PREFILL_AUTO_MAX", "0", "positive"),
+    ("STRATA_PREFILL_AUTO_MAX", "0", "a token count from 1 to"),
 ])
 def test_bad_legacy_value_names_the_legacy_variable(tmp_path, name, text, allowed):
     with pytest.raises(BadInput) as e:
