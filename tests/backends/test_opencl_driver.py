@@ -10,8 +10,9 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from strata_core.api.backend import PinnedBudget
-from strata_core.api.facts import DeviceInfo
+from strata_core.api import (Device, DeviceInfo, DeviceSession, DeviceType, HostInfo, PinnedBudget, PlatformDefaults,
+                             ProbeResult)
+from strata_core.errors import BadInput
 from strata_core.kits.opencl import driver as drv
 
 MIB = 1 << 20
@@ -228,19 +229,80 @@ def test_find_intel_opencl_runtime_looks_under_the_prefix_it_is_given(tmp_path, 
     assert drv.find_intel_opencl_runtime(tmp_path) == tmp_path / "lib" / "libintelocl.so"
 
 
-def test_device_score_and_backend_hooks():
+def test_device_score_and_types():
     dev = DeviceInfo(backend="fake", name="d", vram_total_bytes=1, vram_free_bytes=1, vendor="v", arch="gpu",
                      driver_model="linux", index=0, unified_memory=False)
     assert drv.device_score(dev, 4, 3, 2, 1) == 4
-    backend = SimpleNamespace(name="fake")
-    sessions = []
-    backends, memory, kernels = drv.backend_hooks(
-        backend, lambda d: sessions.append(d) or _session(), __name__, device_memory=f"{__name__}:FakeMemory",
-        kernels=f"{__name__}:FakeKernels")
-    assert backends() == [backend]
-    assert isinstance(memory(device=dev), FakeMemory) and isinstance(kernels(device=dev), FakeKernels)
-    other = SimpleNamespace(backend="sycl")
-    assert memory(device=other) is None and kernels(device=other) is None and len(sessions) == 2
+    assert drv.device_type_of("gpu", False) is DeviceType.GPU
+    assert drv.device_type_of("gpu", True) is DeviceType.INTEGRATED_GPU
+    assert drv.device_type_of("cpu", True) is DeviceType.CPU
+    assert drv.device_type_of("accelerator", False) is DeviceType.ACCELERATOR
+
+
+FAKE_INFO = DeviceInfo(backend="fake", name="d", vram_total_bytes=1 << 30, vram_free_bytes=1 << 30, arch="gpu")
+
+
+def _fake_backend(probe=None, pinned=lambda session, budget: None, sessions=None):
+    """A MoeClBackend over the numpy fakes above: one device, FakeMemory and FakeKernels."""
+    sessions = [] if sessions is None else sessions
+    return drv.MoeClBackend(
+        name="fake", vendor="v", version="1", api_version="2.0", install_hint="pip install fake",
+        description="a fake", probe=probe or (lambda: ProbeResult(available=True, reason="one", devices=(FAKE_INFO,),
+                                                                    score=5)),
+        defaults=lambda device, host: PlatformDefaults(chunk_ceiling_tokens=1024 if device.present else 512,
+                                                       source="fake"),
+        session_of=lambda info: sessions.append(info) or _session(), package=__name__,
+        device_memory=f"{__name__}:FakeMemory", kernels=f"{__name__}:FakeKernels", pinned=pinned)
+
+
+def _plan(limit_bytes=8 * MIB, floor_bytes=MIB):
+    return SimpleNamespace(pinned=SimpleNamespace(limit_bytes=limit_bytes, floor_bytes=floor_bytes))
+
+
+HOST = HostInfo(os="linux", ram_total_bytes=1 << 34, ram_available_bytes=1 << 33)
+
+
+def test_the_backend_probe_wraps_each_fact_into_a_device():
+    kit = _fake_backend()
+    assert kit.strata_backends() == [kit.backend] and kit.backend.api_version == "2.0"
+    r = kit.backend.probe()
+    (d,) = r.devices
+    assert isinstance(d, Device) and d.info == FAKE_INFO and (r.score, r.reason) == (5, "one")
+    assert d.platform_defaults(HOST).chunk_ceiling_tokens == 1024
+
+
+def test_a_probe_that_raises_is_unavailable_with_the_error():
+    kit = _fake_backend(probe=lambda: 1 / 0)
+    r = kit.backend.probe()
+    assert r.available is False and "ZeroDivisionError" in r.reason
+
+
+def test_open_builds_memory_and_kernels_on_one_session_charging_the_plans_budget():
+    sessions, budgets = [], []
+    kit = _fake_backend(pinned=lambda session, budget: budgets.append(budget) or "allocator", sessions=sessions)
+    (d,) = kit.backend.probe().devices
+    s = d.open(_plan(8 * MIB, MIB))
+    assert isinstance(s, DeviceSession) and sessions == [FAKE_INFO]
+    assert isinstance(s.memory, FakeMemory) and isinstance(s.kernels, FakeKernels)
+    assert s.kernels.memory is s.memory and s.memory.session is s.kernels.session
+    assert (s.budget.limit_bytes, s.budget.floor_bytes) == (8 * MIB, MIB) and budgets == [s.budget]
+    assert s.pinned == "allocator" and s.layer_ops is None
+    s.close()
+    assert s.memory.session.queue == ["waited"]  # closing waits for the session's queues
+
+
+def test_a_device_without_page_locked_memory_opens_with_pinned_none():
+    (d,) = _fake_backend().backend.probe().devices
+    assert d.open(_plan()).pinned is None
+
+
+def test_a_described_device_plans_with_the_backends_rules_and_refuses_to_open():
+    kit = _fake_backend()
+    d = kit.backend.describe(FAKE_INFO)
+    assert d.platform_defaults(HOST).chunk_ceiling_tokens == 512  # the rules see it is not present
+    with pytest.raises(BadInput) as e:
+        d.open(_plan())
+    assert "\n" not in str(e.value) and "profile" in str(e.value)
 
 
 def test_session_lock_and_fields_are_per_session():

@@ -16,7 +16,7 @@ from strata_core.reference import kernels as ref
 pytest.importorskip("dpctl", reason="the [sycl] extra (dpctl) is not installed")
 
 from strata_sycl import backend as sycl  # noqa: E402
-from sycl_fixtures import device, mem  # noqa: E402,F401 (fixtures)
+from sycl_fixtures import device, mem, session  # noqa: E402,F401 (fixtures)
 from strata_sycl.kernels import SyclKernels  # noqa: E402
 from strata_sycl.memory import SyclDeviceMemory  # noqa: E402
 
@@ -49,8 +49,8 @@ def _all_written(a: np.ndarray) -> bool:
     return bool(np.all(a != -1))
 
 
-def test_hook_returns_a_kernel_set_that_shares_the_device_memory(device, mem):
-    k = sycl.strata_kernels(device=device)
+def test_the_sessions_kernel_set_shares_the_device_memory(session, mem):
+    k = session.kernels
     x = np.arange(12, dtype=np.float32).reshape(3, 4)
     out = mem.download(k.gather(mem.to_device(x), mem.to_device(np.array([2, 0], np.int32))))
     np.testing.assert_array_equal(out, x[[2, 0]])

@@ -7,31 +7,39 @@ import os
 import numpy as np
 import pytest
 
-from strata_core.api.backend import DeviceMemory, KernelSet, PinnedAllocator, PinnedBudget
+from strata_core.api import Device, DeviceMemory, DeviceSession, KernelSet, PinnedAllocator, PinnedBudget
 
 pytest.importorskip("dpctl", reason="the [sycl] extra (dpctl) is not installed")
 
 from strata_sycl import backend as sycl  # noqa: E402
-from sycl_fixtures import device, mem  # noqa: E402,F401 (fixtures)
+from sycl_fixtures import device, mem, plan, session  # noqa: E402,F401 (fixtures)
 from strata_sycl import runtime  # noqa: E402
 
 MIB = 1 << 20
 
 
+def pinned_of(device, budget: PinnedBudget):
+    """The pinned allocator a session of `device` gets, charging `budget`."""
+    return sycl._pinned(device.open(plan(budget.limit_bytes, budget.floor_bytes)).memory.session, budget)
 
 
 def test_probe_reports_a_device_with_memory_and_a_score_above_the_cpu_backend(device):
-    r = sycl.probe()
+    r = sycl.BACKEND.probe()
     assert r.version.startswith("dpctl ")
-    assert device.backend == "sycl" and device.vram_total_bytes > 0
-    assert 0 < device.vram_free_bytes <= device.vram_total_bytes
-    assert r.score == sycl.score_for(device) and r.score > 10
+    info = device.info
+    assert isinstance(device, Device) and info.backend == "sycl" and info.vram_total_bytes > 0
+    assert 0 < info.vram_free_bytes <= info.vram_total_bytes
+    assert r.score == sycl.score_for(info) and r.score > 10
 
 
-def test_hook_objects_satisfy_the_protocols(device):
-    assert isinstance(sycl.strata_device_memory(device=device), DeviceMemory)
-    assert isinstance(sycl.strata_kernels(device=device), KernelSet)
-    assert isinstance(sycl.strata_pinned_allocator(device=device, budget=PinnedBudget(MIB)), PinnedAllocator)
+def test_the_session_satisfies_the_protocols_and_charges_the_plans_budget(session):
+    assert isinstance(session, DeviceSession)
+    assert isinstance(session.memory, DeviceMemory) and isinstance(session.kernels, KernelSet)
+    assert isinstance(session.pinned, PinnedAllocator) and session.pinned.kind == "usm-host"
+    assert (session.budget.limit_bytes, session.budget.floor_bytes) == (64 * MIB, 8 * MIB)
+    assert session.pinned.budget is session.budget and session.layer_ops is None
+    # kernels and memory share one allocation count (the device's one vendor session)
+    assert session.kernels.memory is session.memory
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float16, np.int8, np.int32, np.uint8])
@@ -45,7 +53,7 @@ def test_upload_download_round_trip(mem, dtype):
 
 
 def test_alloc_beyond_the_device_returns_none(mem, device):
-    assert mem.alloc((device.vram_total_bytes + 1,), np.uint8) is None
+    assert mem.alloc((device.info.vram_total_bytes + 1,), np.uint8) is None
 
 
 def test_mem_info_counts_allocations_and_frees(mem):
@@ -72,7 +80,7 @@ def test_upload_size_mismatch_is_refused(mem):
 
 def test_pinned_upload_on_a_stream_then_event_orders_another_stream(device, mem):
     budget = PinnedBudget(64 * MIB)
-    pinned = sycl.strata_pinned_allocator(device=device, budget=budget)
+    pinned = pinned_of(device, budget)
     n = 1 << 20
     buf = pinned.alloc(n * 4)
     src = buf.array.view(np.float32)
@@ -103,7 +111,7 @@ def test_waiting_on_an_unrecorded_event_leaves_the_stream_usable(mem):
 
 def test_pinned_alloc_goes_through_the_budget(device):
     budget = PinnedBudget(limit_bytes=8 * MIB, floor_bytes=2 * MIB)
-    p = sycl.strata_pinned_allocator(device=device, budget=budget)
+    p = pinned_of(device, budget)
     assert p.kind == "usm-host"
     a = p.alloc(6 * MIB)
     assert a is not None and a.nbytes == 6 * MIB and a.array.nbytes == 6 * MIB and budget.used_bytes == 6 * MIB
@@ -120,15 +128,15 @@ def test_pinned_alloc_goes_through_the_budget(device):
 
 def test_pinned_alloc_the_runtime_refuses_returns_none_and_gives_the_budget_back(device):
     budget = PinnedBudget(limit_bytes=1 << 62)
-    p = sycl.strata_pinned_allocator(device=device, budget=budget)
+    p = pinned_of(device, budget)
     assert p.alloc(1 << 55) is None
     assert budget.used_bytes == 0
 
 
 def test_register_on_a_cpu_device_accounts_in_place(device):
     budget = PinnedBudget(limit_bytes=8 * MIB, floor_bytes=MIB)
-    p = sycl.strata_pinned_allocator(device=device, budget=budget)
-    assert p.host_device == (device.arch == "cpu")
+    p = pinned_of(device, budget)
+    assert p.host_device == (device.info.arch == "cpu")
     host = np.arange(MIB // 4, dtype=np.float32)
     buf = p.register(host)
     if not p.host_device:
@@ -204,8 +212,8 @@ def test_view_indexing_refuses_what_it_cannot_express(mem):
         arr[1, 1]
 
 
-def test_kernels_run_on_views(device, mem):
-    k = sycl.strata_kernels(device=device)
+def test_kernels_run_on_views(session, mem):
+    k = session.kernels
     x = np.random.default_rng(3).standard_normal((5, 16)).astype(np.float32)
     w = np.random.default_rng(4).standard_normal((7, 16)).astype(np.float32)
     xd = mem.to_device(x)

@@ -4,4 +4,9 @@ Importing this package never imports dpctl: the vendor library is loaded lazily 
 backend lists itself as unavailable, with the reason and the install line, where the [sycl] extra is missing.
 """
 
-INSTALL_HINT = "pip install 'strata-core[sycl]'"
+from pathlib import Path as _Path
+
+# the in-tree backends ship in strata-core's one distribution: their install line is written once, in strata_cuda
+from strata_cuda.probe import install_line as _install_line
+
+INSTALL_HINT = _install_line("sycl", _Path(__file__).parent)

@@ -1,4 +1,4 @@
-"""The 'sycl' backend (entry point strata.backends: sycl): Intel and other SYCL devices through dpctl.
+"""The 'sycl' backend (entry point strata.backends: sycl; API 2.0): Intel and other SYCL devices through dpctl.
 
 Platform rules of this backend (each a default of ours; settings and site plugins override):
 - chunk ceiling 8192 tokens;
@@ -6,7 +6,11 @@ Platform rules of this backend (each a default of ours; settings and site plugin
   is not a hard wall, and a plan that fills it to the byte would page;
 - pinned host memory is SYCL USM host memory (page-locked by the runtime), where the device offers it; dpctl cannot
   lock existing memory in place, so registration is refused on a GPU (on a CPU device it is budget accounting only);
-- a CPU device (the Intel OpenCL CPU runtime) is the host itself: the CPU share is off by default.
+- a CPU device (the Intel OpenCL CPU runtime) is the host itself: the CPU share is off by default;
+- no page-locked cap of its own: under WDDM the planner's platform cap applies (about half of RAM), never more.
+Caps: copies from USM host memory run asynchronously on their own in-order queue, and on a GPU that overlaps the
+kernels (on a CPU device both are host threads: no overlap is claimed); no graph capture, no peer copies, no fused
+layer ops; kernels never read host memory in place (every input is a USM device array), so host-mapped is off.
 Only OpenCL-backend SYCL devices with USM device memory are used, because the kernels are OpenCL C
 (strata_core/kits/opencl/moe.cl) built through dpctl.program; PoCL's platform is kept out (it can abort SYCL).
 This module imports without dpctl; the probe then says why the backend is unavailable.
@@ -18,13 +22,11 @@ import sys
 from typing import Any
 
 from strata_core import __version__
-from strata_core.api import API_VERSION
-from strata_core.api.backend import Backend, ProbeResult
+from strata_core.api import (API_VERSION, DeviceCaps, DeviceInfo, HostInfo, PinnedBudget, PlatformDefaults,
+                             ProbeResult)
 from strata_core.errors import StrataError
-from strata_core.api.facts import DeviceInfo, HostInfo, PlatformDefaults
-from strata_core.api.hookspecs import hookimpl
 from strata_core.hostinfo import probe_host
-from strata_core.kits.opencl.driver import backend_hooks, device_score
+from strata_core.kits.opencl import EXPERT_FORMATS, MoeClBackend, device_score, device_type_of
 
 from . import INSTALL_HINT
 
@@ -67,9 +69,11 @@ def device_info(dev: Any, index: int) -> DeviceInfo:
         name = dev.name.lower()
         unified = kind == "gpu" and not any(m in name for m in _DISCRETE_MARKERS)
         free, driver = total, ("wddm" if sys.platform == "win32" else "linux")
+    usm_host = bool(dev.has_aspect_usm_host_allocations)
     return DeviceInfo(backend=NAME, name=str(dev.name), vram_total_bytes=total, vram_free_bytes=free,
                       vendor=_vendor(str(dev.vendor)), arch=kind, driver_model=driver, index=index,
-                      unified_memory=unified)
+                      unified_memory=unified, device_type=device_type_of(kind, unified),
+                      caps=DeviceCaps(async_copies=usm_host and kind != "cpu", expert_formats=EXPERT_FORMATS))
 
 
 def probe() -> ProbeResult:
@@ -77,7 +81,7 @@ def probe() -> ProbeResult:
     try:
         from .runtime import all_device_names, load_dpctl, usable_devices
         dpctl = load_dpctl()
-    except ImportError as e:
+    except ImportError as e:  # the one outcome the install line fixes
         return ProbeResult.unavailable(f"dpctl is not installed ({e})")
     except Exception as e:  # a broken runtime must read as 'unavailable', never break a command
         return ProbeResult.unavailable(f"dpctl failed to load: {type(e).__name__}: {e}")
@@ -97,6 +101,7 @@ def probe() -> ProbeResult:
     usm_host = {i: bool(d.has_aspect_usm_host_allocations) for i, d in enumerate(devs)}
     described = ", ".join(f"{d.arch} {d.name}" + ("" if usm_host[d.index] else " (no USM host memory: nothing pinned)")
                           for d in infos)
+    # the DeviceInfo facts; BACKEND.probe wraps each into the device object the core drives
     return ProbeResult(available=True, reason=f"{len(infos)} SYCL device(s) via OpenCL: {described}",
                        devices=infos, score=max(score_for(d) for d in infos), version=version)
 
@@ -107,6 +112,7 @@ def platform_defaults(device: DeviceInfo, host: HostInfo) -> PlatformDefaults:
     return PlatformDefaults(
         chunk_ceiling_tokens=CHUNK_CEILING_TOKENS,
         free_vram_trust=FREE_VRAM_TRUST,
+        # no cap of the backend's own: the planner's platform cap (WDDM, WSL2) applies, and this may only lower it
         pin_cap_bytes=None,
         cpu_share_default=not on_cpu,
         cpu_share_reason="the SYCL device is the CPU" if on_cpu else "the platform default",
@@ -130,25 +136,21 @@ def _session(device: DeviceInfo):
     raise StrataError(f"sycl: device {device.name!r} (index {device.index}) is not present on this machine")
 
 
-BACKEND = Backend(name=NAME, vendor="intel", probe=probe, version=__version__, api_version=API_VERSION,
-                  install_hint=INSTALL_HINT, description="SYCL devices through dpctl (USM memory, OpenCL C kernels)")
-
-
-@hookimpl
-def strata_platform_defaults(device, host):
-    """SYCL platform defaults for a sycl device."""
-    return platform_defaults(device, host) if device.backend == NAME else None
-
-
-@hookimpl
-def strata_pinned_allocator(device, budget):
-    """USM host memory charged to `budget`."""
-    if device.backend != NAME:
+def _pinned(session: Any, budget: PinnedBudget):
+    """USM host memory charged to `budget`; None where the device offers no USM host allocations."""
+    if not bool(session.device.has_aspect_usm_host_allocations):
         return None
     from .memory import UsmPinnedAllocator
-    return UsmPinnedAllocator(_session(device), budget)
+    return UsmPinnedAllocator(session, budget)
 
 
-#: The sycl backend, its USM device memory and in-order queues, and moe.cl through dpctl.program.
-strata_backends, strata_device_memory, strata_kernels = backend_hooks(
-    BACKEND, _session, __package__, device_memory=".memory:SyclDeviceMemory", kernels=".kernels:SyclKernels")
+#: The sycl backend: its devices, their USM device memory and in-order queues, and moe.cl through dpctl.program.
+PLUGIN = MoeClBackend(
+    name=NAME, vendor="intel", version=__version__, api_version=API_VERSION, install_hint=INSTALL_HINT,
+    description="SYCL devices through dpctl (USM memory, OpenCL C kernels)", probe=probe,
+    defaults=lambda device, host: platform_defaults(device.info, host), session_of=_session, package=__package__,
+    device_memory=".memory:SyclDeviceMemory", kernels=".kernels:SyclKernels", pinned=_pinned)
+BACKEND = PLUGIN.backend
+
+# The entry point names this module, so the hookimpl is its attribute (pluggy reads bound methods' markers).
+strata_backends = PLUGIN.strata_backends

@@ -1,12 +1,17 @@
-"""The 'opencl' backend (entry point strata.backends: opencl): any OpenCL device, through pyopencl.
+"""The 'opencl' backend (entry point strata.backends: opencl; API 2.0): any OpenCL device, through pyopencl.
 
 Platform rules of this plugin (each a default; settings and site plugins override):
 - chunk ceiling 4096 tokens: OpenCL drivers differ widely, and the smaller chunk keeps the prompt path's loan small;
 - no page-locked memory unless the platform offers host-visible memory (CL_MEM_ALLOC_HOST_PTR buffers that map):
   then pinned buffers are such mapped buffers; otherwise the pinned allocator returns None for every request and
   the plan gets no page-locked floor. For a device of this machine the offer is tested; for a profile of another
-  machine only a unified-memory device is assumed to offer it.
-Written as a third party would: only strata-core's public API and pyopencl. Imports without pyopencl.
+  machine only a unified-memory device is assumed to offer it;
+- no page-locked cap of its own: under WDDM the planner's platform cap applies (about half of RAM), never more.
+Caps: copies from mapped host-visible buffers are non-blocking on their own in-order queue, which overlaps the
+kernels on a GPU (on a CPU device both are host threads: no overlap is claimed); no graph capture, no peer copies,
+no fused layer ops; kernels never read host memory in place (every input is a device buffer).
+Written as a third party would: only strata-core's contract (`strata_core.api`), its OpenCL kit
+(`strata_core.kits.opencl`) and pyopencl. Imports without pyopencl.
 """
 
 from __future__ import annotations
@@ -15,17 +20,15 @@ import os
 import sys
 from typing import Any
 
-from strata_core.api.backend import Backend, ProbeResult
-from strata_core.api.facts import DeviceInfo, HostInfo, PlatformDefaults
-from strata_core.api.hookspecs import hookimpl
-from strata_core.kits.opencl.driver import backend_hooks, device_score
+from strata_core.api import DeviceCaps, DeviceInfo, HostInfo, PinnedBudget, PlatformDefaults, ProbeResult
+from strata_core.kits.opencl import EXPERT_FORMATS, MoeClBackend, MoeClDevice, device_score, device_type_of
 
 from . import INSTALL_HINT, __version__
 
 NAME = "opencl"
 
-#: The strata hook API this plugin was written against: a core of another major version refuses it, as it should.
-API_VERSION = "1.0"
+#: The strata contract this plugin was written against: a core of another major version refuses it, as it should.
+API_VERSION = "2.0"
 
 #: Largest prompt chunk the auto choice may take on an OpenCL device, in tokens.
 CHUNK_CEILING_TOKENS = 4096
@@ -59,8 +62,8 @@ def _host_free_bytes() -> int | None:
         return None
 
 
-def device_info(cl: Any, dev: Any, index: int) -> DeviceInfo:
-    """The DeviceInfo of one pyopencl device."""
+def device_info(cl: Any, dev: Any, index: int, host_visible: bool = False) -> DeviceInfo:
+    """The DeviceInfo of one pyopencl device; `host_visible`: the platform offers mapped host-visible buffers."""
     from .runtime import device_kind
     kind = device_kind(cl, dev)
     total = int(dev.global_mem_size)
@@ -79,9 +82,20 @@ def device_info(cl: Any, dev: Any, index: int) -> DeviceInfo:
         unified = bool(dev.host_unified_memory)
     except Exception:  # deprecated in OpenCL 2.0+, absent on some platforms
         unified = kind == "cpu"
+    unified = unified or kind == "cpu"
     return DeviceInfo(backend=NAME, name=str(dev.name).strip(), vram_total_bytes=total, vram_free_bytes=free,
                       vendor=_vendor(str(dev.vendor)), arch=kind, driver_model=driver, index=index,
-                      unified_memory=unified or kind == "cpu")
+                      unified_memory=unified, device_type=device_type_of(kind, unified),
+                      caps=DeviceCaps(async_copies=host_visible and kind != "cpu", expert_formats=EXPERT_FORMATS))
+
+
+def _offers_host_visible(cl: Any, platform_index: int, device_index: int) -> bool:
+    """Whether this live device offers mapped host-visible buffers (tested once per process, on its session)."""
+    from .runtime import session_for
+    try:
+        return session_for(platform_index, device_index).offers_host_visible_memory()
+    except Exception:  # a device that cannot even make a context offers nothing
+        return False
 
 
 def probe() -> ProbeResult:
@@ -89,7 +103,7 @@ def probe() -> ProbeResult:
     try:
         from .runtime import list_devices, load_pyopencl
         cl = load_pyopencl()
-    except ImportError as e:
+    except ImportError as e:  # the one outcome the install line fixes
         return ProbeResult.unavailable(f"pyopencl is not installed ({e})")
     except Exception as e:  # a broken installation must read as 'unavailable'
         return ProbeResult.unavailable(f"pyopencl failed to load: {type(e).__name__}: {e}")
@@ -100,7 +114,7 @@ def probe() -> ProbeResult:
             return ProbeResult.unavailable("no OpenCL platform or device found (install a driver's ICD, or "
                                            "'pip install strata-opencl[cpu]' for Intel's CPU runtime)",
                                            version=version)
-        infos = tuple(device_info(cl, d, i) for i, (_, _, d) in enumerate(devs))
+        infos = tuple(device_info(cl, d, i, _offers_host_visible(cl, p, n)) for i, (p, n, d) in enumerate(devs))
         platforms = sorted({str(cl.get_platforms()[p].name).strip() for p, _, _ in devs})
     except Exception as e:
         return ProbeResult.unavailable(f"OpenCL device query failed: {type(e).__name__}: {e}", version=version)
@@ -126,21 +140,25 @@ def _locate(device: DeviceInfo) -> tuple[int, int]:
 
 
 def _session(device: DeviceInfo):
+    """The pyopencl session of the live device a DeviceInfo names (created once per process)."""
     from .runtime import session_for
     return session_for(*_locate(device))
 
 
-def offers_host_visible_memory(device: DeviceInfo) -> bool:
+def offers_host_visible_memory(device: MoeClDevice) -> bool:
     """Whether the platform offers mapped host-visible buffers (tested live; on a profile: unified memory only)."""
+    if not device.present:
+        return device.info.unified_memory
     try:
-        return _session(device).offers_host_visible_memory()
-    except Exception:  # not on this machine (a profile), or no pyopencl: decide from the facts
-        return device.unified_memory
+        return _session(device.info).offers_host_visible_memory()
+    except Exception:  # no pyopencl, or the device went away: decide from the facts
+        return device.info.unified_memory
 
 
 def platform_defaults(device: DeviceInfo, host: HostInfo, host_visible: bool) -> PlatformDefaults:
     """The OpenCL platform rules (module docstring) given whether host-visible memory is offered."""
     on_cpu = device.arch == "cpu" or device.driver_model == "host"
+    # without host-visible memory nothing can be page-locked: a zero cap and floor only ever lower the platform's
     pin = {} if host_visible else {"pin_cap_bytes": 0, "pin_floor_bytes": 0}
     return PlatformDefaults(
         chunk_ceiling_tokens=CHUNK_CEILING_TOKENS,
@@ -151,56 +169,22 @@ def platform_defaults(device: DeviceInfo, host: HostInfo, host_visible: bool) ->
     )
 
 
-class NoPinnedMemory:
-    """The allocator of a platform without host-visible memory: every request gets None, nothing is charged."""
-
-    kind = "none"
-
-    def alloc(self, nbytes, from_floor=False):
-        """None: nothing can be page-locked here."""
+def _pinned(session: Any, budget: PinnedBudget):
+    """Mapped CL_MEM_ALLOC_HOST_PTR buffers charged to `budget`; None where the platform offers none."""
+    if not session.offers_host_visible_memory():
         return None
-
-    def register(self, array, from_floor=False):
-        """None: nothing can be page-locked here."""
-        return None
-
-    def free(self, buf):
-        """Nothing was allocated."""
+    from .memory import ClPinnedAllocator
+    return ClPinnedAllocator(session, budget)
 
 
-BACKEND = Backend(name=NAME, vendor="opencl", probe=probe, version=__version__, api_version=API_VERSION,
-                  install_hint=INSTALL_HINT, description="any OpenCL device through pyopencl (third-party plugin)")
+#: The opencl backend: its devices, their cl.Buffer device arrays and in-order queues, and moe.cl through pyopencl.
+PLUGIN = MoeClBackend(
+    name=NAME, vendor="opencl", version=__version__, api_version=API_VERSION, install_hint=INSTALL_HINT,
+    description="any OpenCL device through pyopencl (third-party plugin)", probe=probe,
+    defaults=lambda device, host: platform_defaults(device.info, host, offers_host_visible_memory(device)),
+    session_of=_session, package=__package__, device_memory=".memory:ClDeviceMemory", kernels=".kernels:ClKernels",
+    pinned=_pinned)
+BACKEND = PLUGIN.backend
 
-
-@hookimpl
-def strata_probe(backend):
-    """The OpenCL probe for this plugin's backend; None for any other."""
-    return probe() if backend.name == NAME else None
-
-
-@hookimpl
-def strata_platform_defaults(device, host):
-    """OpenCL platform defaults for an opencl device."""
-    if device.backend != NAME:
-        return None
-    return platform_defaults(device, host, offers_host_visible_memory(device))
-
-
-@hookimpl
-def strata_pinned_allocator(device, budget):
-    """Mapped CL_MEM_ALLOC_HOST_PTR buffers charged to `budget`, or an allocator that always says no."""
-    if device.backend != NAME:
-        return None
-    try:
-        session = _session(device)
-        if not session.offers_host_visible_memory():
-            return NoPinnedMemory()
-        from .memory import ClPinnedAllocator
-        return ClPinnedAllocator(session, budget)
-    except Exception:  # a pinned allocator is optional: without a usable device, nothing is page-locked
-        return NoPinnedMemory()
-
-
-#: The opencl backend, its cl.Buffer device arrays and in-order queues, and moe.cl through pyopencl.
-strata_backends, strata_device_memory, strata_kernels = backend_hooks(
-    BACKEND, _session, __package__, device_memory=".memory:ClDeviceMemory", kernels=".kernels:ClKernels")
+# The entry point names this module, so the hookimpl is its attribute (pluggy reads bound methods' markers).
+strata_backends = PLUGIN.strata_backends

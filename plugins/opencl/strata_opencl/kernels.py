@@ -12,7 +12,7 @@ import warnings
 from functools import cached_property
 from typing import Any
 
-from strata_core.kits.opencl.driver import OpenClKernels
+from strata_core.kits.opencl import OpenClKernels
 
 from .memory import ClArray, ClDeviceMemory
 from .runtime import Session

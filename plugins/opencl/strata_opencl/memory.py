@@ -1,7 +1,7 @@
 """OpenCL memory: device arrays as cl.Buffer, streams as in-order queues, markers as events, mapped pinned buffers.
 
-The bookkeeping (views, the allocation count, checks, the pinned budget) is strata_core's opencl_driver, part of
-strata-core's public API; this module supplies pyopencl's buffers, copies, markers and barriers.
+The bookkeeping (views, the allocation count, checks, the pinned budget) is strata-core's OpenCL kit
+(strata_core.kits.opencl); this module supplies pyopencl's buffers, copies, markers and barriers.
 """
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from typing import Any
 
 import numpy as np
 
-from strata_core.api.backend import PinnedBudget, PinnedBuffer
-from strata_core.kits.opencl.driver import (DeviceArray, EventSlot, OpenClDeviceMemory, OpenClPinnedAllocator,
+from strata_core.api import PinnedBudget, PinnedBuffer
+from strata_core.kits.opencl import (DeviceArray, EventSlot, OpenClDeviceMemory, OpenClPinnedAllocator,
                                                handle_alias)
 
 from .runtime import Session

@@ -14,8 +14,8 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from strata_core.kits.opencl.driver import QueueSession, QueueStream
-from strata_core.kits.opencl.driver import find_intel_opencl_runtime as _find_runtime
+from strata_core.kits.opencl import QueueSession, QueueStream
+from strata_core.kits.opencl import find_intel_opencl_runtime as _find_runtime
 
 _lock = threading.Lock()
 _sessions: dict[tuple[int, int], "Session"] = {}

@@ -1,11 +1,13 @@
-"""The vendor-neutral half of the backends that run moe.cl: the KernelSet, device memory and pinned host memory
-expressed over a few primitives that each backend supplies (launch a kernel, allocate, copy, record and wait).
+"""The vendor-neutral half of the backends that run moe.cl: the Backend and its Device objects (API 2.0), the
+KernelSet, device memory and pinned host memory expressed over a few primitives that each backend supplies (launch a
+kernel, allocate, copy, record and wait).
 
 The in-tree sycl backend (dpctl) and the opencl plugin (pyopencl) run the same OpenCL C source under the same
-KernelSet contract (strata_core.reference.kernels), so everything but the vendor calls lives here once: host-side
-argument checks and uploads, the scatter's grouping passes, the tiled/plain and reduction launch geometry, the
-array wrapper's view bookkeeping, the allocation count, the pinned-memory budget accounting, the sessions' queue
-bookkeeping, where intel-opencl-rt put its library, device scoring and the device-memory and kernel hooks.
+KernelSet contract (strata_core.reference.kernels), so everything but the vendor calls lives here once: the backend
+object that wraps a probe's facts into devices and opens their sessions, host-side argument checks and uploads, the
+scatter's grouping passes, the tiled/plain and reduction launch geometry, the array wrapper's view bookkeeping, the
+allocation count, the pinned-memory budget accounting, the sessions' queue bookkeeping, where intel-opencl-rt put
+its library, and device types and scores.
 
 This module imports no vendor library and reads no environment: a backend subclasses these classes and passes in
 its session (any object with `device`, `queue`, `lock` and `allocated_bytes`) and whatever paths it needs.
@@ -23,14 +25,15 @@ from typing import Any, Callable
 
 import numpy as np
 
-from strata_core.api.backend import PinnedBudget, PinnedBuffer
-from strata_core.api.hookspecs import hookimpl
+from strata_core.api import (Backend, DeviceInfo, DeviceSession, DeviceType, HostInfo, PinnedBudget, PinnedBuffer,
+                             PlatformDefaults, ProbeResult, hookimpl)
+from strata_core.errors import BadInput, StrataError
 from strata_core.kits.opencl import kernel_source
 from strata_core.reference.kernels import QK8_0, ExpertPool
 
-__all__ = ["INTEL_OCL_NAMES", "LINEAR_TILE", "DeviceArray", "EventSlot", "Local", "OpenClDeviceMemory",
-           "OpenClKernels", "OpenClPinnedAllocator", "QueueSession", "QueueStream", "find_intel_opencl_runtime",
-           "device_score", "handle_alias", "backend_hooks", "round_up"]
+__all__ = ["EXPERT_FORMATS", "INTEL_OCL_NAMES", "LINEAR_TILE", "DeviceArray", "EventSlot", "Local", "MoeClBackend",
+           "MoeClDevice", "OpenClDeviceMemory", "OpenClKernels", "OpenClPinnedAllocator", "QueueSession",
+           "QueueStream", "device_score", "device_type_of", "find_intel_opencl_runtime", "handle_alias", "round_up"]
 
 I32_MAX = 2**31 - 1
 #: Side of the square work-group of the tiled kernels (LINEAR_TILE and FFN_TILE in moe.cl).
@@ -39,6 +42,8 @@ LINEAR_TILE = 16
 INTEL_OCL_NAMES = ("libintelocl.so", "intelocl64.dll")
 #: The moe.cl source every backend of this module builds.
 SOURCE = "moe.cl"
+#: Expert formats moe.cl's grouped FFN computes from their own bytes (OpenClKernels.moe_grouped_ffn).
+EXPERT_FORMATS = ("f16", "q8_0")
 
 
 def round_up(n: int, m: int) -> int:
@@ -74,36 +79,104 @@ def device_score(device: Any, discrete_gpu: int, integrated_gpu: int, accelerato
     return cpu_device
 
 
-def backend_hooks(backend: Any, session_of: Callable[[Any], Any], package: str, *, device_memory: str,
-                  kernels: str) -> tuple[Callable, Callable, Callable]:
-    """The strata_backends, strata_device_memory and strata_kernels hooks of a backend of moe.cl.
+def device_type_of(kind: str, unified_memory: bool) -> DeviceType:
+    """The DeviceType of an OpenCL/SYCL device kind ('gpu', 'accelerator', 'cpu', other) and its memory model."""
+    if kind == "gpu":
+        return DeviceType.INTEGRATED_GPU if unified_memory else DeviceType.GPU
+    if kind == "cpu":
+        return DeviceType.CPU
+    return DeviceType.ACCELERATOR
 
-    Device memory and kernels are both built from a device's session (`session_of` maps a DeviceInfo to it); their
-    classes are named 'module:Class' relative to `package` and imported on first use, so a backend module that
-    assigns these hooks still imports without its vendor library.
+
+def _import(spec: str, package: str) -> Any:
+    """The class named 'module:Class' relative to `package`, imported on first use (so a backend module imports
+    without its vendor library)."""
+    module, _, cls = spec.partition(":")
+    return getattr(importlib.import_module(module, package), cls)
+
+
+@dataclass(frozen=True)
+class MoeClDevice:
+    """One device of a moe.cl backend: its facts, its platform rules and `open(plan)`.
+
+    `present` is False for a device described by a profile of another machine: it plans, it cannot open.
     """
-    name = backend.name
 
-    def build(spec: str, device: Any) -> Any:
-        module, _, cls = spec.partition(":")
-        return getattr(importlib.import_module(module, package), cls)(session_of(device))
+    info: DeviceInfo
+    backend: "MoeClBackend" = field(compare=False, repr=False)
+    present: bool = True
+
+    def platform_defaults(self, host: HostInfo) -> PlatformDefaults:
+        """This device's platform rules on `host`, from its facts (and, for a live device, what it offers)."""
+        return self.backend.defaults(self, host)
+
+    def open(self, plan: Any) -> DeviceSession:
+        """A session for a proven plan: device memory, pinned memory charging the plan's budget, moe.cl's kernels."""
+        return self.backend.open(self, plan)
+
+
+class MoeClBackend:
+    """A backend of moe.cl (the sycl backend, the opencl plugin): its Backend, its devices and their sessions.
+
+    A backend supplies its probe's facts (`probe`: a ProbeResult of DeviceInfo), its rules (`defaults(device,
+    host)`), how a DeviceInfo finds its live session (`session_of`, raising with one line when it cannot), its
+    device memory and kernel classes as 'module:Class' relative to `package`, and its pinned allocator
+    (`pinned(session, budget)`, None when the device offers no page-locked memory).
+    """
+
+    def __init__(self, *, name: str, vendor: str, version: str, api_version: str, install_hint: str,
+                 description: str, probe: Callable[[], ProbeResult],
+                 defaults: Callable[[MoeClDevice, HostInfo], PlatformDefaults], session_of: Callable[[DeviceInfo], Any],
+                 package: str, device_memory: str, kernels: str, pinned: Callable[[Any, PinnedBudget], Any]):
+        self._probe_facts = probe
+        self.defaults = defaults
+        self.session_of = session_of
+        self.package = package
+        self.device_memory = device_memory
+        self.kernels = kernels
+        self.pinned = pinned
+        self.backend = Backend(name=name, vendor=vendor, probe=self.probe, version=version, api_version=api_version,
+                               install_hint=install_hint, description=description, describe=self.describe)
+
+    def probe(self) -> ProbeResult:
+        """The probe's facts with each DeviceInfo wrapped in a MoeClDevice. Never raises."""
+        try:
+            r = self._probe_facts()
+            if not r.available:
+                return r
+            return ProbeResult(available=True, reason=r.reason, score=r.score, version=r.version,
+                               devices=tuple(MoeClDevice(info, self) for info in r.devices))
+        except Exception as e:  # the contract: a probe never raises
+            return ProbeResult.unavailable(f"the {self.backend.name} probe failed: {type(e).__name__}: {e}")
+
+    def describe(self, info: DeviceInfo) -> MoeClDevice:
+        """A device of this backend known only from a profile's facts: it plans with the backend's rules."""
+        return MoeClDevice(info, self, present=False)
+
+    def open(self, device: MoeClDevice, plan: Any) -> DeviceSession:
+        """The session of `device` for `plan`; device memory and kernels share the device's one vendor session."""
+        info = device.info
+        if not device.present:
+            raise BadInput(f"{self.backend.name} device '{info.name}' (index {info.index}) comes from a profile: "
+                           f"it can be planned for here, not opened")
+        try:
+            session = self.session_of(info)
+        except StrataError:
+            raise
+        except Exception as e:  # a plugin's own error type (LookupError, ImportError ...): one line, not a traceback
+            raise StrataError(f"{self.backend.name}: cannot open device '{info.name}' (index {info.index}): "
+                              f"{e}") from None
+        memory = _import(self.device_memory, self.package)(session)
+        kernels = _import(self.kernels, self.package)(session, memory)
+        budget = PinnedBudget(plan.pinned.limit_bytes, plan.pinned.floor_bytes)
+        # the vendor session outlives this one (its program is built once per process): closing waits for its queues
+        return DeviceSession(memory=memory, kernels=kernels, budget=budget, pinned=self.pinned(session, budget),
+                             closers=[session.wait_all])
 
     @hookimpl
-    def strata_backends():
+    def strata_backends(self) -> list[Backend]:
         """This one backend."""
-        return [backend]
-
-    @hookimpl
-    def strata_device_memory(device):
-        """The device memory of one of this backend's devices (None for another backend's)."""
-        return build(device_memory, device) if device.backend == name else None
-
-    @hookimpl
-    def strata_kernels(device):
-        """The moe.cl KernelSet of one of this backend's devices (None for another backend's)."""
-        return build(kernels, device) if device.backend == name else None
-
-    return strata_backends, strata_device_memory, strata_kernels
+        return [self.backend]
 
 
 # ------------------------------------------------------------------------------------------------- runtime pieces
