@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from strata_core.api.facts import GIB, MIB, CpuInfo, DeviceInfo, HostInfo
-from strata_core.api.hookspecs import hookimpl
+from strata_core.api import Target, hookimpl
 from strata_core.models.spec import ModelSpec
 from strata_core.planner import check_all, plan_for_machine
 from strata_core.registry import load_plugins
@@ -41,7 +41,7 @@ def _plan(extra_plugins=(), settings=None):
     """Plan MODEL on DEVICE with the sim backend plus `extra_plugins`; return (plan, plugin host)."""
     host = load_plugins(autoload=False, extra=[sim_backend, *extra_plugins])
     assert not host.broken, host.broken
-    return plan_for_machine(host, DEVICE, HOST, MODEL, settings or settings_from_partial({})), host
+    return plan_for_machine(host, host.target_for(DEVICE, HOST), MODEL, settings or settings_from_partial({})), host
 
 
 def _plugin_decisions(plan, name):
@@ -81,24 +81,36 @@ class StricterSite:
     """A second site plugin without tryfirst: it runs after the policy and tightens the chunk further."""
 
     seen: list = []
+    targets: list = []
 
     @hookimpl
-    def strata_adjust_plan(self, draft):
-        """Record the cap it finds, then cap at 2048."""
+    def strata_adjust_plan(self, draft, target):
+        """Record the cap it finds and what is planned for, then cap at 2048."""
         self.seen.append(draft.get("prompt.chunk_cap_tokens"))
+        self.targets.append(target)
         draft.tighten("prompt.chunk_cap_tokens", 2048, "stricter site")
 
 
 def test_policy_runs_first_and_others_can_tighten_further():
     """tryfirst: a plugin loaded after it still sees the policy's cap already applied, and may go lower."""
     other = StricterSite()
-    other.seen = []
+    other.seen, other.targets = [], []
     plan, host = _plan([site_policy, other])  # registered last, `other` would run first without tryfirst
     assert other.seen == [4096]
+    (target,) = other.targets
+    assert isinstance(target, Target) and target.host == HOST
+    assert (target.device.info.name, target.device.info.vram_free_bytes) == (DEVICE.name, DEVICE.vram_free_bytes)
     assert plan.prompt.chunk <= 2048
     order = [d.source for d in plan.decisions if d.what == "prompt.chunk_cap_tokens"]
     assert order == [f"plugin:{host.pm.get_name(site_policy)}", f"plugin:{host.pm.get_name(other)}"]
     check_all(plan)
+
+
+def test_the_policy_speaks_api_2_0s_hook():
+    """strata_adjust_plan(draft, target): the API 2.0 signature, nothing of 1.x's (device, host, settings)."""
+    _, host = _plan([site_policy])
+    (impl,) = [i for i in host.hook.strata_adjust_plan.get_hookimpls() if i.plugin is site_policy]
+    assert impl.argnames == ("draft", "target") and impl.tryfirst
 
 
 def test_policy_values_are_frozen():

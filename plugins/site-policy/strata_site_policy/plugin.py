@@ -2,13 +2,14 @@
 
 It provides no backend; it only tightens the draft plan (`draft.tighten`), which records a Decision naming this
 plugin as its source. It runs before other site plugins (`tryfirst=True`) so theirs can tighten further still.
+It imports only strata-core's contract (`strata_core.api`, API 2.0).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from strata_core.api.hookspecs import hookimpl
+from strata_core.api import PlanDraft, Target, hookimpl
 
 MIB = 1 << 20
 
@@ -27,8 +28,11 @@ POLICY = FleetPolicy()
 
 
 @hookimpl(tryfirst=True)
-def strata_adjust_plan(draft, device, host, settings):
-    """Cap the chunk at the policy's and raise the VRAM reserve to the policy's minimum, where the draft is looser."""
+def strata_adjust_plan(draft: PlanDraft, target: Target) -> None:
+    """Cap the chunk at the policy's and raise the VRAM reserve to the policy's minimum, where the draft is looser.
+
+    The fleet's limits hold on every machine, so `target` (what is planned for) does not change them.
+    """
     cap = draft.get("prompt.chunk_cap_tokens")
     if cap is None or cap > POLICY.chunk_cap_tokens:
         draft.tighten("prompt.chunk_cap_tokens", POLICY.chunk_cap_tokens,
