@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-SCENARIO_DIR = (REPO / ".." / "shared" / "scenarios").resolve()
+SCENARIO_DIR = REPO / "tests" / "data" / "scenarios"
 SCENARIO_FILES = sorted(SCENARIO_DIR.glob("*.json")) if SCENARIO_DIR.is_dir() else []
 
 

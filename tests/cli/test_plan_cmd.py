@@ -12,7 +12,7 @@ from strata_core.api.facts import MIB
 from strata_core.models.gguf import write_tiny_moe_gguf
 from strata_core.planner.plan import LoanRow
 
-SCENARIOS = (Path(__file__).resolve().parents[2] / ".." / "shared" / "scenarios").resolve()
+SCENARIOS = Path(__file__).resolve().parents[1] / "data" / "scenarios"
 RESERVE700 = SCENARIOS / "seed2090-rtx4070ti-reserve700.json"
 needs_scenarios = pytest.mark.skipif(not RESERVE700.is_file(), reason=f"shared scenario {RESERVE700} is absent")
 

@@ -12,7 +12,7 @@ import pytest
 
 from strata_core.cli import main
 
-SCENARIO_DIR = (Path(__file__).resolve().parents[2] / ".." / "shared" / "scenarios").resolve()
+SCENARIO_DIR = Path(__file__).resolve().parents[1] / "data" / "scenarios"
 SCENARIOS = sorted(SCENARIO_DIR.glob("*.json")) if SCENARIO_DIR.is_dir() else []
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-SCENARIO_DIR = (REPO / ".." / "shared" / "scenarios").resolve()
+SCENARIO_DIR = REPO / "tests" / "data" / "scenarios"
 SCENARIO_FILES = sorted(SCENARIO_DIR.glob("*.json")) if SCENARIO_DIR.is_dir() else []
 NO_SCENARIOS = f"no scenario files: {SCENARIO_DIR} is absent or empty"
 

@@ -11,7 +11,7 @@ from strata_core.registry import load_plugins
 from strata_core.scenario import load_scenario
 from strata_core.config.settings import settings_from_partial
 
-SCENARIO_DIR = (Path(__file__).resolve().parents[2] / ".." / "shared" / "scenarios").resolve()
+SCENARIO_DIR = Path(__file__).resolve().parents[1] / "data" / "scenarios"
 
 
 def scenario_plan(name: str):
@@ -21,11 +21,11 @@ def scenario_plan(name: str):
         pytest.skip(f"shared scenario {path} is absent")
     sc = load_scenario(path)
     plugins = load_plugins()
-    return sc, plan_for_machine(plugins, sc.profile.device, sc.profile.host, sc.model, sc.settings)
+    return sc, plan_for_machine(plugins, plugins.resolve_target(sc.settings, profile=sc.profile), sc.model, sc.settings)
 
 
 def sim_plan(spec, settings: dict):
     """A plan for `spec` on the sim backend's default device (a 24 GiB card), with these partial settings."""
     plugins = load_plugins()
-    _, device, host, _ = plugins.device_and_defaults("sim")
-    return plugins, plan_for_machine(plugins, device, host, spec, settings_from_partial(settings))
+    target = plugins.resolve_target(settings_from_partial({"backend": {"name": "sim"}}))
+    return plugins, plan_for_machine(plugins, target, spec, settings_from_partial(settings))

@@ -1,10 +1,10 @@
-"""The shared scenario files, found relative to the repository (../shared/scenarios beside the checkout)."""
+"""The project's scenario files (tests/data/scenarios, copies of the seed scenarios), found relative to the tests."""
 
 from pathlib import Path
 
 import pytest
 
-SCENARIO_DIR = (Path(__file__).resolve().parents[2] / ".." / "shared" / "scenarios").resolve()
+SCENARIO_DIR = Path(__file__).resolve().parents[1] / "data" / "scenarios"
 SCENARIO_FILES = sorted(SCENARIO_DIR.glob("*.json")) if SCENARIO_DIR.is_dir() else []
 
 

@@ -14,7 +14,7 @@ from strata_core.config.settings import (FIELDS, LEGACY_VARIABLES, FlagValue, Pr
                                   add_settings_arguments, load_settings, settings_from_args, settings_from_partial,
                                   with_backend_defaults)
 
-SCENARIOS = Path(__file__).resolve().parents[3] / "shared" / "scenarios"
+SCENARIOS = Path(__file__).resolve().parents[1] / "data" / "scenarios"
 
 
 def load(tmp_path, env=None, flags=None, config_file=None):
