@@ -12,10 +12,12 @@ from rich.table import Table
 
 from strata_core.errors import BadInput
 from strata_core.api.facts import MIB, DeviceInfo, HostInfo, load_profile
+from strata_core.api.target import Target
 from strata_core.models.spec import ModelSpec, model_from_name, resolve_model
 from strata_core.registry import PluginHost, load_from_settings
+from strata_core.planner.model_defaults import with_model_defaults
 from strata_core.scenario import Scenario, load_scenario
-from strata_core.config.settings import LoadedSettings, Provenance, StrataSettings, add_settings_arguments, settings_from_args
+from strata_core.config.settings import LoadedSettings, Provenance, StrataSettings, add_settings_arguments, output_path, settings_from_args
 
 #: The model a bare `strata plan` plans for until the runtime's built-in tiny model exists.
 FALLBACK_MODEL = "Qwen3-30B-A3B@Q4_K"
@@ -39,7 +41,7 @@ def register(subparsers) -> None:
     p.add_argument("--list-models", action="store_true", help="list the preset models and exit")
     p.add_argument("--json", action="store_true", help="print one strata.plan/1 object")
     p.add_argument("--explain", action="store_true", help="print every decision with its reason")
-    p.add_argument("--plot", metavar="FILE.png", help="draw the memory budgets and the loans into a PNG "
+    p.add_argument("--plot", metavar="FILE.png", type=output_path((".png", ".svg", ".pdf")), help="draw the memory budgets and the loans into a PNG "
                                                       f"(needs matplotlib: {PLOT_INSTALL})")
     add_settings_arguments(p)
     p.set_defaults(func=run)
@@ -56,6 +58,7 @@ class PlanInputs:
     plugins: PluginHost
     origin: str                      # 'this machine', 'profile FILE' or 'scenario FILE'
     requests: tuple[int, ...] = ()
+    target: Target | None = None     # what the plan is made for (registry.resolve_target)
 
 
 def merge_scenario_settings(loaded: LoadedSettings, scenario: Scenario) -> LoadedSettings:
@@ -91,45 +94,59 @@ def gather_inputs(args: argparse.Namespace) -> PlanInputs:
     settings = loaded.settings
     plugins = load_from_settings(settings)
     if scenario is not None:
-        device, host = scenario.profile.device, scenario.profile.host
-        origin, requests = f"scenario {args.scenario}", scenario.requests
+        profile, origin, requests = scenario.profile, f"scenario {args.scenario}", scenario.requests
     elif getattr(args, "profile", None):
-        profile = load_profile(args.profile)
-        device, host = profile.device, profile.host
-        origin, requests = f"profile {args.profile}", ()
+        profile, origin, requests = load_profile(args.profile), f"profile {args.profile}", ()
     else:
-        _, device, host, _ = plugins.device_and_defaults(settings.backend.name, settings.backend.device)
-        origin, requests = "this machine", ()
+        profile, origin, requests = None, "this machine", ()
+    target = plugins.resolve_target(settings, profile=profile, origin=origin)
+    device, host = target.device.info, target.host
     if args.model:
         model = resolve_model(args.model, args.quant)
     elif scenario is not None:
         model = scenario.model
     else:
         model = default_model()
+    # the model's own defaults (the tiny model's cache) through the one path `strata run` takes too
+    loaded = with_model_defaults(loaded, model)
     return PlanInputs(device=device, host=host, model=model, loaded=loaded, plugins=plugins, origin=origin,
-                      requests=requests)
+                      requests=requests, target=target)
 
 
 def build_plan(inputs: PlanInputs):
     """The proven plan for these inputs (platform defaults and plan adjustments through the plugins)."""
     from strata_core.planner import plan_for_machine
-    return plan_for_machine(inputs.plugins, inputs.device, inputs.host, inputs.model, inputs.loaded.settings)
+    return plan_for_machine(inputs.plugins, inputs.target, inputs.model, inputs.loaded.settings)
 
 
 def request_rows(plan, requests: tuple[int, ...]) -> list[dict]:
     """Each request's chunk and the loan that chunk needs, against what the plan can lend."""
     rows = []
     for n in requests:
-        chunk = plan.request_chunk(n)
-        loan = plan.loan_for(chunk).loan_slots
-        rows.append({"prompt_tokens": n, "chunk": chunk, "loan_slots": loan,
-                     "streams": bool(plan.streams(n)), "fits": loan <= plan.prompt.lendable_slots})
+        refused = plan.refuse_reason(n)  # the runtime's own rule (kv.max_context)
+        chunk = 0 if refused else plan.request_chunk(n)
+        streams = not refused and bool(plan.streams(n))
+        loan = plan.loan_for(chunk).loan_slots if streams else 0
+        rows.append({"prompt_tokens": n, "chunk": chunk, "loan_slots": loan, "streams": streams,
+                     "fits": refused is None and (not streams or loan <= plan.prompt.lendable_slots),
+                     "refused_reason": refused})
     return rows
+
+
+def decision_origin(source: str, loaded: LoadedSettings) -> str:
+    """A decision's source with where its setting came from ('setting prefill.chunk' -> '... (flag --set ...)')."""
+    if not source.startswith("setting "):
+        return source
+    key = source[len("setting "):].split("=", 1)[0].strip()
+    prov = loaded.origins.get(key)
+    return source if prov is None else f"{source} ({prov.source}: {prov.origin})"
 
 
 def plan_report(plan, inputs: PlanInputs) -> dict:
     """The `strata.plan/1` object, with where the inputs came from and the scenario's requests (added fields)."""
     out = plan.to_json()
+    for dec in out["decisions"]:
+        dec["origin"] = decision_origin(str(dec["source"]), inputs.loaded)
     out["origin"] = inputs.origin
     out["settings_notices"] = list(inputs.loaded.notices)
     if inputs.requests:
@@ -154,7 +171,7 @@ def run(args: argparse.Namespace) -> int:
     console = Console()
     print_plan(console, plan, inputs, report)
     if args.explain:
-        print_explain(console, plan)
+        print_explain(console, plan, inputs.loaded)
     if args.plot:
         console.print(f"plot written to {args.plot}", markup=False)
     return 0
@@ -249,7 +266,8 @@ def print_plan(console: Console, plan, inputs: PlanInputs, report: dict) -> None
             t.add_column(col, justify="right")
         for r in report["requests"]:
             t.add_row(f"{r['prompt_tokens']:,}", str(r["chunk"]), f"{r['loan_slots']:,}",
-                      "yes" if r["streams"] else "no", "yes" if r["fits"] else "NO",
+                      "yes" if r["streams"] else "no",
+                      "yes" if r["fits"] else ("NO: " + r["refused_reason"] if r["refused_reason"] else "NO"),
                       style=None if r["fits"] else "red")
         console.print(t)
 
@@ -282,12 +300,12 @@ def print_plan(console: Console, plan, inputs: PlanInputs, report: dict) -> None
         console.print(f"note: {n}", markup=False)
 
 
-def print_explain(console: Console, plan) -> None:
-    """Every decision with its reason, one paragraph each."""
+def print_explain(console: Console, plan, loaded: LoadedSettings | None = None) -> None:
+    """Every decision with its reason and its source (a setting with where it came from), one paragraph each."""
     console.print("Why:", style="bold")
     for i, dec in enumerate(plan.decisions, 1):
-        console.print(f"{i:3}. {dec.what} = {_value(dec.what, dec.value)}  [{dec.source}]\n     {dec.why}",
-                      markup=False)
+        src = decision_origin(str(dec.source), loaded) if loaded is not None else dec.source
+        console.print(f"{i:3}. {dec.what} = {_value(dec.what, dec.value)}  [{src}]\n     {dec.why}", markup=False)
 
 
 # ---------------------------------------------------------------------------------------------------------------
