@@ -162,24 +162,25 @@ def plan_fidelity(models: tuple[str, ...]) -> dict:
 
     import cupy
     import strata_cuda.backend as cuda_backend
-    from strata_core.api.backend import PinnedBudget
     from strata_core.models.spec import model_from_name
     from strata_core.planner import plan_for_machine
     from strata_core.registry import load_from_settings
-    from strata_core.runtime.engine import Engine, hooks_for
+    from strata_core.runtime.engine import Engine
     from strata_core.runtime.runlog import RunLog
     from strata_core.config.settings import StrataSettings
 
     settings = StrataSettings()
     host_plugins = load_from_settings(settings, extra=[cuda_backend])
-    _, device, host, _ = host_plugins.device_and_defaults("cuda", 0)
+    target = host_plugins.resolve_target(settings.model_copy(update={"backend": settings.backend.model_copy(
+        update={"name": "cuda", "device": 0})}))
+    device = target.device.info
     pool = cupy.get_default_memory_pool()
     rows = []
     for name in models:
         spec = model_from_name(name)
-        plan = plan_for_machine(host_plugins, device, host, spec, settings)
-        budget = PinnedBudget(plan.pinned.limit_bytes, plan.pinned.floor_bytes)
-        dm, _, kernels = hooks_for(host_plugins, plan.device, budget)
+        plan = plan_for_machine(host_plugins, target, spec, settings)
+        session = target.device.open(plan)
+        dm, kernels, budget = session.memory, session.kernels, session.budget
         cupy.cuda.Device().synchronize()
         free0, _ = cupy.cuda.runtime.memGetInfo()
         used0, held0 = pool.used_bytes(), pool.total_bytes()
@@ -202,6 +203,7 @@ def plan_fidelity(models: tuple[str, ...]) -> dict:
         log(f"plan fidelity {name}: planned cache {planned / 2**30:.3f} GiB, measured "
             f"{ {k: round(v / 2**30, 3) for k, v in measured.items()} } GiB -> {row['within_2pct_and_not_above']}")
         del engine
+        session.close()
         gc.collect()
         pool.free_all_blocks()
     return {"method": plan_fidelity.__doc__.split("\n\n")[1].strip(), "device": device.to_json(), "runs": rows}
@@ -219,7 +221,7 @@ def strata_run_fidelity(argv: list[str]) -> dict:
 
     pool = cupy.get_default_memory_pool()
     seen: dict = {}
-    original = engine_mod.Engine.from_plugins
+    original = engine_mod.Engine.open
 
     def measure() -> dict:
         cupy.cuda.Device().synchronize()
@@ -232,13 +234,13 @@ def strata_run_fidelity(argv: list[str]) -> dict:
         seen["after_start"] = measure()
         return engine
 
-    engine_mod.Engine.from_plugins = wrapped
+    engine_mod.Engine.open = wrapped
     out = io.StringIO()
     try:
         with contextlib.redirect_stdout(out):
             rc = cli.main(argv)
     finally:
-        engine_mod.Engine.from_plugins = original
+        engine_mod.Engine.open = original
     seen["after_run"] = measure()
     report = json.loads(out.getvalue()) if out.getvalue().strip() else {}
     plan = report.get("plan", {})

@@ -37,7 +37,7 @@ def time_plan(plugins, device, host, model, settings, repeat: int) -> tuple[floa
     for _ in range(repeat):
         t0 = time.perf_counter()
         try:
-            plan = plan_for_machine(plugins, device, host, model, settings)
+            plan = plan_for_machine(plugins, plugins.target_for(device, host), model, settings)
             outcome = f"chunk {plan.prompt.chunk}, {plan.expert_cache.slots} slots"
         except Exception as e:  # a refused plan is timed too: refusing is planning
             outcome = f"{type(e).__name__}: {str(e)[:60]}"

@@ -1,21 +1,45 @@
-"""The plugin manager: entry points, allow and block lists, api versions, probing and backend resolution."""
+"""The registry: built-in backends by import, third-party plugins by entry point, and the one Target resolution.
+
+Loading: the built-in `cpu` and `sim` backends are registered by import and always present; `plugins.autoload`,
+`plugins.allow` and `plugins.block` concern third-party entry points only (`strata.backends`, `strata.plugins`).
+A plugin that fails to import, implements a hook that does not exist, or provides a Backend of another API major
+version is listed as refused, in one line; it never breaks a command.
+
+Resolution (`PluginHost.resolve_target`): settings (or a profile's facts) -> a Backend -> one of its Device objects
+-> the host facts -> that device's platform defaults on that host: a `Target`, which every command plans for.
+"""
 
 from __future__ import annotations
 
 import importlib.metadata as md
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Iterable
 
 import pluggy
+from pydantic import BaseModel, ValidationError
 
 from strata_core.api import API_VERSION
 from strata_core.api import hookspecs
-from strata_core.api.backend import Backend, ProbeResult
+from strata_core.api.backend import Backend, Device, DeviceSession, FactsOnlyDevice, PinnedBudget, ProbeResult
+from strata_core.api.facts import VENDOR_OF_BACKEND, DeviceInfo, HostInfo, PlatformDefaults, Profile
+from strata_core.api.settings import SettingsGroup
+from strata_core.api.target import Target
+from strata_core.builtin import cpu as _cpu
+from strata_core.builtin.sim import backend as _sim
 from strata_core.errors import BadInput, StrataError
-from strata_core.api.facts import VENDOR_OF_BACKEND, PlatformDefaults
 from strata_core.hostinfo import probe_host
 
 ENTRY_POINT_GROUPS = ("strata.backends", "strata.plugins")
+
+#: The backends of the core itself, registered by import under these names whatever the plugin settings say.
+BUILTIN_PLUGINS = (("cpu", _cpu), ("sim", _sim))
+
+#: Hooks of API 1.x that API 2.0 removed; a plugin implementing one is refused at load (its device questions now go
+#: to the Device object: `platform_defaults(host)`, `open(plan)`; its settings to `strata_settings_group`).
+REMOVED_HOOKS: tuple[str, ...] = ()
+
+#: Where the defaults of a device come from when no backend gives them.
+CORE_DEFAULTS_SOURCE = "core (no backend answered)"
 
 
 @dataclass(frozen=True)
@@ -30,25 +54,57 @@ class BackendStatus:
     reason: str
     install_hint: str
     score: int
-    devices: tuple = ()
+    devices: tuple = ()  # Device objects
     plugin: str = ""
 
     def to_json(self) -> dict:
         """One entry of `strata.backends/1`."""
         return {"name": self.name, "vendor": self.vendor, "version": self.version, "api_version": self.api_version,
                 "available": self.available, "reason": self.reason, "install_hint": self.install_hint,
-                "score": self.score, "devices": [d.to_json() for d in self.devices], "plugin": self.plugin}
+                "score": self.score, "devices": [d.info.to_json() for d in self.devices], "plugin": self.plugin}
+
+
+@dataclass(frozen=True)
+class _HookDevice:
+    """API 1.x, transitional: a probe's bare DeviceInfo, answered through the old broadcast hooks.
+
+    Goes when the in-tree vendor backends return Device objects (with `REMOVED_HOOKS` filled).
+    """
+
+    info: DeviceInfo
+    pm: pluggy.PluginManager = field(compare=False, repr=False)
+    present: bool = True
+
+    def platform_defaults(self, host: HostInfo) -> PlatformDefaults:
+        """What a plugin's strata_platform_defaults says, or the core's defaults."""
+        d = self.pm.hook.strata_platform_defaults(device=self.info, host=host)
+        return d if isinstance(d, PlatformDefaults) else PlatformDefaults(source=CORE_DEFAULTS_SOURCE)
+
+    def open(self, plan: Any) -> DeviceSession:
+        """A session assembled from strata_device_memory, strata_kernels and strata_pinned_allocator."""
+        if not self.present:
+            return FactsOnlyDevice(self.info).open(plan)
+        hook = self.pm.hook
+        budget = PinnedBudget.for_plan(plan)
+        memory, kernels = hook.strata_device_memory(device=self.info), hook.strata_kernels(device=self.info)
+        if memory is None or kernels is None:
+            raise StrataError(f"backend '{self.info.backend}' gives no "
+                              f"{'device memory' if memory is None else 'kernels'} for {self.info.name}")
+        return DeviceSession(memory=memory, kernels=kernels, budget=budget,
+                             pinned=hook.strata_pinned_allocator(device=self.info, budget=budget))
 
 
 @dataclass
 class PluginHost:
-    """The loaded plugins and their backends. Build one with `load_plugins`."""
+    """The loaded plugins, their backends and settings groups. Build one with `load_plugins` or `load_from_settings`."""
 
     pm: pluggy.PluginManager
     backends: dict[str, Backend] = field(default_factory=dict)
     backend_plugin: dict[str, str] = field(default_factory=dict)
     broken: list[BackendStatus] = field(default_factory=list)
     notices: list[str] = field(default_factory=list)
+    groups: dict[str, SettingsGroup] = field(default_factory=dict)
+    group_plugin: dict[str, str] = field(default_factory=dict)
     _probes: dict[str, ProbeResult] = field(default_factory=dict)
 
     @property
@@ -56,17 +112,36 @@ class PluginHost:
         """The pluggy hook relay."""
         return self.pm.hook
 
+    # --- probing -------------------------------------------------------------------------------------------------
+
     def probe(self, name: str) -> ProbeResult:
-        """Probe one backend once (cached); a probe that raises becomes 'unavailable' with the error and the plugin."""
+        """Probe one backend once (cached); a probe that raises becomes 'unavailable' with the error."""
         if name not in self._probes:
             self._probes[name] = self._probe_uncached(self.backends[name])
         return self._probes[name]
 
     def _probe_uncached(self, b: Backend) -> ProbeResult:
+        r = self._legacy_probe(b)
+        if r is None:
+            try:
+                r = b.probe()
+            except Exception as e:
+                return ProbeResult.unavailable(f"probe raised {type(e).__name__}: {e}")
+        if not isinstance(r, ProbeResult):
+            return ProbeResult.unavailable(f"probe returned {type(r).__name__}, not a ProbeResult")
+        devices = []
+        for d in r.devices:
+            if isinstance(d, DeviceInfo):  # API 1.x, transitional
+                d = _HookDevice(d, self.pm)
+            if not isinstance(d, Device):
+                return ProbeResult.unavailable(f"probe returned a {type(d).__name__} among its devices, not a Device "
+                                               f"(info, platform_defaults, open)", version=r.version)
+            devices.append(d)
+        return replace(r, devices=tuple(devices))
+
+    def _legacy_probe(self, b: Backend) -> ProbeResult | None:
+        """API 1.x, transitional: a strata_probe answer, each implementation called on its own."""
         owner = self.backend_plugin.get(b.name, "?")
-        r = None
-        # Each strata_probe implementation is called on its own so that one plugin raising for a backend it does
-        # not own cannot make that backend unavailable; call order is pluggy's (reverse registration, tryfirst first).
         for impl in reversed(self.pm.hook.strata_probe.get_hookimpls()):
             pname = self.pm.get_name(impl.plugin) or "?"
             try:
@@ -76,18 +151,10 @@ class PluginHost:
                     return ProbeResult.unavailable(f"probe raised {type(e).__name__}: {e}")
                 self.notices.append(f"plugin '{pname}' raised in strata_probe for '{b.name}': "
                                     f"{type(e).__name__}: {e}; ignored")
-                r = None
                 continue
             if r is not None:
-                break
-        if r is None:
-            try:
-                r = b.probe()
-            except Exception as e:
-                return ProbeResult.unavailable(f"probe raised {type(e).__name__}: {e}")
-        if not isinstance(r, ProbeResult):
-            return ProbeResult.unavailable(f"probe returned {type(r).__name__}, not a ProbeResult")
-        return r
+                return r
+        return None
 
     def statuses(self) -> list[BackendStatus]:
         """Every discovered backend with its probe result, and the plugins that could not load, sorted by name."""
@@ -100,6 +167,8 @@ class PluginHost:
                                      score=r.score if r.available else 0, devices=tuple(r.devices),
                                      plugin=self.backend_plugin.get(name, "")))
         return sorted(out + list(self.broken), key=lambda s: s.name)
+
+    # --- resolution ----------------------------------------------------------------------------------------------
 
     def resolve(self, requested: str = "auto") -> tuple[Backend, ProbeResult]:
         """The backend to use: an explicit name (must be available) or, for 'auto', the highest probe score.
@@ -135,26 +204,141 @@ class PluginHost:
         except StrataError as e:
             return None, str(e)
 
-    def device_and_defaults(self, requested: str = "auto", device_index: int = 0):
-        """(backend, device, host, PlatformDefaults) of the resolved backend; raises like `resolve`."""
-        b, r = self.resolve(requested)
-        if not r.devices:
-            raise StrataError(f"backend '{b.name}' reports no device")
-        matching = [d for d in r.devices if d.index == device_index]
-        if not matching and device_index >= len(r.devices):
-            raise BadInput(f"backend.device: backend '{b.name}' has {len(r.devices)} device(s); "
-                           f"allowed: 0..{len(r.devices) - 1}")
-        device = matching[0] if matching else r.devices[device_index]
+    def resolve_target(self, settings: Any, host_override: HostInfo | None = None, profile: Profile | None = None,
+                       origin: str | None = None) -> Target:
+        """The one resolution of a command: backend, device, host facts and platform defaults.
+
+        Without `profile`: the backend `backend.name` names (or the best for 'auto'), its device `backend.device`
+        (refused, never clamped, with the allowed range), this machine's host facts (`strata_host_info`, else the
+        core's reading; a simulated machine's own when its device carries them). With `profile`: its facts, the
+        device described by the profile's backend (`Backend.describe`), or a `FactsOnlyDevice` for a backend not
+        installed here. `host_override` replaces the host facts either way.
+        """
+        if profile is not None:
+            backend = self.backends.get(profile.backend) or _absent_backend(profile.backend)
+            device = self.describe(profile.device)
+            host = host_override or profile.host
+            origin = origin or f"a {profile.backend} profile"
+        else:
+            backend, r = self.resolve(getattr(settings.backend, "name", "auto") or "auto")
+            device = _pick_device(backend, r, int(getattr(settings.backend, "device", 0) or 0))
+            host = host_override or getattr(device, "simulated_host", None) or self.host_info()
+            origin = origin or "this machine"
+        return Target(backend=backend, device=device, host=host, defaults=self._defaults(backend, device, host),
+                      origin=origin)
+
+    def target_for(self, info: DeviceInfo, host: HostInfo, origin: str | None = None) -> Target:
+        """The Target of given facts (a device of `info.backend` on `host`): `resolve_target` with them as a profile."""
+        return self.resolve_target(None, profile=Profile(backend=info.backend, device=info, host=host), origin=origin)
+
+    def describe(self, info: DeviceInfo) -> Device:
+        """A Device for facts from a profile or scenario: its backend's `describe`, else a FactsOnlyDevice."""
+        b = self.backends.get(info.backend)
+        if b is not None and b.describe is not None:
+            try:
+                d = b.describe(info)
+            except StrataError:
+                raise
+            except Exception as e:  # a plugin's bug, in one line
+                raise StrataError(f"backend '{b.name}' failed to describe device '{info.name}': "
+                                  f"{type(e).__name__}: {e}") from None
+            if not isinstance(d, Device):
+                raise StrataError(f"backend '{b.name}' described device '{info.name}' as a {type(d).__name__}, "
+                                  f"not a Device")
+            return d
+        if self.pm.hook.strata_platform_defaults.get_hookimpls():  # API 1.x, transitional
+            return _HookDevice(info, self.pm, present=False)
+        return FactsOnlyDevice(info, defaults=PlatformDefaults(source=CORE_DEFAULTS_SOURCE))
+
+    def host_info(self) -> HostInfo:
+        """This machine's host facts: the first plugin's `strata_host_info` answer, else the core's reading."""
         try:
-            host = self.pm.hook.strata_host_info() or probe_host()
-            defaults = self.pm.hook.strata_platform_defaults(device=device, host=host) or PlatformDefaults()
+            h = self.pm.hook.strata_host_info()
+        except Exception as e:  # a plugin refining host facts must not break a command
+            self.notices.append(f"strata_host_info raised {type(e).__name__}: {e}; using the core's reading")
+            h = None
+        return h if isinstance(h, HostInfo) else probe_host()
+
+    def _defaults(self, backend: Backend, device: Device, host: HostInfo) -> PlatformDefaults:
+        try:
+            d = device.platform_defaults(host)
+        except StrataError:
+            raise
         except Exception as e:  # a plugin's bug, reported in one line rather than a traceback
-            raise StrataError(f"a plugin failed while reading the platform of '{b.name}': {type(e).__name__}: {e}") \
-                from None
-        return b, device, host, defaults
+            raise StrataError(f"backend '{backend.name}' failed while reading the platform of "
+                              f"'{device.info.name}': {type(e).__name__}: {e}") from None
+        if d is None:
+            return PlatformDefaults(source=CORE_DEFAULTS_SOURCE)
+        if not isinstance(d, PlatformDefaults):
+            raise StrataError(f"backend '{backend.name}' gave a {type(d).__name__} as the platform defaults of "
+                              f"'{device.info.name}', not PlatformDefaults")
+        return d
+
+    def device_and_defaults(self, requested: str = "auto", device_index: int = 0):
+        """(backend, DeviceInfo, host, PlatformDefaults) through `resolve_target` (for callers not yet on Target)."""
+        from types import SimpleNamespace
+        t = self.resolve_target(SimpleNamespace(backend=SimpleNamespace(name=requested, device=device_index)))
+        return t.backend, t.device.info, t.host, t.defaults
+
+    # --- settings groups -----------------------------------------------------------------------------------------
+
+    def settings_groups(self) -> list[SettingsGroup]:
+        """The plugins' own settings groups (the built-in sim's included), sorted by name."""
+        return [self.groups[n] for n in sorted(self.groups)]
+
+    def apply_settings(self, settings: Any) -> None:
+        """Give each settings group its validated values: a BadInput there is the user's, other errors a notice."""
+        for group in self.settings_groups():
+            values = group_values(settings, group)
+            if group.apply is None:
+                continue
+            try:
+                group.apply(values)
+            except BadInput:
+                raise
+            except Exception as e:
+                self.notices.append(f"plugin '{self.group_plugin.get(group.name, '?')}' raised applying settings "
+                                    f"group '{group.name}': {type(e).__name__}: {e}; its settings were not applied")
 
 
-def _major(version: str) -> str:
+def group_values(settings: Any, group: SettingsGroup) -> BaseModel:
+    """A settings group's values, validated by its model: `settings.<name>` (a model or a dict), else the defaults."""
+    raw = getattr(settings, group.name, None) if settings is not None else None
+    if raw is None:
+        raw = (getattr(settings, "plugin_settings", None) or {}).get(group.name) if settings is not None else None
+    if isinstance(raw, group.model):
+        return raw
+    if isinstance(raw, BaseModel):
+        raw = raw.model_dump()
+    try:
+        return group.model.model_validate(raw or {})
+    except ValidationError as e:
+        err = e.errors()[0]
+        key = ".".join([group.name, *(str(p) for p in err.get("loc", ()))])
+        raise BadInput(f"{key}: {err.get('msg', 'invalid value')}") from None
+
+
+def _pick_device(backend: Backend, r: ProbeResult, index: int) -> Device:
+    """The device of `index`: the one reporting that index, else the index-th; never clamped."""
+    if not r.devices:
+        raise StrataError(f"backend '{backend.name}' reports no device")
+    for d in r.devices:
+        if d.info.index == index:
+            return d
+    if 0 <= index < len(r.devices):
+        return r.devices[index]
+    raise BadInput(f"backend.device: backend '{backend.name}' has {len(r.devices)} device(s), no device {index}; "
+                   f"allowed: 0..{len(r.devices) - 1}")
+
+
+def _absent_backend(name: str) -> Backend:
+    """A stand-in Backend for facts of a backend not installed here (plans with the core's defaults)."""
+    return Backend(name=name, vendor=VENDOR_OF_BACKEND.get(name, name), api_version=API_VERSION,
+                   probe=lambda: ProbeResult.unavailable(f"backend '{name}' is not installed here"),
+                   description="not installed: facts from a profile")
+
+
+def _major(version: Any) -> str:
     return str(version).split(".", 1)[0]
 
 
@@ -169,33 +353,44 @@ def new_plugin_manager() -> pluggy.PluginManager:
     return pm
 
 
+def _removed_hooks_of(pm: pluggy.PluginManager, plugin: Any) -> list[str]:
+    """The API 1.x hooks a plugin implements (marked as hook implementations), in name order."""
+    return sorted(h for h in REMOVED_HOOKS if pm.parse_hookimpl_opts(plugin, h) is not None)
+
+
 def load_plugins(allow: Iterable[str] = (), block: Iterable[str] = (), autoload: bool = True,
                  extra: Iterable[Any] = ()) -> PluginHost:
-    """Load plugins from the entry-point groups (when autoload) and `extra` objects, then collect their backends.
+    """The built-in backends, then the entry points (when autoload, filtered by allow/block), then `extra` objects.
 
-    `allow`, when not empty, names the only entry points loaded; `block` names entry points never loaded. A plugin
-    that fails to import, or implements a hook that does not exist, is listed as broken with the error; it never
-    breaks a command.
+    `allow`, when not empty, names the only entry points loaded; `block` names entry points never loaded. Neither
+    touches the built-in cpu and sim backends.
     """
     allow, block = set(allow), set(block)
     pm = new_plugin_manager()
     host = PluginHost(pm=pm)
-    candidates: list[tuple[str, str, Any]] = []  # (name, group, loader)
+    candidates: list[tuple[str, Any]] = [(name, (lambda m=module: m)) for name, module in BUILTIN_PLUGINS]
     if autoload:
         for group in ENTRY_POINT_GROUPS:
             for ep in md.entry_points(group=group):
                 if ep.name in block or (allow and ep.name not in allow):
                     continue
-                candidates.append((ep.name, group, ep.load))
+                candidates.append((ep.name, ep.load))
     for obj in extra:
-        candidates.append((_name_of(obj, repr(obj)), "extra", lambda obj=obj: obj))
-    for name, group, loader in candidates:
+        candidates.append((_name_of(obj, repr(obj)), lambda obj=obj: obj))
+    for name, loader in candidates:
         if pm.has_plugin(name):
             continue
         try:
             plugin = loader()
         except Exception as e:
             host.broken.append(_broken(name, f"plugin failed to import: {type(e).__name__}: {e}"))
+            continue
+        if pm.is_registered(plugin):
+            continue
+        removed = _removed_hooks_of(pm, plugin)
+        if removed:
+            host.broken.append(_broken(name, f"plugin '{name}' implements {', '.join(removed)}, removed in API 2.0 "
+                                             f"(an API 1.x plugin); refused"))
             continue
         try:
             pm.register(plugin, name=name)
@@ -208,6 +403,13 @@ def load_plugins(allow: Iterable[str] = (), block: Iterable[str] = (), autoload:
             _unregister(pm, name)
             host.broken.append(_broken(name, f"plugin '{name}' rejected: {type(e).__name__}: {e}"))
             continue
+    _collect_backends(host)
+    _collect_settings_groups(host)
+    return host
+
+
+def _collect_backends(host: PluginHost) -> None:
+    pm = host.pm
     for impl in pm.hook.strata_backends.get_hookimpls():
         pname = pm.get_name(impl.plugin) or "?"
         try:
@@ -219,16 +421,38 @@ def load_plugins(allow: Iterable[str] = (), block: Iterable[str] = (), autoload:
         for b in provided:
             if not isinstance(b, Backend):
                 host.broken.append(_broken(pname, f"plugin '{pname}' returned {type(b).__name__}, not a Backend"))
-            elif _major(b.api_version) != _major(API_VERSION):
-                host.broken.append(_broken(b.name, f"backend '{b.name}' (plugin '{pname}') speaks api "
-                                                   f"{b.api_version}; this core speaks {API_VERSION}", vendor=b.vendor,
-                                           api_version=b.api_version))
+            elif not b.api_version or _major(b.api_version) != _major(API_VERSION):
+                spoken = f"speaks api {b.api_version}" if b.api_version else "declares no api_version"
+                host.broken.append(_broken(b.name, f"backend '{b.name}' (plugin '{pname}') {spoken}; this core "
+                                                   f"speaks {API_VERSION}", vendor=b.vendor,
+                                           api_version=str(b.api_version or "none")))
             elif b.name in host.backends:
                 host.notices.append(f"backend '{b.name}' is provided twice; plugin '{pname}' ignored")
             else:
                 host.backends[b.name] = b
                 host.backend_plugin[b.name] = pname
-    return host
+
+
+def _collect_settings_groups(host: PluginHost) -> None:
+    pm = host.pm
+    for impl in pm.hook.strata_settings_group.get_hookimpls():  # registration order: the built-ins first
+        pname = pm.get_name(impl.plugin) or "?"
+        try:
+            g = impl.function()
+        except Exception as e:
+            host.notices.append(f"plugin '{pname}' raised in strata_settings_group: {type(e).__name__}: {e}; "
+                                f"its settings group is left out")
+            continue
+        if g is None:
+            continue
+        if not (isinstance(g, SettingsGroup) and isinstance(g.model, type) and issubclass(g.model, BaseModel)):
+            host.notices.append(f"plugin '{pname}' returned {type(g).__name__} from strata_settings_group, not a "
+                                f"SettingsGroup with a pydantic model; left out")
+        elif g.name in host.groups:
+            host.notices.append(f"settings group '{g.name}' is declared twice; plugin '{pname}' ignored")
+        else:
+            host.groups[g.name] = g
+            host.group_plugin[g.name] = pname
 
 
 def _unregister(pm: pluggy.PluginManager, name: str) -> None:
@@ -238,22 +462,22 @@ def _unregister(pm: pluggy.PluginManager, name: str) -> None:
 
 
 def _broken(name: str, reason: str, vendor: str = "", api_version: str = "?") -> BackendStatus:
-    return BackendStatus(name=name, vendor=vendor or VENDOR_OF_BACKEND.get(name, "?"), version="", api_version=api_version, available=False,
-                         reason=reason, install_hint="", score=0, plugin=name)
+    return BackendStatus(name=name, vendor=vendor or VENDOR_OF_BACKEND.get(name, "?"), version="",
+                         api_version=api_version, available=False, reason=reason, install_hint="", score=0,
+                         plugin=name)
 
 
 def load_from_settings(settings: Any, extra: Iterable[Any] = ()) -> PluginHost:
-    """Load plugins as the `plugins` settings group says (allow, block, autoload), then let them read their settings."""
+    """Load plugins as the `plugins` settings group says (allow, block, autoload), then apply their settings groups."""
     p = settings.plugins
     host = load_plugins(allow=p.allow, block=p.block, autoload=p.autoload, extra=extra)
-    # Before any probe, so probes see each plugin's settings. Each implementation runs on its own: a bad value is the
-    # user's (BadInput, exit 2), any other error is the plugin's and must not break the command.
-    for impl in reversed(host.pm.hook.strata_configure.get_hookimpls()):
-        try:
-            impl.function(settings=settings)
-        except BadInput:
-            raise
-        except Exception as e:
-            host.notices.append(f"plugin '{host.pm.get_name(impl.plugin)}' raised in strata_configure: "
-                                f"{type(e).__name__}: {e}; its settings were not applied")
+    # Before any probe, so probes see each plugin's settings (the sim device is the profile it was given).
+    host.apply_settings(settings)
     return host
+
+
+def resolve_target(settings: Any, host_override: HostInfo | None = None, profile: Profile | None = None,
+                   plugins: PluginHost | None = None) -> Target:
+    """`PluginHost.resolve_target` on `plugins`, or on the plugins these settings load."""
+    return (plugins or load_from_settings(settings)).resolve_target(settings, host_override=host_override,
+                                                                    profile=profile)

@@ -129,6 +129,11 @@ class PinnedBudget:
         self.exhausted_reason = ""
         self._lock = threading.Lock()
 
+    @classmethod
+    def for_plan(cls, plan: Any) -> "PinnedBudget":
+        """The budget a session charges for a proven plan: its page-locked limit and the floor kept for the runtime."""
+        return cls(plan.pinned.limit_bytes, plan.pinned.floor_bytes)
+
     def take(self, nbytes: int, from_floor: bool = False) -> bool:
         """Reserve nbytes; the arena (from_floor=False) may not eat into the floor. False when it does not fit."""
         nbytes = int(nbytes)

@@ -1,91 +1,116 @@
-"""The hook contract between the core and its plugins (pluggy project name "strata").
+"""The hook contract between the core and its plugins (pluggy project name "strata"), grouped by phase.
 
-Every hook takes keyword arguments. A backend answers only for devices whose `device.backend` is its own name and
-returns None otherwise, so several backends coexist in one plugin manager. `firstresult` hooks stop at the first
-non-None answer: a site plugin that wants to override a backend marks its implementation `tryfirst=True`.
-A plugin that implements a hook not named here is rejected at load time, with the plugin's name in the message.
+Hooks are for discovery and cross-cutting concerns only. Everything about one device is asked of the `Device`
+object a backend's probe returns (`info`, `platform_defaults(host)`, `open(plan)`), never broadcast to every plugin.
+Every hook takes keyword arguments. `firstresult` hooks stop at the first non-None answer: a site plugin that wants
+to override another marks its implementation `tryfirst=True`. A plugin implementing a hook not named here is
+refused at load time in one line naming the plugin and the hook.
+
+Phases, in the order a command meets them:
+1. discovery: `strata_backends`
+2. settings: `strata_settings_group`
+3. host facts: `strata_host_info`
+4. planning: `strata_adjust_plan`
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import pluggy
+
+if TYPE_CHECKING:  # annotations only: the contract's own types
+    from strata_core.api.backend import Backend
+    from strata_core.api.facts import HostInfo
+    from strata_core.api.plan_draft import PlanDraft
+    from strata_core.api.settings import SettingsGroup
+    from strata_core.api.target import Target
 
 hookspec = pluggy.HookspecMarker("strata")
 hookimpl = pluggy.HookimplMarker("strata")
 
 
-@hookspec
-def strata_backends():
-    """Called once after loading: return a list of `Backend` objects this plugin provides (or None).
+# --- 1. discovery --------------------------------------------------------------------------------------------------
 
-    The core collects the backends of every plugin, refuses one whose `api_version` has another major version than
-    the core's, and probes the rest through `strata_probe`.
+@hookspec
+def strata_backends() -> "list[Backend] | None":
+    """Called once after loading: the `Backend` objects this plugin provides.
+
+    None (or an empty list) means the plugin provides no backend (a site-policy plugin, say). The core refuses a
+    Backend whose `api_version` is missing or of another major version than the core's (one line naming both), and
+    probes the rest through `Backend.probe()`, which must never raise.
+
+    versionadded 1.0; versionchanged 2.0: the Backend's probe returns Device objects.
     """
 
 
-@hookspec
-def strata_configure(settings):
-    """Called by `plugins.load_from_settings` after loading, before any probe: a plugin may read its own settings group.
+# --- 2. settings ---------------------------------------------------------------------------------------------------
 
-    `settings` is the loaded `StrataSettings`. Returns nothing. A plugin keeps what it read until the next call;
-    a bad value in its group raises BadInput (the command exits 2).
+@hookspec
+def strata_settings_group() -> "SettingsGroup | None":
+    """Called once after loading: this plugin's own settings group (a name and a pydantic model), or None.
+
+    None means the plugin has no settings. The group is read from every settings source under its name
+    (`[name]` in TOML, `STRATA_NAME__KEY`, `--set name.key=VALUE`); its `apply` receives the validated values
+    before any probe. A name that another group already has is refused with a notice.
+
+    versionadded 2.0 (replaces `strata_configure`).
     """
 
+
+# --- 3. host facts -------------------------------------------------------------------------------------------------
+
+@hookspec(firstresult=True)
+def strata_host_info() -> "HostInfo | None":
+    """Called when a Target is resolved for this machine: a `HostInfo`, or None to let the core's reading stand.
+
+    None means the plugin has nothing to add; the first non-None answer wins. A plugin may refine what the core
+    cannot see (the page-locked limit of a driver, say). Not called for a profile or scenario: its host is given.
+
+    versionadded 1.0
+    """
+
+
+# --- 4. planning ---------------------------------------------------------------------------------------------------
+
+@hookspec
+def strata_adjust_plan(draft: "PlanDraft", target: "Target", device=None, host=None, settings=None) -> None:
+    """Called on every draft plan, in plugin order, before the invariants are checked: may only tighten it.
+
+    `draft` is a `PlanDraft` with `tighten(knob, value, why)`: a lower chunk, fewer cache slots, a larger reserve,
+    the CPU share off. Each call records a `Decision` with the plugin as its source. `target` is what is planned
+    for (backend, device, host, defaults). Returns None (the return value is ignored). A draft that was loosened is
+    refused as a bug in the plugin.
+
+    versionadded 1.0; versionchanged 2.0: receives the Target instead of (device, host, settings).
+    """
+
+
+# --- API 1.x, transitional -----------------------------------------------------------------------------------------
+# Kept only while the in-tree vendor backends move to Device objects: the registry wraps a probe's bare DeviceInfo in
+# an adapter that still asks these. They go in the next step, and a plugin implementing one is then refused.
+# `strata_adjust_plan`'s device/host/settings arguments go with them.
 
 @hookspec(firstresult=True)
 def strata_probe(backend):
-    """Called by `strata backends`, backend selection and `strata doctor`: return a `ProbeResult` for `backend`.
-
-    Return None for a backend that is not yours. Never raise: an unavailable backend returns
-    `ProbeResult.unavailable(reason)`. The core calls `backend.probe()` itself when no plugin answers, and lists
-    a probe that raises anyway as unavailable with the error.
-    """
-
-
-@hookspec(firstresult=True)
-def strata_host_info():
-    """Called before planning on this machine: return a `HostInfo`, or None to let the core's psutil reading stand.
-
-    A plugin may refine what the core cannot see (the page-locked limit of a driver, say).
-    """
+    """API 1.x, going: a `ProbeResult` for `backend`, or None."""
 
 
 @hookspec(firstresult=True)
 def strata_platform_defaults(device, host):
-    """Called before planning: return the `PlatformDefaults` for `device` on `host`, or None if it is not yours.
-
-    The core falls back to its own `PlatformDefaults()` when no plugin answers. Every value is a default: settings
-    (and plans adjusted by site plugins) override it, and the plan records which source each value came from.
-    """
-
-
-@hookspec
-def strata_adjust_plan(draft, device, host, settings):
-    """Called on every draft plan, in plugin order, before the invariants are checked: may only tighten it.
-
-    `draft` is a `PlanDraft` with `tighten(field, value, why)`: a lower chunk, fewer cache slots, a larger reserve,
-    the CPU share off. Each call records a `Decision` with the plugin as its source. Returns nothing.
-    A draft that was loosened is refused as a bug in the plugin.
-    """
+    """API 1.x, going: `Device.platform_defaults(host)` replaces it."""
 
 
 @hookspec(firstresult=True)
 def strata_pinned_allocator(device, budget):
-    """Called when the runtime starts on `device`: return a `PinnedAllocator` charging `budget` (a `PinnedBudget`).
-
-    Return None if `device` is not yours. Allocation and registration must return None on lack of memory, never
-    raise for it. With no answer the runtime uses pageable memory only and says so in one line.
-    """
+    """API 1.x, going: `Device.open(plan).pinned` replaces it."""
 
 
 @hookspec(firstresult=True)
 def strata_device_memory(device):
-    """Called when the runtime starts on `device`: return its `DeviceMemory`, or None if it is not yours."""
+    """API 1.x, going: `Device.open(plan).memory` replaces it."""
 
 
 @hookspec(firstresult=True)
 def strata_kernels(device):
-    """Called when the runtime starts on `device`: return its `KernelSet`, or None if it is not yours.
-
-    Every kernel must match `strata_core.reference.kernels` within the conformance suite's bounds.
-    """
+    """API 1.x, going: `Device.open(plan).kernels` replaces it."""

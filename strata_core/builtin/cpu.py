@@ -2,27 +2,60 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass, replace
+from typing import Any
+
 import numpy as np
 
 from strata_core import __version__
 from strata_core.api import API_VERSION
-from strata_core.api.backend import Backend, PinnedBudget, PinnedBuffer, ProbeResult
-from strata_core.api.facts import DeviceInfo, PlatformDefaults
+from strata_core.api.backend import Backend, DeviceSession, PinnedBudget, PinnedBuffer, ProbeResult
+from strata_core.api.facts import DeviceCaps, DeviceInfo, DeviceType, HostInfo, PlatformDefaults
 from strata_core.api.hookspecs import hookimpl
 from strata_core.hostinfo import probe_host
 from strata_core.reference.kernels import ReferenceKernels
 
 NAME = "cpu"
 
+#: The host computes with numpy: no copy engine, no mapped memory, no graphs; the reference's expert formats.
+CPU_CAPS = DeviceCaps(async_copies=False, host_mapped_memory=False, graph_capture=False, peer_copies=False,
+                      fused_layer_ops=False, expert_formats=("f16", "q8_0"))
+
+
+@dataclass(frozen=True)
+class CpuDevice:
+    """The host as a device: numpy arrays in host RAM, the reference kernels, budgeted (not page-locked) buffers."""
+
+    info: DeviceInfo
+
+    def platform_defaults(self, host: HostInfo) -> PlatformDefaults:
+        """Host defaults: no VRAM reserve beyond the OS's, chunk ceiling 4096, the share is moot (all of it is CPU)."""
+        return PlatformDefaults(chunk_ceiling_tokens=4096, vram_reserve_mib=1024, cpu_share_default=False,
+                                cpu_share_reason="the device is the CPU", source="cpu backend")
+
+    def open(self, plan: Any) -> DeviceSession:
+        """A session over host memory whose pinned allocator charges the plan's budget."""
+        budget = PinnedBudget.for_plan(plan)
+        return DeviceSession(memory=HostMemory(), kernels=ReferenceKernels(), budget=budget,
+                             pinned=HostPinnedAllocator(budget))
+
+
+def host_device_info(host: HostInfo) -> DeviceInfo:
+    """The DeviceInfo of the host as the cpu backend's device: its RAM stands for VRAM."""
+    return DeviceInfo(backend=NAME, vendor="none", name=host.cpu.name, arch="host",
+                      vram_total_bytes=host.ram_total_bytes, vram_free_bytes=host.ram_available_bytes,
+                      driver_model="host", unified_memory=True, device_type=DeviceType.CPU, caps=CPU_CAPS)
+
 
 def probe() -> ProbeResult:
     """Always available: the host itself is the device."""
-    host = probe_host()
-    dev = DeviceInfo(backend=NAME, vendor="none", name=host.cpu.name, arch="host",
-                     vram_total_bytes=host.ram_total_bytes, vram_free_bytes=host.ram_available_bytes,
-                     driver_model="host", unified_memory=True)
-    return ProbeResult(available=True, reason="numpy on the host", devices=(dev,), score=10,
-                       version=f"numpy {np.__version__}")
+    return ProbeResult(available=True, reason="numpy on the host", devices=(CpuDevice(host_device_info(probe_host())),),
+                       score=10, version=f"numpy {np.__version__}")
+
+
+def describe(info: DeviceInfo) -> CpuDevice:
+    """A cpu device from a profile's facts (plans for that host; opening it computes on this one)."""
+    return CpuDevice(replace(info, backend=NAME))
 
 
 class HostMemory:
@@ -108,37 +141,10 @@ class HostPinnedAllocator:
 
 
 BACKEND = Backend(name=NAME, vendor="none", probe=probe, version=__version__, api_version=API_VERSION,
-                  install_hint="", description="numpy on the host (the reference)")
+                  install_hint="", description="numpy on the host (the reference)", describe=describe)
 
 
 @hookimpl
 def strata_backends():
     """The cpu backend."""
     return [BACKEND]
-
-
-@hookimpl
-def strata_platform_defaults(device, host):
-    """Host defaults: no VRAM reserve beyond the OS's, chunk ceiling 4096, the share is moot (all of it is CPU)."""
-    if device.backend != NAME:
-        return None
-    return PlatformDefaults(chunk_ceiling_tokens=4096, vram_reserve_mib=1024, cpu_share_default=False,
-                            cpu_share_reason="the device is the CPU", source="cpu backend")
-
-
-@hookimpl
-def strata_pinned_allocator(device, budget):
-    """Budgeted numpy buffers."""
-    return HostPinnedAllocator(budget) if device.backend == NAME else None
-
-
-@hookimpl
-def strata_device_memory(device):
-    """Host memory as device memory."""
-    return HostMemory() if device.backend == NAME else None
-
-
-@hookimpl
-def strata_kernels(device):
-    """The numpy reference kernels."""
-    return ReferenceKernels() if device.backend == NAME else None

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Callable
 
 from strata_core.config.settings import add_settings_arguments
+from strata_core.errors import StrataError
 
 
 def add_report_command(subparsers, name: str, *, schema: str, help: str, description: str,
@@ -16,10 +17,13 @@ def add_report_command(subparsers, name: str, *, schema: str, help: str, descrip
     p.set_defaults(func=run)
 
 
-def selection_json(plugins, backend_name) -> dict:
-    """{"selected", "selection_error"} for the settings' backend name (None for an empty error, as both reports say)."""
-    selected, why_not = plugins.selection(backend_name)
-    return {"selected": selected, "selection_error": why_not or None}
+def selection_json(plugins, settings) -> dict:
+    """{"selected", "selection_error", "device"} of the Target these settings resolve to (never raises)."""
+    try:
+        target = plugins.resolve_target(settings)
+    except StrataError as e:
+        return {"selected": None, "selection_error": str(e), "selected_device": None}
+    return {"selected": target.backend.name, "selection_error": None, "selected_device": target.device.info.to_json()}
 
 
 def install_note(backend: dict) -> str:

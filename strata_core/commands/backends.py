@@ -10,7 +10,7 @@ from rich.table import Table
 from rich.text import Text
 
 from strata_core.registry import load_from_settings
-from strata_core.config.settings import settings_from_args
+from strata_core.config.settings import report_settings_from_args
 from strata_core.commands._common import add_report_command, install_note, selection_json
 
 SCHEMA = "strata.backends/1"
@@ -26,13 +26,13 @@ def register(subparsers) -> None:
 def backends_report(settings) -> dict:
     """The `strata.backends/1` object for these settings (plugins loaded as the `plugins` group says)."""
     host = load_from_settings(settings)
-    return {"schema": SCHEMA, **selection_json(host, settings.backend.name),
+    return {"schema": SCHEMA, **selection_json(host, settings),
             "backends": [s.to_json() for s in host.statuses()], "notices": list(host.notices)}
 
 
 def run(args: argparse.Namespace) -> int:
     """Print the backends as JSON or as a table."""
-    loaded = settings_from_args(args)
+    loaded = report_settings_from_args(args)
     report = backends_report(loaded.settings)
     report["notices"] = list(loaded.notices) + report["notices"]
     if args.json:

@@ -15,12 +15,10 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from strata_core.api.backend import PinnedBudget
-from strata_core.errors import BadInput, StrataError
-from strata_core.api.facts import MIB
+from strata_core.errors import BadInput
 from strata_core.reference import kernels as ref
 from strata_core.registry import load_from_settings
-from strata_core.config.settings import add_settings_arguments, settings_from_args
+from strata_core.config.settings import add_settings_arguments, bounded_int, seed_arg, settings_from_args
 
 SCHEMA = "strata.bench/1"
 
@@ -28,13 +26,13 @@ SCHEMA = "strata.bench/1"
 def register(subparsers) -> None:
     """Add the `bench` sub-command."""
     p = subparsers.add_parser("bench", help="time the selected backend's kernels and the planner on this machine")
-    p.add_argument("--tokens", type=int, default=1024, metavar="N", help="rows of the layer's chunk (default 1024)")
-    p.add_argument("--experts", type=int, default=32, metavar="E", help="experts in the layer (default 32)")
-    p.add_argument("--top-k", type=int, default=4, metavar="K", help="experts a token routes to (default 4)")
-    p.add_argument("--hidden", type=int, default=512, metavar="H", help="hidden size (default 512)")
-    p.add_argument("--ffn", type=int, default=512, metavar="F", help="expert FFN width (default 512)")
-    p.add_argument("--repeat", type=int, default=5, metavar="R", help="timed runs per figure (default 5)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the random inputs (default 0)")
+    p.add_argument("--tokens", type=bounded_int(1, 1 << 17, "tokens"), default=1024, metavar="N", help="rows of the layer's chunk (default 1024)")
+    p.add_argument("--experts", type=bounded_int(1, 4096, "experts"), default=32, metavar="E", help="experts in the layer (default 32)")
+    p.add_argument("--top-k", type=bounded_int(1, 256, "experts"), default=4, metavar="K", help="experts a token routes to (default 4)")
+    p.add_argument("--hidden", type=bounded_int(1, 1 << 15), default=512, metavar="H", help="hidden size (default 512)")
+    p.add_argument("--ffn", type=bounded_int(1, 1 << 16), default=512, metavar="F", help="expert FFN width (default 512)")
+    p.add_argument("--repeat", type=bounded_int(1, 1000, "runs"), default=5, metavar="R", help="timed runs per figure (default 5)")
+    p.add_argument("--seed", type=seed_arg, default=0, help="seed of the random inputs (default 0)")
     p.add_argument("--json", action="store_true", help=f"print one {SCHEMA} object")
     add_settings_arguments(p)
     p.set_defaults(func=run)
@@ -87,15 +85,36 @@ def run(args) -> int:
     """Time route, gather, grouped FFN (f16, Q8_0), scatter and the planner on the selected backend."""
     _validate(args)
     loaded = settings_from_args(args)
-    host = load_from_settings(loaded.settings)
-    backend, probe = host.resolve(loaded.settings.backend.name)
-    if not probe.devices:
-        raise StrataError(f"backend '{backend.name}' reports no device")
-    device = probe.devices[min(loaded.settings.backend.device, len(probe.devices) - 1)]
-    dm = host.hook.strata_device_memory(device=device)
-    ks = host.hook.strata_kernels(device=device)
-    if dm is None or ks is None:
-        raise StrataError(f"backend '{backend.name}' gives no device memory or kernels for {device.name}")
+    plugins = load_from_settings(loaded.settings)
+    target = plugins.resolve_target(loaded.settings)
+    plan = _tiny_plan(plugins, target, loaded.settings)
+    # the kernels run in a session of the tiny model's plan, as `strata run` opens one
+    session = target.device.open(plan)
+    try:
+        doc = _bench(args, target, session, _plan_ms(plugins, target, loaded.settings, args.repeat))
+    finally:
+        session.close()
+    backend, device, h = target.backend, target.device.info, args.hidden
+    if args.json:
+        print(json.dumps(doc, indent=2))
+        return 0
+    t = Table(title=f"strata bench: {backend.name} on {device.name} ({args.tokens} tokens, {args.experts} experts, "
+                    f"top-{args.top_k}, hidden {h}, FFN {args.ffn})")
+    for col in ("kernel", "median ms", "GFLOP/s", "GB/s", "rel err vs numpy"):
+        t.add_column(col, justify="left" if col == "kernel" else "right")
+    for r in doc["results"]:
+        t.add_row(r["kernel"], f"{r['median_ms']:.3f}", "" if r["gflop_per_s"] is None else f"{r['gflop_per_s']:.1f}",
+                  "" if r["gb_per_s"] is None else f"{r['gb_per_s']:.2f}",
+                  "" if r["rel_err"] is None else f"{r['rel_err']:.1e}")
+    t.add_row("planner (tiny model)", f"{doc['plan_median_ms']:.3f}", "", "", "")
+    Console().print(t)
+    return 0
+
+
+def _bench(args, target: Any, session: Any, plan_ms: float) -> dict:
+    """The `strata.bench/1` object: each kernel of the session timed on the layer's shapes, checked against numpy."""
+    backend, device = target.backend, target.device.info
+    dm, ks = session.memory, session.kernels
     rng = np.random.default_rng(args.seed)
     inp = _layer_inputs(args, rng)
     dev = {k: dm.to_device(v) for k, v in inp.items() if isinstance(v, np.ndarray)}
@@ -131,32 +150,19 @@ def run(args) -> int:
     y_dev = ks.moe_grouped_ffn(xs_dev, dev["offsets"], dev["slots"], pools["f16"])
     out = dm.to_device(np.zeros((args.tokens, h), dtype=np.float32))
     add("scatter_add", lambda: ks.scatter_add(out, dev["rows"], y_dev, dev["scale"]), 0, 3 * rows_n * h * 4, None)
-    plan_ms = _plan_ms(host, device, loaded.settings, args.repeat)
-    doc = {"schema": SCHEMA, "backend": backend.name, "device": device.to_json(), "kernels": ks.name if hasattr(
+    return {"schema": SCHEMA, "backend": backend.name, "device": device.to_json(), "kernels": ks.name if hasattr(
         ks, "name") else type(ks).__name__, "shape": {"tokens": args.tokens, "experts": args.experts,
                                                       "top_k": args.top_k, "hidden": h, "ffn": f},
            "repeat": args.repeat, "results": results, "plan_median_ms": plan_ms}
-    if args.json:
-        print(json.dumps(doc, indent=2))
-        return 0
-    t = Table(title=f"strata bench: {backend.name} on {device.name} ({args.tokens} tokens, {args.experts} experts, "
-                    f"top-{args.top_k}, hidden {h}, FFN {f})")
-    for col in ("kernel", "median ms", "GFLOP/s", "GB/s", "rel err vs numpy"):
-        t.add_column(col, justify="left" if col == "kernel" else "right")
-    for r in results:
-        t.add_row(r["kernel"], f"{r['median_ms']:.3f}", "" if r["gflop_per_s"] is None else f"{r['gflop_per_s']:.1f}",
-                  "" if r["gb_per_s"] is None else f"{r['gb_per_s']:.2f}",
-                  "" if r["rel_err"] is None else f"{r['rel_err']:.1e}")
-    t.add_row("planner (tiny model)", f"{plan_ms:.3f}", "", "", "")
-    Console().print(t)
-    return 0
 
 
-def _plan_ms(host: Any, device: Any, settings: Any, repeat: int) -> float:
-    from strata_core.hostinfo import probe_host
-    from strata_core.planner import plan_for_machine
+def _tiny_plan(plugins: Any, target: Any, settings: Any) -> Any:
+    """The built-in tiny model's plan for the target: what the bench's session is opened with."""
     from strata_core.models.synthetic import tiny_model_spec
+    from strata_core.planner import plan_for_machine
+    return plan_for_machine(plugins, target, tiny_model_spec(), settings)
 
-    h = probe_host()
-    spec = tiny_model_spec()
-    return _median_s(lambda: plan_for_machine(host, device, h, spec, settings), lambda: None, max(repeat, 5)) * 1e3
+
+def _plan_ms(plugins: Any, target: Any, settings: Any, repeat: int) -> float:
+    """Median milliseconds of planning the tiny model for the target."""
+    return _median_s(lambda: _tiny_plan(plugins, target, settings), lambda: None, max(repeat, 5)) * 1e3

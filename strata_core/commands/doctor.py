@@ -11,9 +11,8 @@ from rich.console import Console
 
 from strata_core import __version__
 from strata_core.api import API_VERSION
-from strata_core.hostinfo import probe_host
 from strata_core.registry import load_from_settings
-from strata_core.config.settings import settings_from_args
+from strata_core.config.settings import report_settings_from_args
 from strata_core.commands._common import add_report_command, install_note, selection_json
 
 SCHEMA = "strata.doctor/1"
@@ -30,12 +29,8 @@ def doctor_report(loaded) -> dict:
     """The `strata.doctor/1` object."""
     plugins = load_from_settings(loaded.settings)
     statuses = plugins.statuses()
-    selection = selection_json(plugins, loaded.settings.backend.name)
-    try:
-        host = plugins.hook.strata_host_info() or probe_host()
-    except Exception as e:  # a plugin refining host facts must not break the doctor
-        plugins.notices.append(f"strata_host_info raised {type(e).__name__}: {e}; using the core's reading")
-        host = probe_host()
+    selection = selection_json(plugins, loaded.settings)
+    host = plugins.host_info()
     return {"schema": SCHEMA, "strata_version": __version__, "api_version": API_VERSION,
             "python": platform.python_version(), "platform": sys.platform, "host": host.to_json(),
             "backends": [s.to_json() for s in statuses], **selection,
@@ -45,7 +40,7 @@ def doctor_report(loaded) -> dict:
 
 def run(args: argparse.Namespace) -> int:
     """Print the report as JSON or as text."""
-    report = doctor_report(settings_from_args(args))
+    report = doctor_report(report_settings_from_args(args))
     if args.json:
         print(json.dumps(report, indent=2))
         return 0

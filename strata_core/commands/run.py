@@ -24,7 +24,7 @@ from rich.table import Table
 from strata_core.errors import BadInput, StrataError
 from strata_core.models.spec import ModelSpec, model_from_gguf, model_from_name
 from strata_core.registry import load_from_settings
-from strata_core.config.settings import add_settings_arguments, settings_from_args
+from strata_core.config.settings import MAX_TOKENS, add_settings_arguments, bounded_int, seed_arg, settings_from_args
 
 SCHEMA = "strata.run/1"
 DEFAULT_PROMPT_TOKENS = 3000
@@ -48,13 +48,14 @@ def register(subparsers) -> None:
                                           "on the chosen backend, streaming missed experts through a ring lent from "
                                           "the expert cache.")
     p.add_argument("--model", metavar="NAME|PATH.gguf",
-                   help="an MoE GGUF file (F16, BF16 or Q8_0 experts) or a preset (generated; small ones only); "
-                        "default: the built-in tiny model")
-    p.add_argument("--prompt-tokens", type=int, default=DEFAULT_PROMPT_TOKENS, metavar="N",
+                   help="an MoE GGUF file (qwen3moe, qwen2moe, mixtral, deepseek2, gpt-oss, olmoe; experts in F16, "
+                        "BF16, Q8_0, Q4_K, Q5_K, Q6_K or MXFP4 and their mixes, e.g. Q4_K_M, run from their own bytes) "
+                        "or a preset (generated; small ones only); default: the built-in tiny model")
+    p.add_argument("--prompt-tokens", type=bounded_int(1, MAX_TOKENS, "tokens"), default=DEFAULT_PROMPT_TOKENS, metavar="N",
                    help=f"prompt length in tokens (default {DEFAULT_PROMPT_TOKENS})")
-    p.add_argument("--decode-tokens", type=int, default=DEFAULT_DECODE_TOKENS, metavar="N",
+    p.add_argument("--decode-tokens", type=bounded_int(0, MAX_TOKENS, "tokens"), default=DEFAULT_DECODE_TOKENS, metavar="N",
                    help=f"tokens to decode greedily (default {DEFAULT_DECODE_TOKENS})")
-    p.add_argument("--seed", type=int, default=0, help="seed of the prompt and of generated weights (default 0)")
+    p.add_argument("--seed", type=seed_arg, default=0, help="seed of the prompt and of generated weights (default 0)")
     p.add_argument("--check", action="store_true",
                    help="compare every layer and every greedy token with the numpy reference; a mismatch exits 1")
     p.add_argument("--json", action="store_true", help=f"print one {SCHEMA} object")
@@ -116,15 +117,14 @@ def say(line: str) -> None:
 
 def resolve_run_model(name: str | None, loaded, seed: int) -> tuple[ModelSpec, Any, Any]:
     """(spec, weights loader, settings) of the model to run; the tiny model gets its half-experts cache default."""
-    from strata_core.models.synthetic import generate_weights, tiny_cache_slots, tiny_model_spec
+    from strata_core.models.synthetic import generate_weights, tiny_model_spec
     from strata_core.models.weights import weights_from_gguf
     settings = loaded.settings
     if not name:
+        from strata_core.planner.model_defaults import with_model_defaults
         spec = tiny_model_spec()
-        if loaded.origins.get("memory.expert_cache") is None or loaded.origins["memory.expert_cache"].source == "default":
-            mem = settings.memory.model_copy(update={"expert_cache": tiny_cache_slots(spec)})
-            settings = settings.model_copy(update={"memory": mem})
-        return spec, (lambda: generate_weights(spec, seed)), settings
+        # the model's defaults through the path `strata plan` takes too, so both show the same plan
+        return spec, (lambda: generate_weights(spec, seed)), with_model_defaults(loaded, spec).settings
     if str(name).lower().endswith(".gguf"):
         from strata_core.models.synthetic import device_dense_bytes
         spec = model_from_gguf(name)
@@ -164,15 +164,15 @@ def run(args: argparse.Namespace) -> int:
     for n in loaded.notices:
         say(n)
     plugins = load_from_settings(loaded.settings)
-    _, device, host, _ = plugins.device_and_defaults(loaded.settings.backend.name, loaded.settings.backend.device)
+    target = plugins.resolve_target(loaded.settings)
     spec, load_weights, settings = resolve_run_model(args.model, loaded, args.seed)
     if args.prompt_tokens > settings.kv.max_context:
         raise BadInput(f"--prompt-tokens: a prompt of {args.prompt_tokens} tokens is longer than kv.max_context "
                        f"({settings.kv.max_context}); raise it with --set kv.max_context=N")
     from strata_core.planner import plan_for_machine
-    plan = plan_for_machine(plugins, device, host, spec, settings)
+    plan = plan_for_machine(plugins, target, spec, settings)
     try:
-        report = _execute(args, plugins, plan, spec, load_weights)
+        report = _execute(args, target, plan, spec, load_weights)
     except (StrataError, KeyboardInterrupt):
         raise
     except Exception as e:  # an engine failure: one line, the traceback only when tracing
@@ -192,20 +192,24 @@ def _json_default(o: Any) -> Any:
     return str(o)
 
 
-def _execute(args: argparse.Namespace, plugins, plan, spec: ModelSpec, load_weights) -> dict:
+def _execute(args: argparse.Namespace, target, plan, spec: ModelSpec, load_weights) -> dict:
     """Load, start the engine, serve one request, check; the strata.run/1 object."""
     from strata_core.runtime.check import ReferenceCheck
     from strata_core.runtime.engine import Engine
     from strata_core.runtime.runlog import RunLog
-    log = RunLog(echo=say, trace_enabled=bool(plan.settings.trace))
+    log = RunLog(echo=say, trace_enabled=plan.limits.trace)
     for w in plan.warnings:
         say(f"plan: {w}")
     with PhaseProgress(enabled=not args.json) as progress:
         with progress.single("load"):
             weights = load_weights()
+        for note in getattr(weights, "notes", ()):
+            say(note)
         checker = ReferenceCheck(weights) if args.check else None
         with progress.single("start"):
-            engine = Engine.from_plugins(plugins, plan, weights, log, seed=args.seed, observer=checker)
+            engine = Engine.open(target, plan, weights, log, seed=args.seed, observer=checker)
+        if checker is not None:
+            checker.bind(engine.kernels, getattr(engine.executor, "ops", None))
         progress.phase("prefill", args.prompt_tokens)
         progress.phase("decode", args.decode_tokens)
         engine.executor.progress = progress.advance
@@ -253,6 +257,7 @@ def _execute(args: argparse.Namespace, plugins, plan, spec: ModelSpec, load_weig
         "fallbacks": [f.to_json() for f in log.fallbacks],
         "check": check,
         "check_report": checker.report.to_json() if checker is not None else None,
+        "outputs_sha256": checker.outputs_sha256 if checker is not None else None,
         "tokens": result.tokens,
         "device_bytes_allocated": engine.device_bytes_allocated,
         "device_bytes_planned": planned,

@@ -21,10 +21,14 @@ from strata_core.api.backend import PinnedBudget
 from strata_core.errors import BadInput, StrataError
 from strata_core.registry import load_from_settings
 from strata_core.scenario import load_scenario
-from strata_core.config.settings import add_settings_arguments, settings_from_args
+from strata_core.config import add_settings_arguments, bounded_int, seed_arg, settings_from_args
+from strata_core.config.schema import MAX_TOKENS
 from strata_core.commands.run import PhaseProgress, say
 
 SCHEMA = "strata.simulation/1"
+
+#: The most random requests one replay adds (each is a full prompt through the runtime).
+MAX_EXTRA_REQUESTS = 1_000_000
 
 
 def register(subparsers) -> None:
@@ -37,9 +41,11 @@ def register(subparsers) -> None:
                    help="inject a fault, e.g. pinned-alloc:every or arena-register:above=1GiB (repeatable; "
                         "`--list-faults` lists them)")
     p.add_argument("--list-faults", action="store_true", help="list the fault sites and exit")
-    p.add_argument("--requests", type=int, default=0, metavar="N", help="add N random requests after the scenario's")
-    p.add_argument("--seed", type=int, default=0, help="seed of the random requests and the simulated routing")
-    p.add_argument("--decode-tokens", type=int, default=0, metavar="N", help="decode steps after each prompt")
+    p.add_argument("--requests", type=bounded_int(0, MAX_EXTRA_REQUESTS, "requests"), default=0, metavar="N",
+                   help="add N random requests after the scenario's")
+    p.add_argument("--seed", type=seed_arg, default=0, help="seed of the random requests and the simulated routing")
+    p.add_argument("--decode-tokens", type=bounded_int(0, MAX_TOKENS, "tokens"), default=0, metavar="N",
+                   help="decode steps after each prompt")
     p.add_argument("--json", action="store_true", help=f"print one {SCHEMA} object")
     add_settings_arguments(p)
     p.set_defaults(func=run)
@@ -62,8 +68,9 @@ def simulate(scenario, settings, plugins, inject: list[str], extra_requests: lis
     from strata_core.runtime.runlog import RunLog
     from strata_core.builtin.sim.faults import FaultPlan
     from strata_core.builtin.sim.memory import SimDeviceMemory, SimPinnedAllocator
-    device, host = scenario.profile.device, scenario.profile.host
-    plan = plan_for_machine(plugins, device, host, scenario.model, settings)
+    target = plugins.resolve_target(settings, profile=scenario.profile, origin=f"scenario {scenario.path}")
+    device, host = target.device.info, target.host
+    plan = plan_for_machine(plugins, target, scenario.model, settings)
     faults = FaultPlan.parse(list(inject))
     log = RunLog(echo=echo, trace_enabled=bool(settings.trace))
     for w in plan.warnings:

@@ -18,8 +18,9 @@ from strata_core.errors import StrataError
 from strata_core.reference.kernels import ExpertPool
 from strata_core.runtime.cache import ExpertCache
 from strata_core.runtime.cpu_share import CpuShare
-from strata_core.runtime.devmem import CountingMemory
+from strata_core.runtime.devmem import PlanMemory
 from strata_core.runtime.executor import DeviceFull, Executor, LayerObserver
+from strata_core.planner.chunks import halve
 from strata_core.runtime.loan import PromptLoan
 from strata_core.runtime.pinned import PinnedPool
 from strata_core.runtime.runlog import Fallback, RunLog
@@ -54,33 +55,23 @@ class RequestResult:
                 "refused_reason": self.refused_reason, "fallbacks": [f.to_json() for f in self.fallbacks]}
 
 
-def hooks_for(plugin_host: Any, device: Any, budget: PinnedBudget) -> tuple[Any, Any, Any]:
-    """(DeviceMemory, PinnedAllocator or None, KernelSet) of a device from the plugins' hooks."""
-    hook = plugin_host.hook
-    dm = hook.strata_device_memory(device=device)
-    kernels = hook.strata_kernels(device=device)
-    if dm is None or kernels is None:
-        raise StrataError(f"backend '{device.backend}' gives no "
-                          f"{'device memory' if dm is None else 'kernels'} for {device.name}")
-    return dm, hook.strata_pinned_allocator(device=device, budget=budget), kernels
-
-
 class Engine:
     """The runtime objects of one run: store, pinned pool, cache, loans, CPU share and executor."""
 
     def __init__(self, plan: Any, *, dm: Any, allocator: Any, kernels: Any, budget: PinnedBudget,
                  weights: ModelWeights | None, log: RunLog, accounting_only: bool = False, seed: int = 0,
-                 observer: LayerObserver | None = None):
+                 observer: LayerObserver | None = None, layer_ops: Any = None, strict_memory: bool = False):
         self.plan = plan
         self.log = log
         self.budget = budget
-        self.dm = CountingMemory(dm)
+        # every device byte is a plan line taken here; strict (tests): a later allocation raises, else it is refused
+        self.dm = PlanMemory(dm, strict=strict_memory, on_outside=log.fallback)
         self.allocator = allocator
         self.kernels = kernels
         self.weights = weights
         self.accounting_only = accounting_only
         model = plan.model
-        self.settings = plan.settings
+        self.limits = plan.limits
         if allocator is None:
             log.fallback("page-locked memory", "the backend offers no PinnedAllocator: every copy is pageable")
         host_pool = weights.experts if weights is not None else phantom_pool_of_bytes(model.experts_total,
@@ -88,9 +79,12 @@ class Engine:
         self.store = ExpertStore(host_pool, model.moe_layers, model.experts_per_layer)
         self.store.pin(allocator, budget, plan.pinned.arena_bytes, log)
         self.arena_pinned_bytes = self.store.pinned_bytes
+        self.dm.region("expert_cache")
         self.device_pool = self._alloc_pool(plan.expert_cache.slots)
         self.cache = ExpertCache(self._pool_slots, model.moe_layers, model.experts_per_layer)
+        self.dm.region("dense")
         self.dense_dev = self._upload_dense()
+        self.regions = self._take_regions()
         self.dense_device_bytes = sum(int(a.nbytes) for a in self.dense_dev.values())
         self._warm()
         self.share_pool = PinnedPool(allocator, budget, log, from_floor=True, name="CPU share")
@@ -104,16 +98,25 @@ class Engine:
                                  device_pool=self.device_pool, weights=weights, dense_dev=self.dense_dev,
                                  share=self.share, log=log, top_k=model.top_k, hidden=model.hidden,
                                  workspace_bytes=plan.vram.workspace_bytes, accounting_only=accounting_only,
-                                 seed=seed, observer=observer, staging=self.staging)
+                                 seed=seed, observer=observer, staging=self.staging, layer_ops=layer_ops,
+                                 regions=self.regions)
+        if not accounting_only:
+            self.loans.buffer_need = self.executor.buffer_slots_needed
+        self.dm.seal()
         self.engine_exits = 0
 
     @classmethod
-    def from_plugins(cls, plugin_host: Any, plan: Any, weights: ModelWeights | None, log: RunLog,
-                     **kw: Any) -> "Engine":
-        """An engine on the plan's device, driven through the device's hooks."""
-        budget = PinnedBudget(plan.pinned.limit_bytes, plan.pinned.floor_bytes)
-        dm, allocator, kernels = hooks_for(plugin_host, plan.device, budget)
-        return cls(plan, dm=dm, allocator=allocator, kernels=kernels, budget=budget, weights=weights, log=log, **kw)
+    def open(cls, target: Any, plan: Any, weights: ModelWeights | None, log: RunLog, **kw: Any) -> "Engine":
+        """An engine on the target's device: `target.device.open(plan)` gives the session it drives (and closes)."""
+        session = target.device.open(plan)
+        try:
+            engine = cls(plan, dm=session.memory, allocator=session.pinned, kernels=session.kernels,
+                         budget=session.budget, weights=weights, log=log, layer_ops=session.layer_ops, **kw)
+        except BaseException:
+            session.close()
+            raise
+        engine.session = session
+        return engine
 
     # --- start-up ------------------------------------------------------------------------------------------
 
@@ -127,7 +130,7 @@ class Engine:
         if pool.dtype == "raw":
             return {"blob": ((slots, self.plan.model.slot_bytes), np.uint8)}
         ffn = self.weights.expert_ffn
-        return ExpertPool.array_specs(pool.dtype, slots, self.plan.model.hidden, ffn)
+        return ExpertPool.array_specs(pool.dtype, slots, self.plan.model.hidden, ffn, pool.formats)
 
     def _alloc_pool(self, slots: int) -> ExpertPool:
         """The device cache pool of exactly the plan's slots; fewer (halving, with a fallback line) if refused."""
@@ -144,7 +147,7 @@ class Engine:
                     self.log.fallback("expert cache", f"the plan's {planned} slots did not fit the device at "
                                       f"start (free VRAM changed since planning): running with {slots}")
                 self._pool_slots = slots
-                return ExpertPool(self.store.pool.dtype, arrays)
+                return self.store.pool.with_arrays(arrays)
             for a in arrays.values():
                 self.dm.free(a)
             slots //= 2
@@ -174,6 +177,21 @@ class Engine:
                     self.dm.upload(self.device_pool.arrays[name][int(slot)], src, self.executor_stream())
             self.dm.synchronize()
 
+    def _take_regions(self) -> dict[str, Any]:
+        """The plan's other device lines, one flat region each: workspace, owned prompt buffers, KV (if planned)."""
+        v = self.plan.vram
+        out: dict[str, Any] = {}
+        for name, nbytes in (("workspace", v.workspace_bytes), ("owned_prompt", getattr(v, "owned_prompt_bytes", 0)),
+                             ("kv", v.kv_bytes)):
+            if int(nbytes) <= 0:
+                continue
+            region = self.dm.take(name, int(nbytes))
+            if region is None:
+                raise StrataError(f"the device refused the plan's {name} region ({int(nbytes)} bytes); free VRAM "
+                                  "changed since planning: raise memory.vram_reserve_mib")
+            out[name] = region
+        return out
+
     def executor_stream(self) -> Any:
         """The copy stream of start-up uploads (the executor makes its own)."""
         if not hasattr(self, "_warm_stream"):
@@ -199,12 +217,7 @@ class Engine:
 
     def refuse_reason(self, prompt_tokens: int) -> str | None:
         """Why a request cannot run at all (checked before it starts), or None."""
-        max_ctx = self.settings.kv.max_context
-        if prompt_tokens <= 0:
-            return "an empty prompt"
-        if prompt_tokens > max_ctx:
-            return f"a prompt of {prompt_tokens} tokens is longer than kv.max_context ({max_ctx})"
-        return None
+        return self.plan.refuse_reason(prompt_tokens)
 
     def serve(self, prompt: int | np.ndarray, decode_tokens: int = 0) -> RequestResult:
         """Prefill a prompt (token ids, or a length in accounting mode) in its loan's chunks, then decode greedily."""
@@ -234,7 +247,7 @@ class Engine:
                     res.fallbacks = list(self.log.fallbacks[before:])
                     self.log.say(f"request of {n} tokens refused: {res.refused_reason}")
                     return res
-                max_chunk = max(1, loan.chunk_tokens // 2)
+                max_chunk = halve(loan.chunk_tokens, self.plan.prompt.grid_tokens)
                 extra_halvings += 1
                 self.loans.halvings += 1
                 self.log.say(f"prompt buffers: {e} for a chunk of {loan.chunk_tokens} tokens: this request reads "
@@ -273,9 +286,9 @@ class Engine:
 
     def _trim_when_quiet(self) -> None:
         """Elastic slots: between requests, trim idle slots up to memory.elastic_slots_gib."""
-        gib = self.settings.memory.elastic_slots_gib
-        if gib and gib > 0:
-            trimmed = self.cache.trim_idle(int(gib * GIB) // self.plan.model.slot_bytes)
+        elastic_bytes = self.limits.elastic_slots_bytes
+        if elastic_bytes > 0:
+            trimmed = self.cache.trim_idle(elastic_bytes // self.plan.model.slot_bytes)
             if len(trimmed):
                 self.log.trace(f"elastic slots: {len(trimmed)} idle slots trimmed")
 
@@ -284,5 +297,9 @@ class Engine:
         self.share_pool.close()
         self.staging_pool.close()
         self.store.close()
-        for a in list(self.device_pool.arrays.values()) + list(self.dense_dev.values()):
+        for a in (list(self.device_pool.arrays.values()) + list(self.dense_dev.values())
+                  + list(self.regions.values())):
             self.dm.free(a)
+        session = getattr(self, "session", None)  # set by Engine.open: the backend's own resources go last
+        if session is not None:
+            session.close()

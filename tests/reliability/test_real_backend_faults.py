@@ -69,9 +69,9 @@ def run_tiny(backend: str, inject: tuple[str, ...] = (), settings: tuple[tuple[s
     loaded = load_settings(flags=flags, env={})
     plugins = load_from_settings(loaded.settings)
     try:
-        _, device, host, _ = plugins.device_and_defaults(backend, 0)
+        target = plugins.resolve_target(loaded.settings)
         spec, load_weights, s = resolve_run_model(None, loaded, 0)
-        plan = plan_for_machine(plugins, device, host, spec, s)
+        plan = plan_for_machine(plugins, target, spec, s)
         weights = load_weights()
         out = Outcome(log=RunLog(), dense_bytes=plan.vram.dense_bytes)
 
@@ -81,7 +81,7 @@ def run_tiny(backend: str, inject: tuple[str, ...] = (), settings: tuple[tuple[s
             out.layer_rows.setdefault((len(out.results), phase, layer), []).append(np.array(x_out, copy=True))
 
         try:
-            engine = Engine.from_plugins(plugins, plan, weights, out.log, seed=0, observer=observe)
+            engine = Engine.open(target, plan, weights, out.log, seed=0, observer=observe)
         except StrataError as e:
             out.started, out.start_error = False, str(e)
             return out

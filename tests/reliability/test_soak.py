@@ -42,7 +42,7 @@ def _engine(scenario_path: Path, tmp_path: Path, inject: tuple[str, ...] = ()):
     settings = merge_scenario_settings(load_settings(env={}, cwd=tmp_path), scenario).settings
     plugins = load_from_settings(settings)
     device, host = scenario.profile.device, scenario.profile.host
-    plan = plan_for_machine(plugins, device, host, scenario.model, settings)
+    plan = plan_for_machine(plugins, plugins.resolve_target(settings, profile=scenario.profile), scenario.model, settings)
     faults = FaultPlan.parse(list(inject))
     budget = PinnedBudget(plan.pinned.limit_bytes, plan.pinned.floor_bytes)
     dm = SimDeviceMemory(device.vram_free_bytes, faults=faults, accounting_only=True)
