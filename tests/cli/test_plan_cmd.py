@@ -167,3 +167,71 @@ def test_loan_sample_keeps_ends_peak_and_every_step_down():
     downs = [r.chunk for r, down in shown if down]
     assert downs == [loans[40].chunk] and loans[39].chunk in chunks
     assert len(shown) < len(loans)
+
+
+# --- issue 12.7: plan and run agree ------------------------------------------------------------------------------
+
+def test_plan_shows_the_cache_and_chunk_run_uses_for_the_tiny_model(capsys):
+    """`strata plan` showed 2048 slots / chunk 4096 for the tiny model while `strata run` used 1024 / 2560."""
+    rc, out, err = _run(capsys, "--backend", "cpu", "--json")
+    assert rc == 0, err
+    planned = json.loads(out)
+    # what `strata run` plans with: its own model resolution and the one Target resolution
+    from strata_core.cli import build_parser
+    from strata_core.commands.run import resolve_run_model
+    from strata_core.config import settings_from_args
+    from strata_core.planner import plan_for_machine
+    from strata_core.registry import load_from_settings
+    loaded = settings_from_args(build_parser().parse_args(["run", "--backend", "cpu"]))
+    plugins = load_from_settings(loaded.settings)
+    spec, _, settings = resolve_run_model(None, loaded, 0)
+    ran = plan_for_machine(plugins, plugins.resolve_target(loaded.settings), spec, settings).to_json()
+    assert planned["expert_cache"] == ran["expert_cache"] and planned["prompt"]["chunk"] == ran["prompt"]["chunk"]
+    assert planned["expert_cache"]["slots"] < planned["model"]["moe_layers"] * planned["model"]["experts_per_layer"]
+    # an explicit setting wins over the model's default, in both
+    rc, out, err = _run(capsys, "--backend", "cpu", "--json", "--set", "memory.expert_cache=1500")
+    assert rc == 0 and json.loads(out)["expert_cache"]["slots"] == 1500
+
+
+@needs_scenarios
+def test_a_request_beyond_kv_max_context_is_refused_by_the_plan_as_by_the_runtime(tmp_path, capsys):
+    d = json.loads(RESERVE700.read_text())
+    d["requests"] = [{"prompt_tokens": 4000}, {"prompt_tokens": 10 ** 12}]
+    p = tmp_path / "long.json"
+    p.write_text(json.dumps(d))
+    rc, out, err = _run(capsys, "--scenario", str(p), "--json")
+    assert rc == 0, err
+    rows = json.loads(out)["requests"]
+    assert rows[0]["fits"] and rows[0]["refused_reason"] is None
+    assert not rows[1]["fits"] and "kv.max_context" in rows[1]["refused_reason"]
+    rc = main(["simulate", "--scenario", str(p), "--json"])
+    sim = json.loads(capsys.readouterr()[0])
+    assert rc == 0 and sim["requests"][1]["refused_reason"] == rows[1]["refused_reason"]
+
+
+def _decisions(capsys, *argv):
+    rc, out, err = _run(capsys, "--backend", "cpu", "--json", *argv)
+    assert rc == 0, err
+    return json.loads(out)["decisions"]
+
+
+@pytest.mark.parametrize("setting,key", [("prefill.chunk=auto:1024", "prefill.chunk"),
+                                         ("prefill.chunk=512", "prefill.chunk"),
+                                         ("kv.max_context=1024", "kv.max_context")])
+def test_explain_names_the_setting_that_capped_or_fixed_the_chunk(capsys, setting, key):
+    chunk = [d for d in _decisions(capsys, "--set", setting) if d["what"] == "prompt.chunk"][-1]
+    assert chunk["source"] == f"setting {key}", chunk
+    assert chunk["origin"].startswith(f"setting {key} (flag:"), chunk
+    rc, out, err = _run(capsys, "--backend", "cpu", "--explain", "--set", setting)
+    assert rc == 0 and f"[setting {key} (flag:" in out
+
+
+@pytest.mark.parametrize("spelling", ["fp16", "float16", "half", "F16"])
+def test_kv_dtype_accepts_common_spellings(tmp_path, capsys, spelling):
+    rc, out, err = _run(capsys, "--profile", str(_profile(tmp_path)), "--model", "Qwen3-30B-A3B", "--json",
+                        "--set", f"kv.dtype={spelling}")
+    assert rc == 0, err
+    d = json.loads(out)
+    assert d["settings"]["kv"]["dtype"] == "f16"
+    rc, out, _ = _run(capsys, "--profile", str(_profile(tmp_path)), "--model", "Qwen3-30B-A3B", "--json")
+    assert json.loads(out)["vram"]["kv_bytes"] == d["vram"]["kv_bytes"] > 0
