@@ -4,6 +4,12 @@ Layouts (S expert slots, H hidden, F expert FFN width, T tokens, N routed rows, 
 - f16 experts:  w_gate_up [S, 2F, H] f16 (rows 0..F-1 gate, F..2F-1 up), w_down [S, H, F] f16.
 - Q8_0 experts: the same matrices as ggml's Q8_0: blocks of 32 along the last axis, int8 quants `*_q` and one
   f16 scale per block `*_d` ([.., C/32]); value = q * d.
+- GGUF experts (dtype 'gguf', versionadded 2.0): one uint8 array `blob` [S, slot_bytes]; a slot holds one expert's
+  rows exactly as the GGUF file stores them (`ExpertFormat`: gate rows [F] then up rows [F], each H weights in the
+  gate/up type, then down rows [H], each F weights in the down type, then, when the file has expert biases, f32
+  gate [F], up [F] and down [H] biases). The types may differ per layer (Q4_K_M: some layers' down rows Q6_K, others
+  Q4_K): the pool then carries one ExpertFormat per MoE layer, its slot bytes are the largest layer's, and a layer op
+  hands kernels `pool.for_layer(layer)`, a pool of one format.
 - activations are f32; expert outputs are f32.
 SwiGLU: y = (silu(x Wg^T) * (x Wu^T)) Wd^T. The numpy oracle of every kernel is `strata_core.reference.kernels`.
 """
@@ -17,33 +23,118 @@ import numpy as np
 
 QK8_0 = 32  # ggml's Q8_0 block length
 
+#: ggml weight types a 'gguf' pool's rows may be in: name -> (weights per block, bytes per block) (ggml-common.h;
+#: the same table as strata_core.reference.quants.FORMATS, which the tests hold it to).
+GGUF_BLOCKS: dict[str, tuple[int, int]] = {"f32": (1, 4), "f16": (1, 2), "bf16": (1, 2), "q8_0": (32, 34),
+                                           "q4_k": (256, 144), "q5_k": (256, 176), "q6_k": (256, 210),
+                                           "mxfp4": (32, 17)}
+#: Expert formats of the contract: a device advertises the ones its grouped FFN computes in DeviceCaps.expert_formats
+#: ('f16' and 'q8_0' pools, and every GGUF_BLOCKS type inside a 'gguf' pool).
+EXPERT_FORMATS: tuple[str, ...] = ("f16", "q8_0", "bf16", "q4_k", "q5_k", "q6_k", "mxfp4")
+
+
+def gguf_row_bytes(fmt: str, weights: int) -> int:
+    """Bytes of one row of `weights` weights of ggml type `fmt`; ValueError when not whole blocks."""
+    try:
+        bw, bb = GGUF_BLOCKS[fmt]
+    except KeyError:
+        raise ValueError(f"unknown expert weight type {fmt!r} (known: {', '.join(GGUF_BLOCKS)})") from None
+    if weights % bw:
+        raise ValueError(f"{fmt}: a row of {weights} weights is not a whole number of {bw}-weight blocks")
+    return weights // bw * bb
+
+
+@dataclass(frozen=True)
+class ExpertFormat:
+    """The byte layout of one expert slot of a 'gguf' pool: the file's rows as they are (see the module docstring)."""
+
+    gate_up: str        # ggml type of the gate and up rows (a GGUF_BLOCKS name)
+    down: str           # ggml type of the down rows
+    hidden: int
+    ffn: int
+    bias: bool = False  # f32 gate, up and down biases follow the rows (gpt-oss)
+
+    @property
+    def gate_up_row_bytes(self) -> int:
+        """Bytes of one gate (or up) row: `hidden` weights."""
+        return gguf_row_bytes(self.gate_up, self.hidden)
+
+    @property
+    def down_row_bytes(self) -> int:
+        """Bytes of one down row: `ffn` weights."""
+        return gguf_row_bytes(self.down, self.ffn)
+
+    @property
+    def down_offset(self) -> int:
+        """Byte offset of the down rows in a slot."""
+        return 2 * self.ffn * self.gate_up_row_bytes
+
+    @property
+    def bias_offset(self) -> int:
+        """Byte offset of the f32 biases (gate [F], up [F], down [H]) in a slot; the slot's end without biases."""
+        return self.down_offset + self.hidden * self.down_row_bytes
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of one expert in this format."""
+        return self.bias_offset + (4 * (2 * self.ffn + self.hidden) if self.bias else 0)
+
+    @property
+    def label(self) -> str:
+        """'q4_k/q6_k' (gate-up/down), '+bias' when it carries biases."""
+        return f"{self.gate_up}/{self.down}" + ("+bias" if self.bias else "")
+
 
 @dataclass
 class ExpertPool:
-    """Expert weights held in S slots of one memory (device or host), in one of two dtypes ('f16' or 'q8_0')."""
+    """Expert weights held in S slots of one memory (device or host): dtype 'f16', 'q8_0' or 'gguf' (raw file rows,
+    laid out by `formats`: one ExpertFormat for every layer, or one per MoE layer); 'raw' is an accounting phantom."""
 
     dtype: str
     arrays: dict[str, Any]
+    formats: tuple[ExpertFormat, ...] = ()
 
     @property
     def slots(self) -> int:
         """How many expert slots the pool holds."""
-        key = "w_gate_up" if self.dtype == "f16" else "gate_up_q"
+        key = {"f16": "w_gate_up", "q8_0": "gate_up_q"}.get(self.dtype, "blob")
         return int(self.arrays[key].shape[0])
 
+    @property
+    def fmt(self) -> ExpertFormat:
+        """The one ExpertFormat of a 'gguf' pool (ValueError when it has one per layer: use for_layer first)."""
+        if len(set(self.formats)) != 1:
+            raise ValueError(f"expert pool: {len(set(self.formats))} formats; a kernel takes pool.for_layer(layer)")
+        return self.formats[0]
+
+    def for_layer(self, layer: int) -> "ExpertPool":
+        """This pool as one layer's kernels see it: the same arrays, that layer's format only."""
+        if len(set(self.formats)) <= 1:
+            return self
+        return ExpertPool(self.dtype, self.arrays, (self.formats[int(layer)],))
+
+    def with_arrays(self, arrays: dict[str, Any]) -> "ExpertPool":
+        """A pool of the same dtype and formats over other arrays (a device copy, one slot's views)."""
+        return ExpertPool(self.dtype, arrays, self.formats)
+
     @staticmethod
-    def slot_bytes(dtype: str, hidden: int, ffn: int) -> int:
-        """Bytes of one expert slot in this dtype."""
+    def slot_bytes(dtype: str, hidden: int, ffn: int, formats: tuple[ExpertFormat, ...] = ()) -> int:
+        """Bytes of one expert slot in this dtype ('gguf': the largest of its formats)."""
         n = 3 * hidden * ffn
         if dtype == "f16":
             return 2 * n
         if dtype == "q8_0":
             return n + 2 * (n // QK8_0)
+        if dtype == "gguf" and formats:
+            return max(f.nbytes for f in formats)
         raise ValueError(f"unknown expert dtype {dtype!r}")
 
     @staticmethod
-    def array_specs(dtype: str, slots: int, hidden: int, ffn: int) -> dict[str, tuple[tuple[int, ...], Any]]:
+    def array_specs(dtype: str, slots: int, hidden: int, ffn: int,
+                    formats: tuple[ExpertFormat, ...] = ()) -> dict[str, tuple[tuple[int, ...], Any]]:
         """name -> (shape, numpy dtype) of every array a pool of this dtype holds."""
+        if dtype == "gguf":
+            return {"blob": ((slots, ExpertPool.slot_bytes(dtype, hidden, ffn, formats)), np.uint8)}
         if dtype == "f16":
             return {"w_gate_up": ((slots, 2 * ffn, hidden), np.float16),
                     "w_down": ((slots, hidden, ffn), np.float16)}
@@ -57,29 +148,34 @@ class ExpertPool:
 
 @runtime_checkable
 class KernelSet(Protocol):
-    """The kernels of one device. The contract, with shapes and dtypes, is `strata_core.reference.kernels`."""
+    """The kernels of one device. The contract, with shapes and dtypes, is `strata_core.reference.kernels`.
+
+    `out` (versionadded 2.0): the buffer (for route_topk the pair of buffers) the kernel writes its result into and
+    returns; the runtime carves it from a plan region, so a kernel given `out` allocates no device memory for its
+    result. None: the kernel allocates its result (kept for backends written before 2.0).
+    """
 
     name: str
 
-    def route_topk(self, logits: Any, k: int) -> tuple[Any, Any]:
+    def route_topk(self, logits: Any, k: int, out: tuple[Any, Any] | None = None) -> tuple[Any, Any]:
         """[T,E] f32 router logits -> (ids [T,k] int32, weights [T,k] f32, softmax over the top k)."""
 
-    def gather(self, x: Any, rows: Any) -> Any:
+    def gather(self, x: Any, rows: Any, out: Any = None) -> Any:
         """x [T,H], rows [N] int32 -> x[rows] [N,H]."""
 
     def scatter_add(self, out: Any, rows: Any, y: Any, scale: Any) -> None:
         """out[rows[i]] += scale[i] * y[i] for i < N (out [T,H] f32, y [N,H] f32, scale [N] f32)."""
 
-    def moe_grouped_ffn(self, x: Any, offsets: Any, slots: Any, weights: Any) -> Any:
+    def moe_grouped_ffn(self, x: Any, offsets: Any, slots: Any, weights: Any, out: Any = None) -> Any:
         """SwiGLU experts over token groups: rows offsets[g]:offsets[g+1] of x run expert slot slots[g]."""
 
-    def dequantize_q8_0(self, qs: Any, d: Any) -> Any:
+    def dequantize_q8_0(self, qs: Any, d: Any, out: Any = None) -> Any:
         """Q8_0 blocks (qs [R,C] int8, d [R,C/32] f16) -> [R,C] f16."""
 
-    def rmsnorm(self, x: Any, w: Any, eps: float = 1e-6) -> Any:
+    def rmsnorm(self, x: Any, w: Any, eps: float = 1e-6, out: Any = None) -> Any:
         """[T,H] f32, w [H] -> x / rms(x) * w."""
 
-    def linear(self, x: Any, w: Any) -> Any:
+    def linear(self, x: Any, w: Any, out: Any = None) -> Any:
         """x [T,H] f32, w [O,H] f16 or f32 -> x w^T [T,O] f32."""
 
 

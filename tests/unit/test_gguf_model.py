@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from strata_core.errors import BadInput
-from strata_core.models.gguf import layer_expert_pool_arrays, load_gguf_weights, model_from_gguf, write_tiny_moe_gguf
+from strata_core.models.gguf import load_gguf_weights, model_from_gguf, read_moe_tensors, write_tiny_moe_gguf
 from strata_core.reference.kernels import ExpertPool, dequantize_q8_0, moe_grouped_ffn, relative_error
 from strata_core.models.spec import resolve_model
 
@@ -62,15 +62,15 @@ def test_q8_0_layout_matches_the_gguf_package_dequantizer(tmp_path):
 
 @pytest.mark.parametrize("dtype", ["F16", "Q8_0"])
 def test_layer_pool_runs_the_reference_experts(tmp_path, dtype):
-    w = load_gguf_weights(write_tiny_moe_gguf(tmp_path / "m.gguf", dtype=dtype, seed=1, **SHAPE))
-    kind, arrays = layer_expert_pool_arrays(w, 1)
-    pool = ExpertPool(kind, arrays)
-    assert pool.slots == 6
+    p = write_tiny_moe_gguf(tmp_path / "m.gguf", dtype=dtype, seed=1, **SHAPE)
+    w = load_gguf_weights(p)
+    pool = read_moe_tensors(p).experts
+    assert pool.dtype == dtype.lower() and pool.slots == 3 * 6
     x = np.random.default_rng(0).standard_normal((4, 64)).astype(np.float32)
-    y = moe_grouped_ffn(x, np.array([0, 4]), np.array([5]), pool)
+    y = moe_grouped_ffn(x, np.array([0, 4]), np.array([6 + 5]), pool)
     gate, up, down = (w[f"blk.1.ffn_{k}_exps.weight"] for k in ("gate", "up", "down"))
-    if dtype == "Q8_0":
-        gate, up, down = (dequantize_q8_0(*t) for t in (gate, up, down))
+    if dtype == "Q8_0":  # the oracle computes q * d exactly, not rounded to f16 as dequantize_q8_0 returns it
+        gate, up, down = (np.repeat(d.astype(np.float32), 32, axis=-1) * q for q, d in (gate, up, down))
     g, u = x @ gate[5].astype(np.float32).T, x @ up[5].astype(np.float32).T
     expect = (g / (1 + np.exp(-g)) * u) @ down[5].astype(np.float32).T
     assert relative_error(y, expect) < 1e-5
