@@ -5,6 +5,9 @@
 A backend whose distribution is in this repository (plugins/opencl) but not in the venv is installed into a private
 directory for its lane. A lane whose backend is not installed or not available on this machine is `skipped` with
 the probe's reason; a lane whose plugin does not load, or whose suite has a failure or an error, is `failed`.
+A lane whose kernels are the numpy reference itself (cpu, sim) is `reference`, and so is its kernel suite: those
+kernels are checked against float64 there, but they are what every other lane is compared with, not a backend
+that passed (the kit's kernel tests record the junit property `strata_reference`).
 Exit 0 when no lane failed, 1 when one did, 2 on bad arguments.
 """
 
@@ -26,6 +29,8 @@ DEFAULT_LANES = ("cpu", "sim", "sycl", "opencl", "cuda", "rocm")
 SUITE_MODULE = "tests/plugins/test_conformance_all.py"
 #: The suites of the kit, by test-name prefix (see strata_core.testing.conformance).
 SUITES = ("hooks", "alloc", "memory", "kernel", "run")
+#: The junit property a kit kernel test records: "1" when the kernels under test are the numpy reference.
+REFERENCE_PROPERTY = "strata_reference"
 #: Wall-clock limit of one lane's pytest run, seconds (against hangs).
 LANE_LIMIT_S = 1800
 
@@ -101,10 +106,11 @@ def suite_of(test_name: str) -> str:
 
 
 def parse_junit(path: Path) -> list[dict]:
-    """[{name, suite, outcome: passed|failed|skipped, message}] from a pytest junit XML file."""
+    """[{name, suite, outcome: passed|failed|skipped, message, reference}] from a pytest junit XML file."""
     out = []
     for case in ET.parse(path).getroot().iter("testcase"):
         name = case.get("name", "?")
+        props = {p.get("name"): p.get("value") for p in case.iter("property")}
         outcome, message = "passed", ""
         for tag in ("failure", "error", "skipped"):
             el = case.find(tag)
@@ -113,12 +119,13 @@ def parse_junit(path: Path) -> list[dict]:
                 message = (el.get("message") or el.text or "").strip().splitlines()[0][:300] if (
                     el.get("message") or el.text) else tag
                 break
-        out.append({"name": name, "suite": suite_of(name), "outcome": outcome, "message": message})
+        out.append({"name": name, "suite": suite_of(name), "outcome": outcome, "message": message,
+                    "reference": props.get(REFERENCE_PROPERTY) == "1"})
     return out
 
 
 def summarize(cases: list[dict]) -> dict[str, dict]:
-    """Per suite: status, counts, failing test names and skip reasons."""
+    """Per suite: status (failed, reference, passed or skipped), counts, failing test names and skip reasons."""
     suites: dict[str, dict] = {}
     for c in cases:
         s = suites.setdefault(c["suite"], {"passed": 0, "failed": 0, "skipped": 0, "failures": [], "skip_reasons": []})
@@ -127,8 +134,11 @@ def summarize(cases: list[dict]) -> dict[str, dict]:
             s["failures"].append(f"{c['name']}: {c['message']}")
         elif c["outcome"] == "skipped" and c["message"] not in s["skip_reasons"]:
             s["skip_reasons"].append(c["message"])
-    for s in suites.values():
-        s["status"] = "failed" if s["failed"] else "passed" if s["passed"] else "skipped"
+    for name, s in suites.items():
+        ran = [c for c in cases if c["suite"] == name and c["outcome"] == "passed"]
+        is_reference = bool(ran) and all(c.get("reference") for c in ran)
+        s["status"] = ("failed" if s["failed"] else "reference" if is_reference else "passed" if s["passed"]
+                       else "skipped")
     return suites
 
 
@@ -172,6 +182,9 @@ def run_lane(name: str, module: str) -> dict:
         failures = [f for s in lane["suites"].values() for f in s["failures"]]
         more = f"; and {len(failures) - 3} more" if len(failures) > 3 else ""
         lane["reason"] = "; ".join(failures[:3]) + more if failures else f"pytest exited {p.returncode}"
+    elif any(s["status"] == "reference" for s in lane["suites"].values()):
+        lane.update(status="reference", reason="its kernels are the numpy reference the other lanes are compared "
+                                               "with (checked here against float64)")
     else:
         lane["status"] = "passed"
     return lane
@@ -187,7 +200,7 @@ def render(lanes: list[dict]) -> str:
         for c in cols:
             s = l["suites"].get(c)
             if s is None:
-                cells.append((l["status"] if l["status"] != "passed" else "-").ljust(14))
+                cells.append((l["status"] if l["status"] not in ("passed", "reference") else "-").ljust(14))
             else:
                 n = s["passed"] + s["failed"] + s["skipped"]
                 cells.append(f"{s['status']} {s['passed']}/{n}".ljust(14))

@@ -1,32 +1,49 @@
-"""`strata run --check`: the numpy reference (strata_core.reference.kernels) on the same inputs, layer by layer.
+"""`strata run --check`: every layer output and token against the float64 reference, and a hash of them all.
 
-Every layer's MoE update (x_out - x_in) is compared with the reference's from the same x_in; tokens whose
-reference top-k boundary is a near tie (the k-th and (k+1)-th router logits within `TIE_GAP`) are left out of the
-comparison, since any rounding may route them either way. The LM head is checked the same way on the run's own
-last hidden state: its logits within the bound, and the greedy token the reference's argmax (or within `TIE_GAP`
-of it). An independent reference trajectory from the prompt's last token is also decoded and how many tokens it
-shares with the run is reported; it is not a failure when they part, since a near tie anywhere may route either way.
+Every layer's MoE update (x_out - x_in) is compared with the float64 reference's (`strata_core.testing.reference64`)
+from the same x_in, quantized experts dequantized exactly; tokens whose reference top-k boundary is a near tie (the
+k-th and (k+1)-th router logits within `TIE_GAP`) are left out of the comparison, since any rounding may route them
+either way. The bound is the one the kit applies (`strata_core.testing.tolerance`): the coarsest precision path the
+device's kernels and layer ops declare for the steps of a layer (f32 accumulation 1e-5, f16 intermediates 1e-3),
+reported as `check_report.tolerance` with `check_report.precision`. The LM head is checked the same way on the
+run's own last hidden state: its logits within the bound, and the greedy token the reference's argmax (or within
+`TIE_GAP` of it). An independent reference trajectory from the prompt's last token is also decoded and how many
+tokens it shares with the run is reported; it is not a failure when they part, since a near tie anywhere may route
+either way.
+
+`outputs_sha256` is a SHA-256 over every observed layer output and LM-head logits (phase, layer, shape, dtype and
+bytes, in the order the run produced them) and the run's tokens: two runs with the same inputs on the same device
+give the same hash exactly when they give the same bits. The executor times the observer and leaves its time out
+of the request's timings.
 """
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
-from strata_core.reference import kernels as ref
 from strata_core.models.weights import ModelWeights
+from strata_core.testing import reference64 as r64
+from strata_core.testing.tolerance import REFERENCE_PRECISION, bound_of, path_precision
 
-#: Relative error bound of a layer's update with f16 (or Q8_0) expert weights.
-LAYER_REL_ERR = 2e-3
 #: Router logits (and LM-head logits) closer than this are a tie any rounding may break either way.
 TIE_GAP = 1e-3
+#: The kernels one MoE layer runs through the composed layer ops, and the layer ops themselves.
+LAYER_KERNELS = ("rmsnorm", "linear", "route_topk", "gather", "moe_grouped_ffn", "scatter_add")
+LAYER_OPS = ("prefill_layer", "decode_step")
+#: The kernels of the LM head.
+HEAD_KERNELS = ("rmsnorm", "linear")
 
 
 @dataclass
 class CheckReport:
-    """What --check compared and what failed."""
+    """What --check compared, at which bound, and what failed."""
 
+    precision: str = REFERENCE_PRECISION
+    tolerance: float = bound_of(REFERENCE_PRECISION)
     layers_checked: int = 0
     worst_rel_err: float = 0.0
     near_ties: int = 0
@@ -40,84 +57,125 @@ class CheckReport:
         return not self.failures and self.layers_checked > 0
 
     def to_json(self) -> dict:
-        """The check block of `strata.run/1`."""
-        return {"passed": self.passed, "layers_checked": self.layers_checked,
-                "worst_rel_err": self.worst_rel_err, "bound": LAYER_REL_ERR, "near_ties": self.near_ties,
+        """The check block of `strata.run/1` (`bound` is the same figure as `tolerance`, kept for old readers)."""
+        return {"passed": self.passed, "precision": self.precision, "tolerance": self.tolerance,
+                "reference": "float64", "layers_checked": self.layers_checked,
+                "worst_rel_err": self.worst_rel_err, "bound": self.tolerance, "near_ties": self.near_ties,
                 "tokens_checked": self.tokens_checked,
                 "trajectory_tokens_matching": self.trajectory_tokens_matching, "failures": self.failures[:10]}
 
 
-class ReferenceCheck:
-    """Observes the executor's layers and compares each with the reference computed on host weights."""
+class OutputDigest:
+    """A running SHA-256 of a run's outputs: each array with its phase, layer, shape and dtype, then the tokens."""
 
-    def __init__(self, weights: ModelWeights, bound: float = LAYER_REL_ERR):
+    def __init__(self) -> None:
+        self._h = hashlib.sha256()
+
+    def add(self, phase: str, layer: int, arr: np.ndarray) -> None:
+        """Absorb one output array (C order bytes, with what it is, so equal bytes of other shapes differ)."""
+        a = np.ascontiguousarray(arr)
+        self._h.update(f"{phase}:{layer}:{a.shape}:{a.dtype.str};".encode())
+        self._h.update(a.tobytes())
+
+    def add_tokens(self, tokens: list[int]) -> None:
+        """Absorb the run's generated tokens."""
+        self._h.update(b"tokens;" + np.asarray(tokens, dtype=np.int64).tobytes())
+
+    def hexdigest(self) -> str:
+        """The hash so far, as 64 hex digits."""
+        return self._h.hexdigest()
+
+
+class ReferenceCheck:
+    """Observes the executor's layers, compares each with the float64 reference on host weights, hashes them."""
+
+    def __init__(self, weights: ModelWeights, kernels: Any = None, layer_ops: Any = None):
         self.w = weights
-        self.bound = bound
         self.report = CheckReport()
+        self.digest = OutputDigest()
         self.k = weights.spec.top_k
         self.E = weights.spec.experts_per_layer
+        self._tokens_absorbed = False
+        self.bind(kernels, layer_ops)
+
+    def bind(self, kernels: Any, layer_ops: Any = None) -> None:
+        """Take the bound from the precision paths the device's kernels and layer ops declare (before the run)."""
+        self.report.precision = path_precision([(kernels, LAYER_KERNELS), (layer_ops, LAYER_OPS)])
+        self.report.tolerance = bound_of(self.report.precision)
+
+    @property
+    def bound(self) -> float:
+        """The relative error bound applied to every layer and LM head."""
+        return self.report.tolerance
+
+    @property
+    def outputs_sha256(self) -> str:
+        """The SHA-256 of every layer output and token the run produced (tokens once `check_tokens` ran)."""
+        return self.digest.hexdigest()
 
     def layer_update(self, layer: int, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """The reference's MoE update of one layer for x [T,H], and a mask of tokens not at a routing near-tie."""
+        """The float64 reference's MoE update of one layer for x [T,H], and a mask of tokens not at a near-tie."""
         d = self.w.dense
-        xn = ref.rmsnorm(x, d.norms[layer])
-        logits = ref.linear(xn, d.routers[layer])
-        ids, wts = ref.route_topk(logits, self.k)
+        xn = r64.rmsnorm(x, d.norms[layer])
+        logits = r64.linear(xn, d.routers[layer])
+        ids, wts = r64.route_topk(logits, self.k)
         top = np.sort(logits, axis=1)[:, ::-1]
         clear = (top[:, self.k - 1] - top[:, self.k]) > TIE_GAP if self.E > self.k else np.ones(len(x), bool)
-        out = np.zeros_like(x, dtype=np.float32)
-        flat = ids.reshape(-1)
-        order = np.argsort(flat, kind="stable")
-        experts, starts, counts = np.unique(flat[order], return_index=True, return_counts=True)
-        rows_all = order // self.k
-        scales_all = wts.reshape(-1)[order]
+        out = np.zeros(x.shape, dtype=np.float64)
         base = layer * self.E
-        for e, s, n in zip(experts, starts, counts):
-            rows = rows_all[s:s + n]
-            y = ref.moe_grouped_ffn(xn[rows], np.array([0, n]), np.array([base + int(e)]), self.w.experts)
-            ref.scatter_add(out, rows, y, scales_all[s:s + n])
+        pool = self.w.experts.for_layer(layer)
+        for e in np.unique(ids):
+            tok, pos = np.nonzero(ids == e)
+            w13, w2 = r64.expert_matrices(pool, base + int(e))
+            out[tok] += wts[tok, pos][:, None] * r64.swiglu_expert(xn[tok], w13, w2,
+                                                                   *r64.expert_biases(pool, base + int(e)))
         return out, clear
 
     def __call__(self, phase: str, layer: int, x_in: np.ndarray, x_out: np.ndarray) -> None:
-        """Compare one layer (or the LM head) of the run with the reference."""
+        """Hash one layer output (or the LM head's logits) of the run and compare it with the reference."""
+        self.digest.add(phase, layer, x_out)
         if phase == "head":
             self._check_head(x_in, x_out[0])
             return
         want, clear = self.layer_update(layer, x_in)
-        got = x_out - x_in
+        got = np.asarray(x_out, dtype=np.float64) - np.asarray(x_in, dtype=np.float64)
         self.report.near_ties += int((~clear).sum())
-        err = ref.relative_error(got[clear], want[clear]) if clear.any() else 0.0
+        err = r64.relative_error(got[clear], want[clear]) if clear.any() else 0.0
         self.report.layers_checked += 1
         self.report.worst_rel_err = max(self.report.worst_rel_err, err)
         if not err <= self.bound:
-            self.report.failures.append(f"{phase} layer {layer}: relative error {err:.3g} above {self.bound:g}")
+            self.report.failures.append(f"{phase} layer {layer}: relative error {err:.3g} above the "
+                                        f"{self.report.precision} bound {self.bound:g}")
 
     def logits(self, token: int) -> np.ndarray:
-        """The reference's logits of one token through every layer."""
+        """The float64 reference's logits of one token through every layer."""
         d = self.w.dense
-        x = d.embed[[token]].astype(np.float32)
+        x = d.embed[[token]].astype(np.float64)
         for layer in range(self.w.spec.moe_layers):
             upd, _ = self.layer_update(layer, x)
             x = x + upd
-        return ref.linear(ref.rmsnorm(x, d.final_norm), d.lm_head)[0]
+        return r64.linear(r64.rmsnorm(x, d.final_norm), d.lm_head)[0]
 
     def _check_head(self, x_last: np.ndarray, logits: np.ndarray) -> None:
         """The run's logits of its own last hidden state against the reference's, and the greedy pick."""
         d = self.w.dense
-        want = ref.linear(ref.rmsnorm(x_last, d.final_norm), d.lm_head)[0]
-        err = ref.relative_error(logits, want)
+        want = r64.linear(r64.rmsnorm(x_last, d.final_norm), d.lm_head)[0]
+        err = r64.relative_error(logits, want)
         self.report.tokens_checked += 1
         self.report.worst_rel_err = max(self.report.worst_rel_err, err)
         if not err <= self.bound:
-            self.report.failures.append(f"LM head {self.report.tokens_checked}: relative error {err:.3g} above "
-                                        f"{self.bound:g}")
+            self.report.failures.append(f"LM head {self.report.tokens_checked}: relative error {err:.3g} above the "
+                                        f"{self.report.precision} bound {self.bound:g}")
         tok, best = int(np.argmax(logits)), int(np.argmax(want))
         if tok != best and want[best] - want[tok] > TIE_GAP * max(1.0, abs(float(want[best]))):
             self.report.failures.append(f"LM head {self.report.tokens_checked}: the run's greedy token {tok}, the "
                                         f"reference's {best} (logits {want[tok]:.4f} vs {want[best]:.4f})")
 
     def check_tokens(self, last_prompt_token: int, tokens: list[int]) -> None:
-        """Decode the reference's own trajectory with the run's tokens as inputs; count the tokens they share."""
+        """Hash the run's tokens; decode the reference's trajectory with them as inputs and count those it shares."""
+        if not self._tokens_absorbed:
+            self.digest.add_tokens(tokens)
+            self._tokens_absorbed = True
         prev = last_prompt_token
         for tok in tokens:
             if int(np.argmax(self.logits(prev))) == tok:

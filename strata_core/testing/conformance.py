@@ -32,10 +32,13 @@ from strata_core.api import API_VERSION
 from strata_core.api.backend import Backend, DeviceMemory, PinnedBudget, ProbeResult
 from strata_core.api.facts import DeviceInfo, PlatformDefaults
 from strata_core.api.kernels import KernelSet, LayerOps
+from strata_core.reference.kernels import ReferenceKernels
 from strata_core.testing.checks import CHECKS, protocol_kernels
 from strata_core.testing.session import declared_hooks, info_of, is_device_object, platform_defaults
 from strata_core.testing.tolerance import BOUNDS, bound_of, precision_of
 
+#: The junit property a kernel test records: "1" when the kernels under test are the numpy reference itself.
+REFERENCE_PROPERTY = "strata_reference"
 #: A device allocation no device has room for (1 PiB).
 ABSURD_DEVICE_BYTES = 1 << 50
 #: Wall-clock limit of the `strata run --check` subprocess, seconds (a limit against hangs, not a timing).
@@ -259,11 +262,22 @@ def test_memory_info(strata_session):
 
 # ---- kernels: match the float64 reference at the bound of their precision path -------------------------------------
 
+def is_reference(kernels) -> bool:
+    """True when the kernels under test are the numpy reference itself (cpu, sim): their lane is the reference."""
+    return type(kernels) is ReferenceKernels
+
+
 def _kernel_test(kernel: str):
-    """The test of one kernel of the protocol: its checks in strata_core.testing.checks, one per variant."""
+    """The test of one kernel of the protocol: its checks in strata_core.testing.checks, one per variant.
+
+    Each records the junit property `strata_reference` ("1" when the kernels are the numpy reference, which the
+    matrix then shows as the reference rather than as passed) and `strata_precision` (the path it was held to).
+    """
     checks = {c.variant: c for c in CHECKS.get(kernel, [])}
 
-    def run(strata_session, variant: str) -> None:
+    def run(strata_session, record_property, variant: str) -> None:
+        record_property(REFERENCE_PROPERTY, "1" if is_reference(strata_session.kernels) else "0")
+        record_property("strata_precision", precision_of(strata_session.kernels, kernel))
         if variant not in checks:
             pytest.fail(f"the kit has no check of kernel {kernel!r} (strata_core.testing.checks.CHECKS)",
                         pytrace=False)
@@ -271,12 +285,12 @@ def _kernel_test(kernel: str):
         checks[variant].run(strata_session.memory, strata_session.kernels, rng, seed)
 
     if set(checks) in ({""}, set()):
-        def test(strata_session):
-            run(strata_session, "")
+        def test(strata_session, record_property):
+            run(strata_session, record_property, "")
     else:
         @pytest.mark.parametrize("variant", sorted(checks))
-        def test(strata_session, variant):
-            run(strata_session, variant)
+        def test(strata_session, record_property, variant):
+            run(strata_session, record_property, variant)
     test.__name__ = f"test_kernel_{kernel}"
     test.__doc__ = f"{kernel} matches the float64 reference within the bound of its declared precision path."
     return test

@@ -4,7 +4,8 @@ Each test runs pytest (or .ci/matrix.py) in a subprocess against two test backen
 subprocess (a dist-info on PYTHONPATH in a temporary directory, so the shared venv never sees them):
 - 'offline': installed but unavailable;
 - 'bad': available, with known defects (a scatter_add that overwrites, top-k in the wrong order, allocators that
-  raise instead of returning None, kernels offered for devices that are not its own).
+  raise instead of returning None);
+- 'copy': available, the numpy reference's kernels under another class (passes, and is not the reference lane).
 """
 
 from __future__ import annotations
@@ -24,17 +25,16 @@ matrix = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(matrix)
 
 TEST_BACKENDS = '''
-"""Backends for the kit's self-tests: 'offline' (unavailable) and 'bad' (available, with known defects)."""
+"""Backends for the kit's self-tests: 'offline' (unavailable), 'bad' (available, with known defects) and 'copy'
+(the numpy reference's kernels under another class: a backend that passes, not the reference)."""
+from dataclasses import dataclass
 import numpy as np
-from strata_core.api.backend import Backend, ProbeResult
+from strata_core.api import API_VERSION
+from strata_core.api.backend import Backend, DeviceSession, PinnedBudget, ProbeResult
 from strata_core.builtin.cpu import HostMemory, HostPinnedAllocator
 from strata_core.api.facts import DeviceInfo, PlatformDefaults
 from strata_core.api.hookspecs import hookimpl
 from strata_core.reference.kernels import ReferenceKernels
-
-BAD_DEVICE = DeviceInfo(backend="bad", name="bad device", vram_total_bytes=1 << 30, vram_free_bytes=1 << 30)
-OFFLINE = Backend(name="offline", vendor="test", probe=lambda: ProbeResult.unavailable("no offline device in this test"))
-BAD = Backend(name="bad", vendor="test", probe=lambda: ProbeResult(available=True, devices=(BAD_DEVICE,)))
 
 
 class BadKernels(ReferenceKernels):
@@ -46,6 +46,10 @@ class BadKernels(ReferenceKernels):
     def route_topk(self, logits, k):
         ids, w = super().route_topk(logits, k)
         return ids[:, ::-1].copy(), w[:, ::-1].copy()
+
+
+class CopyKernels(ReferenceKernels):
+    name = "copy"
 
 
 class RaisingPinned(HostPinnedAllocator):
@@ -61,35 +65,43 @@ class RaisingMemory(HostMemory):
         return np.empty(shape, dtype=dtype)
 
 
+@dataclass(frozen=True)
+class TestDevice:
+    info: DeviceInfo
+    defective: bool
+
+    def platform_defaults(self, host):
+        return PlatformDefaults(source=self.info.backend)
+
+    def open(self, plan):
+        budget = PinnedBudget(plan.pinned.limit_bytes, plan.pinned.floor_bytes)
+        if self.defective:
+            return DeviceSession(memory=RaisingMemory(), kernels=BadKernels(), budget=budget,
+                                 pinned=RaisingPinned(budget))
+        return DeviceSession(memory=HostMemory(), kernels=CopyKernels(), budget=budget,
+                             pinned=HostPinnedAllocator(budget))
+
+
+def _device(name, defective):
+    info = DeviceInfo(backend=name, name=f"{name} device", vram_total_bytes=1 << 30, vram_free_bytes=1 << 30)
+    return TestDevice(info, defective)
+
+
+OFFLINE = Backend(name="offline", vendor="test", api_version=API_VERSION,
+                  probe=lambda: ProbeResult.unavailable("no offline device in this test"))
+BAD = Backend(name="bad", vendor="test", api_version=API_VERSION,
+              probe=lambda: ProbeResult(available=True, devices=(_device("bad", True),)))
+COPY = Backend(name="copy", vendor="test", api_version=API_VERSION,
+               probe=lambda: ProbeResult(available=True, devices=(_device("copy", False),)))
+
+
 @hookimpl
 def strata_backends():
-    return [OFFLINE, BAD]
-
-
-@hookimpl
-def strata_platform_defaults(device, host):
-    return PlatformDefaults(source="bad") if device.backend == "bad" else None
-
-
-@hookimpl
-def strata_pinned_allocator(device, budget):
-    return RaisingPinned(budget) if device.backend == "bad" else None
-
-
-@hookimpl
-def strata_device_memory(device):
-    return RaisingMemory() if device.backend == "bad" else None
-
-
-@hookimpl
-def strata_kernels(device):
-    # the defect: answers for devices that are not its own (the cpu backend is left alone as the control lane)
-    return BadKernels() if device.backend != "cpu" else None
+    return [OFFLINE, BAD, COPY]
 '''
 
 #: The kit's tests the 'bad' backend must fail, and only these.
 BAD_FAILS = {
-    "test_hooks_ignore_a_device_of_another_backend[bad]",
     "test_alloc_pinned_zero_budget_returns_none[bad]",
     "test_alloc_pinned_budget_accounting[bad]",
     "test_alloc_pinned_refused_by_the_platform_returns_none[bad]",
@@ -103,7 +115,7 @@ KIT_MODULE = """
 {header}
 from strata_core.testing.conformance import *  # noqa: F401,F403
 
-del test_run_check_tiny_model  # noqa: F821
+del test_run_check_tiny_model, test_run_outputs_are_reproducible  # noqa: F821
 
 
 def test_ordinary():
@@ -154,12 +166,15 @@ def test_without_a_selection_the_suite_is_deselected(site, tmp_path):
 
 
 def test_module_selection_runs_every_suite_on_cpu(site, tmp_path):
-    """STRATA_CONFORMANCE_BACKENDS = ['cpu'] runs the hooks, alloc, memory and kernel suites, and cpu passes them."""
+    """STRATA_CONFORMANCE_BACKENDS = ['cpu'] runs the hooks, alloc, memory and kernel suites; cpu passes them, its
+    kernel suite marked as the reference (its kernels are the numpy reference)."""
     p, cases = _pytest(site, _module(tmp_path, 'STRATA_CONFORMANCE_BACKENDS = ["cpu"]'))
     assert p.returncode == 0, p.stdout[-3000:]
     suites = matrix.summarize([c for c in cases if c["name"] != "test_ordinary"])
     assert set(suites) == {"hooks", "alloc", "memory", "kernel"}
-    assert all(s["status"] == "passed" and s["failed"] == s["skipped"] == 0 for s in suites.values()), suites
+    assert all(s["failed"] == s["skipped"] == 0 and s["passed"] > 0 for s in suites.values()), suites
+    assert {n: s["status"] for n, s in suites.items()} == {"hooks": "passed", "alloc": "passed", "memory": "passed",
+                                                           "kernel": "reference"}
     assert all(c["name"].endswith("]") and "[cpu" in c["name"] for c in cases if c["name"] != "test_ordinary")
 
 
@@ -207,23 +222,27 @@ def test_the_kit_catches_each_defect_of_a_bad_backend(site, tmp_path):
 
 
 def test_the_matrix_reports_each_lane(site, tmp_path):
-    """The matrix: cpu passed, 'offline' skipped with its reason, 'bad' failed, 'nosuch' skipped as not installed."""
+    """The matrix: cpu the reference, 'copy' passed, 'offline' skipped with its reason, 'bad' failed, 'nosuch'
+    skipped as not installed."""
     module = _module(tmp_path)
     out = tmp_path / "matrix.json"
-    cmd = [sys.executable, str(ROOT / ".ci" / "matrix.py"), "--lanes", "cpu,offline,bad,nosuch",
+    cmd = [sys.executable, str(ROOT / ".ci" / "matrix.py"), "--lanes", "cpu,copy,offline,bad,nosuch",
            "--module", str(module), "--json-out", str(out)]
     p = subprocess.run(cmd, cwd=ROOT, env=site, capture_output=True, text=True, timeout=1200)
     assert p.returncode == 1, p.stdout + p.stderr
     doc = json.loads(out.read_text())
     assert doc["schema"] == "strata.matrix/1" and doc["ok"] is False
     lanes = {l["backend"]: l for l in doc["lanes"]}
-    assert lanes["cpu"]["status"] == "passed", lanes["cpu"]["reason"]
+    assert lanes["cpu"]["status"] == "reference", lanes["cpu"]["reason"]
     assert set(lanes["cpu"]["suites"]) >= {"hooks", "alloc", "memory", "kernel"}
+    assert lanes["cpu"]["suites"]["kernel"]["status"] == "reference"
+    assert lanes["cpu"]["suites"]["hooks"]["status"] == "passed"
+    assert lanes["copy"]["status"] == "passed" and lanes["copy"]["suites"]["kernel"]["status"] == "passed"
     assert lanes["offline"]["status"] == "skipped" and "no offline device in this test" in lanes["offline"]["reason"]
     assert lanes["bad"]["status"] == "failed" and lanes["bad"]["suites"]["kernel"]["failed"] == 2
     assert lanes["nosuch"]["status"] == "skipped" and "not installed" in lanes["nosuch"]["reason"]
-    rows = {line.split()[0]: line.split()[-1] for line in p.stdout.splitlines()[1:5]}
-    assert rows == {"cpu": "passed", "offline": "skipped", "bad": "failed", "nosuch": "skipped"}
+    rows = {line.split()[0]: line.split()[-1] for line in p.stdout.splitlines()[1:6]}
+    assert rows == {"cpu": "reference", "copy": "passed", "offline": "skipped", "bad": "failed", "nosuch": "skipped"}
 
 
 def test_the_matrix_refuses_bad_arguments():
