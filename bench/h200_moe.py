@@ -431,7 +431,7 @@ def main() -> int:
         check("ours_warm_f16", out_cp)
         res["ours"]["warm_prefill_f16"] = tm.cupy(
             lambda: moe.prefill_layer(x_cp, logits_cp, pool, slot_of, out=out_cp), st)
-        res["ours"]["warm_prefill_f16"]["mpad_rows"] = moe.stats.mpad_rows
+        res["ours"]["warm_prefill_f16"]["stack_rows"] = moe.stats.stack_rows
     res["kernels"] = moe.kernel_report()
     log(f"kernels: {res['kernels']}")
     with Guard(res, "warm_variants"):

@@ -10,9 +10,14 @@ Weights are deterministic from a seed; there is no attention (out of scope for S
 
 from __future__ import annotations
 
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable
+
 import numpy as np
 
-from strata_core.reference.kernels import ExpertPool, quantize_q8_0
+from strata_core.reference.kernels import QK8_0, ExpertPool, quantize_q8_0
 from strata_core.models.spec import ModelSpec, prompt_bytes_for
 from strata_core.models.weights import DenseWeights, ModelWeights
 
@@ -53,32 +58,119 @@ def tiny_cache_slots(spec: ModelSpec) -> int:
     return max(spec.top_k, int(spec.experts_total * TINY_CACHE_FRACTION))
 
 
-def generate_weights(spec: ModelSpec, seed: int = 0, dtype: str = "f16") -> ModelWeights:
-    """Deterministic weights of spec's shape: N(0, 1/sqrt(fan_in)) matrices, unit norms, f16 or q8_0 experts."""
+#: Elements of the random source sequence beyond the largest matrix: experts are windows of it at offsets in this range.
+SOURCE_SPAN = 1 << 20
+#: Rows generated per task of the thread pool (one task writes this many experts' arrays).
+ROWS_PER_TASK = 8
+#: With a popularity skew, the residual's last coordinate holds this many times the other coordinates' rms, so the
+#: router's last column can add a per-expert bias to the logits (the model has no router bias of its own).
+SKEW_CARRIER = 8.0
+
+GenerateProgress = Callable[[int, int], None]
+
+
+def _sources(rng: np.random.Generator, n: int) -> np.ndarray:
+    """A random N(0,1) f32 sequence of SOURCE_SPAN + n values whose windows of n at any offset < SOURCE_SPAN are
+    the matrices (drawn once: drawing every expert's values is what made large presets slow)."""
+    return rng.standard_normal(SOURCE_SPAN + n, dtype=np.float32)
+
+
+def _tile_rows(dst: np.ndarray, src: np.ndarray, offsets: np.ndarray, r0: int, r1: int, step: int = 1,
+               d_dst: np.ndarray | None = None, d_src: np.ndarray | None = None) -> None:
+    """dst[r] = the window of src at offsets[r] for rows r0..r1-1 (and the Q8_0 scales' windows at offset / 32)."""
+    n = int(np.prod(dst.shape[1:]))
+    for r in range(r0, r1):
+        o = int(offsets[r]) * step
+        dst[r].reshape(-1)[:] = src[o:o + n]
+        if d_dst is not None:
+            nd = n // QK8_0
+            d_dst[r].reshape(-1)[:] = d_src[o // QK8_0:o // QK8_0 + nd]
+
+
+def generate_weights(spec: ModelSpec, seed: int = 0, dtype: str = "f16", popularity_skew: float = 0.0,
+                     progress: GenerateProgress | None = None, threads: int | None = None) -> ModelWeights:
+    """Deterministic weights of spec's shape, fast enough for real presets (several GB/s).
+
+    What it does: one N(0,1) source sequence per matrix kind is drawn once (a few MB) and scaled by 1/sqrt(fan_in),
+    cast to f16 (or quantized to Q8_0 once); each expert's matrix is then a window of that sequence at its own
+    seeded offset, copied by a pool of threads straight into the (later page-locked) host arrays. Experts differ
+    by offset, so routing and every check work as with independent draws; the cost is one memory copy per byte.
+    popularity_skew > 0 reproduces the cache sweep's skewed routing: in each layer the expert of popularity rank r
+    (a seeded permutation) gets about popularity_skew * -ln(1+r) added to its router logit, carried by the
+    residual's last coordinate (held at SKEW_CARRIER x the rms of the others; no expert writes it). The bias fades
+    a little in later layers as the residual grows. progress(bytes_done, bytes_total) is called as experts land.
+    """
     if spec.expert_ffn <= 0:
         raise ValueError("generate_weights needs the model's expert_ffn")
+    if dtype not in ("f16", "q8_0"):
+        raise ValueError(f"generate_weights: unknown expert dtype {dtype!r}")
     rng = np.random.default_rng(seed)
     L, E, H, F, V = spec.moe_layers, spec.experts_per_layer, spec.hidden, spec.expert_ffn, max(spec.vocab, 2)
-
-    def matrix(*shape: int) -> np.ndarray:
-        """A random [.., fan_in] matrix scaled by 1/sqrt(fan_in), so activations stay O(1)."""
-        return rng.standard_normal(shape, dtype=np.float32) / np.float32(np.sqrt(shape[-1]))
-
     rows = L * E
-    gate_up = np.empty((rows, 2 * F, H), np.float16)
-    down = np.empty((rows, H, F), np.float16)
-    for r0 in range(0, rows, 256):  # in blocks so the f32 temporaries stay small for large presets
-        r1 = min(rows, r0 + 256)
-        gate_up[r0:r1] = matrix(r1 - r0, 2 * F, H)
-        down[r0:r1] = matrix(r1 - r0, H, F)
+    specs = ExpertPool.array_specs(dtype, rows, H, F)
+    arrays = {k: np.empty(shape, dt) for k, (shape, dt) in specs.items()}
+    jobs = []  # (values array, scales array or None, source values, source scales or None, offsets, step)
+    for key, fan_in, n in (("gate_up", H, 2 * F * H), ("down", F, H * F)):
+        src = _sources(rng, n) / np.float32(np.sqrt(fan_in))
+        if dtype == "f16":
+            jobs.append((arrays["w_gate_up" if key == "gate_up" else "w_down"], None, src.astype(np.float16), None,
+                         rng.integers(0, SOURCE_SPAN, rows), 1))
+        else:
+            q, d = quantize_q8_0(src[: (src.size // QK8_0) * QK8_0])
+            jobs.append((arrays[f"{key}_q"], arrays[f"{key}_d"], q, d,
+                         rng.integers(0, SOURCE_SPAN // QK8_0, rows), QK8_0))
+    total = sum(int(a.nbytes) for a in arrays.values())
+    done = [0]
+    lock = threading.Lock()
+    per_row = total // rows
+
+    def task(r0: int) -> None:
+        r1 = min(rows, r0 + ROWS_PER_TASK)
+        for dst, d_dst, src, d_src, offsets, step in jobs:
+            _tile_rows(dst, src, offsets, r0, r1, step, d_dst, d_src)
+        if progress is not None:
+            with lock:
+                done[0] += (r1 - r0) * per_row
+                progress(done[0], total)
+
+    workers = threads or min(32, os.cpu_count() or 1)
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        list(pool.map(task, range(0, rows, ROWS_PER_TASK)))
     if dtype == "f16":
-        experts = ExpertPool("f16", {"w_gate_up": gate_up, "w_down": down})
+        experts = ExpertPool("f16", arrays)
     else:
-        gq, gd = quantize_q8_0(gate_up)
-        dq, dd = quantize_q8_0(down)
-        experts = ExpertPool("q8_0", {"gate_up_q": gq, "gate_up_d": gd, "down_q": dq, "down_d": dd})
+        experts = ExpertPool("q8_0", arrays)
+
+    def matrix(*shape: int, scale: float = 1.0, dtype=np.float32) -> np.ndarray:
+        """A random [.., fan_in] matrix of N(0, scale^2/fan_in) values (windows of one source, like the experts)."""
+        n = int(np.prod(shape))
+        chunk = min(n, 1 << 22)
+        src = (_sources(rng, chunk) * np.float32(scale / np.sqrt(shape[-1]))).astype(dtype)
+        out = np.empty(n, dtype)
+        starts = list(range(0, n, chunk))
+        offsets = rng.integers(0, SOURCE_SPAN, len(starts))
+
+        def fill(j: int) -> None:
+            i, o = starts[j], int(offsets[j])
+            m = min(n - i, chunk)
+            out[i:i + m] = src[o:o + m]
+
+        with ThreadPoolExecutor(max_workers=workers) as pool:
+            list(pool.map(fill, range(len(starts))))
+        return out.reshape(shape)
+
     routers = [matrix(E, H) for _ in range(L)]
-    dense = DenseWeights(embed=matrix(V, H).astype(np.float16) * np.float16(4.0),
-                         norms=[np.ones(H, np.float32) for _ in range(L)], routers=routers,
-                         final_norm=np.ones(H, np.float32), lm_head=matrix(V, H).astype(np.float16))
+    embed = matrix(V, H, scale=4.0, dtype=np.float16)
+    if popularity_skew > 0:
+        sigma = 4.0 / np.sqrt(H)  # the embedding's per-coordinate spread
+        carrier = SKEW_CARRIER * sigma
+        embed[:, H - 1] = np.float16(carrier)
+        xn_last = SKEW_CARRIER / np.sqrt((SKEW_CARRIER ** 2 + H - 1) / H)  # after rmsnorm with unit weights
+        down = arrays["w_down"] if dtype == "f16" else arrays["down_q"]
+        down[:, H - 1, :] = 0  # no expert writes the carrier
+        for r in routers:
+            rank = rng.permutation(E)
+            r[:, H - 1] = (-popularity_skew * np.log1p(rank) / xn_last).astype(np.float32)
+    dense = DenseWeights(embed=embed, norms=[np.ones(H, np.float32) for _ in range(L)], routers=routers,
+                         final_norm=np.ones(H, np.float32), lm_head=matrix(V, H, dtype=np.float16))
     return ModelWeights(spec=spec, dense=dense, experts=experts, expert_ffn=F)

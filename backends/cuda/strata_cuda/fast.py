@@ -2,9 +2,11 @@
 
 `FastMoE` runs MoE layers on ExpertPool-layout device arrays, so the runtime's KernelSet and
 executor can call it with the cache's own pool, slot maps and lent ring slots:
-- `prefill_layer`: route on the device, one small host sync for the per-expert row counts, then the rows gathered
-  into a padded [groups, Mpad, H] f16 stack, two strided batched GEMMs per run of consecutive slots (f16 in, f32
-  accumulation) with a SwiGLU kernel between, and a deterministic per-token combine. Missed experts stream from
+- `prefill_layer`: route on the device (top-k, then group positions and counts, both without atomics), one small
+  host sync for the per-expert row counts, then the rows gathered into a compact f16 stack (each expert's rows
+  contiguous, no padding to the largest group), the expert GEMMs as one cuBLAS grouped GEMM per projection with
+  each expert's exact rows (f16 in, f32 accumulation; `gemm_mode` names the fallbacks) with a SwiGLU kernel
+  between, and a deterministic per-token combine (k order). Missed experts stream from
   page-locked host memory through ring slots of the same pool on a copy stream, several experts per copy (large
   groups first, small ones last, so little compute is left once the last byte lands), while the compute stream
   runs the hits and every group whose copy has landed (events, no host waits). Q8_0 experts are copied as quants
@@ -17,7 +19,7 @@ executor can call it with the cache's own pool, slot maps and lent ring slots:
   (two events) while the two kernels run the cached experts; the missed experts' rows are filled as soon as
   their gate/up matrices land, and their share of the down product is added once the rest has landed.
 - `grouped_ffn`: the KernelSet's `moe_grouped_ffn` contract (rows already grouped by expert) on the same steps:
-  pack into the padded stack by slot order, batched GEMMs over runs of consecutive slots, unpack to f32.
+  pack into the compact stack by slot order, the same grouped GEMMs, unpack to f32.
 Work buffers are grown once and addressed by pointer, and the small tables travel through page-locked staging,
 so the host's share of a layer stays a few tens of microseconds.
 cupy is imported inside the constructor: this module imports without it.
@@ -35,7 +37,7 @@ from strata_core.reference.kernels import QK8_0, ExpertPool
 
 SOURCE_NAME = "moe_fast.cu"
 COMPILE_OPTIONS = ("-std=c++17",)
-KERNEL_NAMES = ("strata_fast_route_count", "strata_fast_gather", "strata_fast_swiglu", "strata_fast_combine",
+KERNEL_NAMES = ("strata_fast_route", "strata_fast_positions", "strata_fast_gather", "strata_fast_swiglu", "strata_fast_combine",
                 "strata_fast_dequant_q8_0", "strata_fast_decode_gate_up", "strata_fast_decode_down")
 #: Threads per block of every kernel (STRATA_FAST_THREADS in the source).
 THREADS = 256
@@ -56,9 +58,13 @@ _CUBLAS_COMPUTE_32F = 68
 _CUBLAS_GEMM_DEFAULT = -1
 _CUBLAS_POINTER_MODE_HOST = 0
 _MEMCPY_H2D = 1
-#: Rows of a padded group are rounded up to this, so every row of the f16 stacks starts 16-byte aligned whatever
-#: the widths, and cuBLAS sees tidy leading dimensions.
+#: Each expert's rows in the compact f16 stacks start at a multiple of this, so every group starts 16-byte aligned
+#: whatever the widths and cuBLAS sees aligned matrices.
 ROW_ALIGN = 8
+#: How the expert GEMMs of a layer run (FastMoE.gemm_mode): "grouped" is one cublasGemmGroupedBatchedEx per
+#: projection with each expert's exact row count (CUDA >= 12.5); "classes" is one pointer-array batched GEMM per size
+#: class (each group rounded up to the next class, at most 1.5x its rows above 16); "loop" is one GEMM per expert.
+GEMM_MODES = ("grouped", "classes", "loop")
 
 
 def kernel_source() -> str:
@@ -92,15 +98,85 @@ def slot_runs(slots: Sequence[int]) -> list[tuple[int, int, int]]:
     return runs
 
 
+def class_rows(counts: np.ndarray) -> np.ndarray:
+    """Each count rounded up to its size class: 8, 16, then 2^k and 1.5 * 2^k (at most 1.5x the rows above 16)."""
+    c = np.maximum(np.asarray(counts, dtype=np.int64), 1)
+    p = 1 << np.ceil(np.log2(c)).astype(np.int64)  # the power of two at or above c
+    mid = (3 * p) // 4  # 1.5 * 2^(k-1), between p/2 and p
+    out = np.where((mid >= c) & (mid % ROW_ALIGN == 0), mid, p)
+    return np.maximum(out, ROW_ALIGN)
+
+
+@dataclass
+class StackLayout:
+    """Where each group's rows sit in the compact f16 stacks: block b holds count[b] rows from row row0[b], with room
+    for cap[b] (its count rounded up to ROW_ALIGN, or to its size class in "classes" mode)."""
+
+    count: np.ndarray
+    cap: np.ndarray
+    row0: np.ndarray
+
+    @classmethod
+    def of(cls, count_of_block: np.ndarray, mode: str) -> "StackLayout":
+        """The layout of these groups (in block order) for a gemm mode."""
+        count = np.asarray(count_of_block, dtype=np.int64)
+        cap = class_rows(count) if mode == "classes" else -(-count // ROW_ALIGN) * ROW_ALIGN
+        row0 = np.concatenate([[0], np.cumsum(cap)[:-1]]).astype(np.int64) if count.size else count
+        return cls(count=count, cap=cap, row0=row0)
+
+    @property
+    def rows(self) -> int:
+        """Rows of the whole stack."""
+        return int(self.cap.sum())
+
+
+def _find_cublas() -> Any:
+    """The libcublas cupy has loaded (its handle works with it), through ctypes; None where there is none."""
+    import ctypes
+    path = None
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                name = line.rsplit(None, 1)[-1] if "/" in line else ""
+                if "/libcublas.so" in name:
+                    path = name
+                    break
+    except OSError:
+        pass
+    for cand in ([path] if path else []) + ["libcublas.so.13", "libcublas.so.12", "libcublas.so"]:
+        try:
+            return ctypes.CDLL(cand)
+        except OSError:
+            continue
+    return None
+
+
+class _BlasExtra:
+    """The cuBLAS GEMMs cupy does not bind: grouped (cublasGemmGroupedBatchedEx) and pointer-array batched."""
+
+    def __init__(self):
+        import ctypes as C
+        lib = _find_cublas()
+        vp, i = C.c_void_p, C.c_int
+        self.grouped = getattr(lib, "cublasGemmGroupedBatchedEx", None) if lib is not None else None
+        if self.grouped is not None:
+            self.grouped.restype = i
+            self.grouped.argtypes = [vp, vp, vp, vp, vp, vp, vp, vp, i, vp, vp, i, vp, vp, vp, i, vp, i, vp, i]
+        self.batched = getattr(lib, "cublasGemmBatchedEx", None) if lib is not None else None
+        if self.batched is not None:
+            self.batched.restype = i
+            self.batched.argtypes = [vp, i, i, i, i, i, vp, vp, i, i, vp, i, i, vp, vp, i, i, i, i, i]
+
+
 @dataclass
 class LayerStats:
-    """What the last layer did: experts used, hits, misses, bytes streamed, padded rows per group."""
+    """What the last layer did: experts used, hits, misses, bytes streamed, rows of the compact stack."""
 
     experts_used: int = 0
     hits: int = 0
     misses: int = 0
     bytes_streamed: int = 0
-    mpad_rows: int = 0
+    stack_rows: int = 0
     routed_rows_hit: int = 0
     routed_rows: int = 0
 
@@ -125,7 +201,8 @@ class FastMoE:
     """Fast MoE layer paths for one shape (E experts, top-k, hidden H, FFN F) on the current cupy device."""
 
     def __init__(self, experts: int, top_k: int, hidden: int, ffn: int, group_experts: int = 8,
-                 hit_batch_experts: int = 32, decode_rows_per_warp: int = DECODE_ROWS_PER_WARP):
+                 hit_batch_experts: int = 0, decode_rows_per_warp: int = DECODE_ROWS_PER_WARP,
+                 gemm_mode: str | None = None):
         import cupy
         from cupy.cuda import runtime
         from cupy_backends.cuda.libs import cublas
@@ -139,8 +216,7 @@ class FastMoE:
         self.experts, self.top_k, self.hidden, self.ffn = experts, top_k, hidden, ffn
         #: most experts per streamed copy group (the ring must hold 4 groups for it; smaller rings take smaller)
         self.group_experts = int(group_experts)
-        #: most cached experts per batched GEMM, each batch padded to its own largest group (0: a whole run of
-        #: consecutive slots in one GEMM)
+        #: most cached experts per grouped GEMM call (0: every hit of the layer in one call)
         self.hit_batch_experts = int(hit_batch_experts)
         #: when a list, prefill_layer appends (name, event) at its stages; trace_report() reads them
         self.trace: list | None = None
@@ -152,6 +228,21 @@ class FastMoE:
         self.compute_stream = cupy.cuda.Stream(non_blocking=True)
         self.copy_stream = cupy.cuda.Stream(non_blocking=True)
         self._handle = cupy.cuda.device.get_cublas_handle()
+        self._blas = _BlasExtra()
+        #: the expert GEMMs' mode (GEMM_MODES): grouped where this cuBLAS has it, else classes, else loop
+        self.gemm_mode = gemm_mode or ("grouped" if self._blas.grouped else "classes" if self._blas.batched
+                                       else "loop")
+        if self.gemm_mode not in GEMM_MODES or (self.gemm_mode == "grouped" and not self._blas.grouped) or \
+                (self.gemm_mode == "classes" and not self._blas.batched):
+            raise ValueError(f"FastMoE: gemm_mode {self.gemm_mode!r} is not available here")
+        # page-locked staging of the GEMMs' device pointer arrays, used from a cursor that restarts once the last
+        # upload from it has run (an event), so the host never overwrites a table a queued copy still reads
+        n_ptr = 16 * max(experts, 64)
+        self._ptr_mem = cupy.cuda.alloc_pinned_memory(8 * n_ptr)
+        self._ptr_stage = np.frombuffer(self._ptr_mem, dtype=np.int64, count=n_ptr)
+        self._ptr_dev = cupy.cuda.alloc(8 * n_ptr)
+        self._ptr_cursor = 0
+        self._ptr_done = cupy.cuda.Event(disable_timing=True)
         # alpha/beta live on the host for the whole life of the object: cuBLAS reads them at enqueue time
         self._one = np.ones(1, dtype=np.float32)
         self._zero = np.zeros(1, dtype=np.float32)
@@ -184,6 +275,67 @@ class FastMoE:
                                 b, _CUDA_R_16F, ldb, sb,
                                 self._zero.ctypes.data, c, _CUDA_R_16F, ldc, sc,
                                 batch, _CUBLAS_COMPUTE_32F, _CUBLAS_GEMM_DEFAULT)
+
+    def _upload_ptrs(self, values: np.ndarray) -> int:
+        """Copy an int64 table (device pointers) to the device through the pointer staging; its device address."""
+        n = int(values.size)
+        if self._ptr_cursor + n > self._ptr_stage.size:
+            self._ptr_done.synchronize()  # every earlier table has been copied: start the staging over
+            self._ptr_cursor = 0
+        if n > self._ptr_stage.size:
+            raise ValueError(f"FastMoE: {n} GEMM pointers exceed the staging of {self._ptr_stage.size}")
+        c = self._ptr_cursor
+        self._ptr_stage[c:c + n] = values
+        dst = int(self._ptr_dev.ptr) + 8 * c
+        st = self._cp.cuda.get_current_stream()
+        self._rt.memcpyAsync(dst, self._ptr_stage.ctypes.data + 8 * c, 8 * n, _MEMCPY_H2D, st.ptr)
+        self._ptr_done.record(st)
+        self._ptr_cursor = c + n
+        return dst
+
+    def _gemm_problems(self, m: int, k: int, lda: int, ldb: int, ldc: int, a_ptrs: np.ndarray, b_ptrs: np.ndarray,
+                       c_ptrs: np.ndarray, ns: np.ndarray) -> None:
+        """C_j[m,n_j] = A_j^T B_j (column-major; row-major C_rows = B_rows @ A_rows^T) for every problem j, f16 in and
+        out, f32 sums, on the current stream, in this object's gemm_mode (one call, one call per size, or a loop)."""
+        ns = np.asarray(ns, dtype=np.int64)
+        live = np.nonzero(ns > 0)[0]
+        if live.size == 0:
+            return
+        cb = self._cublas
+        cb.setStream(self._handle, self._cp.cuda.get_current_stream().ptr)
+        cb.setPointerMode(self._handle, _CUBLAS_POINTER_MODE_HOST)
+        if self.gemm_mode == "loop":
+            for j in live:
+                self._gemm_tn(m, int(ns[j]), k, int(a_ptrs[j]), lda, 0, int(b_ptrs[j]), ldb, 0, int(c_ptrs[j]), ldc,
+                              0, 1)
+            return
+        order = live[np.argsort(ns[live], kind="stable")]
+        sizes, first, per = np.unique(ns[order], return_index=True, return_counts=True)
+        a_d = self._upload_ptrs(np.asarray(a_ptrs, dtype=np.int64)[order])
+        b_d = self._upload_ptrs(np.asarray(b_ptrs, dtype=np.int64)[order])
+        c_d = self._upload_ptrs(np.asarray(c_ptrs, dtype=np.int64)[order])
+        if self.gemm_mode == "classes":
+            for n, f0, cnt in zip(sizes.tolist(), first.tolist(), per.tolist()):
+                st = self._blas.batched(self._handle, _CUBLAS_OP_T, _CUBLAS_OP_N, m, n, k, self._one.ctypes.data,
+                                        a_d + 8 * f0, _CUDA_R_16F, lda, b_d + 8 * f0, _CUDA_R_16F, ldb,
+                                        self._zero.ctypes.data, c_d + 8 * f0, _CUDA_R_16F, ldc, cnt,
+                                        _CUBLAS_COMPUTE_32F, _CUBLAS_GEMM_DEFAULT)
+                if st:
+                    raise RuntimeError(f"cublasGemmBatchedEx failed with status {st}")
+            return
+        g = int(sizes.size)
+        # host arrays cuBLAS reads during the call; kept on self so nothing is collected before it returns
+        self._gg = {"ta": np.full(g, _CUBLAS_OP_T, np.int32), "tb": np.full(g, _CUBLAS_OP_N, np.int32),
+                    "m": np.full(g, m, np.int32), "n": sizes.astype(np.int32), "k": np.full(g, k, np.int32),
+                    "lda": np.full(g, lda, np.int32), "ldb": np.full(g, ldb, np.int32),
+                    "ldc": np.full(g, ldc, np.int32), "alpha": np.ones(g, np.float32),
+                    "beta": np.zeros(g, np.float32), "size": per.astype(np.int32)}
+        a = {kk: v.ctypes.data for kk, v in self._gg.items()}
+        st = self._blas.grouped(self._handle, a["ta"], a["tb"], a["m"], a["n"], a["k"], a["alpha"], a_d,
+                                _CUDA_R_16F, a["lda"], b_d, _CUDA_R_16F, a["ldb"], a["beta"], c_d, _CUDA_R_16F,
+                                a["ldc"], g, a["size"], _CUBLAS_COMPUTE_32F)
+        if st:
+            raise RuntimeError(f"cublasGemmGroupedBatchedEx failed with status {st}")
 
     def _stride_blocks(self, n: int) -> int:
         return max(1, min(STRIDE_MAX_BLOCKS, (n + THREADS - 1) // THREADS))
@@ -234,12 +386,12 @@ class FastMoE:
 
     def _launch_route(self, logits: Any, t: int) -> tuple[int, int, int, int, int]:
         ids, wts, pos, rowidx, counts = self._route_ptrs(t)
-        st = self._cp.cuda.get_current_stream()
-        self._rt.memsetAsync(counts, 0, 4 * self.experts, st.ptr)
         warps = THREADS // WARP_LANES
-        self._k["strata_fast_route_count"](((t + warps - 1) // warps,), (THREADS,),
-                                           (logits, np.int32(t), np.int32(self.experts), np.int32(self.top_k),
-                                            np.uint64(ids), np.uint64(wts), np.uint64(pos), np.uint64(counts)))
+        self._k["strata_fast_route"](((t + warps - 1) // warps,), (THREADS,),
+                                     (logits, np.int32(t), np.int32(self.experts), np.int32(self.top_k),
+                                      np.uint64(ids), np.uint64(wts)))
+        self._k["strata_fast_positions"]((self.experts,), (THREADS,),
+                                         (np.uint64(ids), np.int32(t * self.top_k), np.uint64(pos), np.uint64(counts)))
         return ids, wts, pos, rowidx, counts
 
     def route(self, logits: Any) -> tuple[Any, Any, Any, Any]:
@@ -280,16 +432,24 @@ class FastMoE:
         """prefill_layer with every expert missed and streamed through the ring."""
         return self.prefill_layer(x, logits, pool, np.full(self.experts, -1, dtype=np.int64), host_pool, ring)
 
+    def _stack_bufs(self, ws: dict, rows: int) -> tuple[int, int, int, int]:
+        """(xs, gu, act, ys) f16 stacks of `rows` rows: inputs [rows,H], gate|up [rows,2F], SwiGLU [rows,F], out [rows,H]."""
+        h, f = self.hidden, self.ffn
+        return (ws["xs"].ptr(2 * rows * h), ws["gu"].ptr(2 * rows * 2 * f), ws["act"].ptr(2 * rows * f),
+                ws["ys"].ptr(2 * rows * h))
+
     def _prefill(self, x: Any, logits: Any, pool: ExpertPool, slot_of: np.ndarray,
                  host_pool: ExpertPool | None, ring: tuple[int, int] | None, out: Any) -> Any:
         cp = self._cp
         t, h = int(x.shape[0]), self.hidden
-        f, kk, e_n = self.ffn, self.top_k, self.experts
+        kk, e_n = self.top_k, self.experts
         self._mark("start")
         ids, wts, pos, rowidx, counts = self._launch_route(logits, t)
         self._mark("routed")
-        # the one host sync of a prefill layer: row counts decide the padded height and which experts to fetch
+        # the one host sync of a prefill layer: row counts decide the GEMM sizes and which experts to fetch
         counts_h = self._download_i32(counts, e_n).astype(np.int64)
+        # every pointer table uploaded before this point has been copied (it preceded the counts on this stream)
+        self._ptr_cursor = 0
         used = counts_h > 0
         hits = np.nonzero(used & (slot_of >= 0))[0]
         hits = hits[np.argsort(slot_of[hits], kind="stable")]
@@ -298,40 +458,35 @@ class FastMoE:
             raise ValueError(f"prefill_layer: {misses.size} experts are not cached and no host pool/ring was given")
         order = np.concatenate([hits, misses])
         g_n = int(order.size)
-        count_of_block = counts_h[order]
-        mpad = int(-(-int(counts_h.max()) // ROW_ALIGN) * ROW_ALIGN) if g_n else ROW_ALIGN
-        self.stats = LayerStats(experts_used=g_n, hits=int(hits.size), misses=int(misses.size), mpad_rows=mpad,
+        lay = StackLayout.of(counts_h[order], self.gemm_mode)
+        self.stats = LayerStats(experts_used=g_n, hits=int(hits.size), misses=int(misses.size), stack_rows=lay.rows,
                                 routed_rows=t * kk, routed_rows_hit=int(counts_h[hits].sum()))
         if out is None:
             out = cp.empty((t, h), dtype=cp.float32)
         if g_n == 0:
             out.fill(0)
             return out
-        table = np.zeros(2 * e_n, dtype=np.int32)
-        table[order] = np.arange(g_n, dtype=np.int32)
-        table[e_n:e_n + g_n] = count_of_block
-        maps = self._ws.setdefault("maps", _Grown(cp)).ptr(8 * e_n)
+        table = np.zeros(e_n, dtype=np.int32)
+        table[order] = lay.row0
+        maps = self._ws.setdefault("maps", _Grown(cp)).ptr(4 * e_n)
         self._upload_i32(maps, table)
-        block_of_d, count_of_block_d = maps, maps + 4 * e_n
-        xs = self._ws["xs"].ptr(2 * g_n * mpad * h)
+        bufs = self._stack_bufs(self._ws, lay.rows)
         self._mark("planned")
         # ring copies may begin once the compute stream is past every earlier reader of the ring (previous layers)
         start = cp.cuda.Event(disable_timing=True)
         start.record()
         self._k["strata_fast_gather"]((t * kk,), (THREADS,),
-                                      (x, np.uint64(ids), np.uint64(pos), np.uint64(block_of_d), np.int32(t),
-                                       np.int32(kk), np.int32(h), np.int32(mpad), np.uint64(xs), np.uint64(rowidx)))
-        bufs = (xs, self._ws["gu"].ptr(2 * g_n * mpad * 2 * f), self._ws["act"].ptr(2 * g_n * mpad * f),
-                self._ws["ys"].ptr(2 * g_n * mpad * h), count_of_block_d)
+                                      (x, np.uint64(ids), np.uint64(pos), np.uint64(maps), np.int32(t),
+                                       np.int32(kk), np.int32(h), np.uint64(bufs[0]), np.uint64(rowidx)))
 
         def run_hits() -> None:
             if hits.size:
-                self._run_hits(pool, slot_of, hits, count_of_block, mpad, bufs)
+                self._run_blocks(pool, slot_of[hits], 0, lay, bufs)
+                self._mark("hits_done")
 
         if misses.size:
             # the first copies are queued before the hits' GEMMs, so the link starts at once
-            self._stream_misses(misses.tolist(), pool, host_pool, ring, int(hits.size), count_of_block, mpad, bufs,
-                                start, run_hits)
+            self._stream_misses(misses.tolist(), pool, host_pool, ring, int(hits.size), lay, bufs, start, run_hits)
         else:
             run_hits()
         self._k["strata_fast_combine"]((t,), (THREADS,), (np.uint64(bufs[3]), np.uint64(rowidx), np.uint64(wts),
@@ -346,37 +501,30 @@ class FastMoE:
         off = np.asarray(offsets.get() if hasattr(offsets, "get") else offsets, dtype=np.int64).reshape(-1)
         sl = np.asarray(slots.get() if hasattr(slots, "get") else slots, dtype=np.int64).reshape(-1)
         x = cp.ascontiguousarray(x, dtype=cp.float32)
-        n, h, f = int(x.shape[0]), self.hidden, self.ffn
+        n, h = int(x.shape[0]), self.hidden
         y = cp.zeros((n, h), dtype=cp.float32)
         counts = np.diff(off)
         live = np.nonzero(counts > 0)[0]
         if n == 0 or live.size == 0:
             return y
-        # blocks of the padded stack in slot order, so runs of consecutive slots share one batched GEMM
+        # blocks of the stack in slot order (Q8_0 pools dequantize runs of consecutive slots at once)
         order = live[np.argsort(sl[live], kind="stable")]
-        g_n = int(order.size)
-        block_of_group = np.zeros(sl.size, dtype=np.int32)
-        block_of_group[order] = np.arange(g_n, dtype=np.int32)
-        count_of_block = counts[order]
-        mpad = int(-(-int(count_of_block.max()) // ROW_ALIGN) * ROW_ALIGN)
+        lay = StackLayout.of(counts[order], self.gemm_mode)
+        row_of_group = np.zeros(sl.size, dtype=np.int32)
+        row_of_group[order] = lay.row0
         r0, r1 = int(off[0]), int(off[-1])  # offsets ascend: the groups cover rows r0..r1-1 exactly
         gid = np.repeat(np.arange(sl.size, dtype=np.int32), counts.clip(min=0))
         pos = (np.arange(r0, r1, dtype=np.int64) - off[gid]).astype(np.int32)
-        table = np.zeros(sl.size + g_n, dtype=np.int32)
-        table[:sl.size] = block_of_group
-        table[sl.size:] = count_of_block
-        tab_d, gid_d, pos_d = cp.asarray(table), cp.asarray(gid), cp.asarray(pos)
+        tab_d, gid_d, pos_d = cp.asarray(row_of_group), cp.asarray(gid), cp.asarray(pos)
         ws = self.__dict__.setdefault("_ws_grouped", {k: _Grown(cp) for k in ("xs", "gu", "act", "ys", "rowidx")})
-        xs = ws["xs"].ptr(2 * g_n * mpad * h)
+        bufs = self._stack_bufs(ws, lay.rows)
         rowidx = ws["rowidx"].ptr(4 * (r1 - r0))
         rows = r1 - r0
-        # pack: the gather kernel with one 'route' per row (K = 1): row r goes to block_of[group] * Mpad + pos
+        # pack: the gather kernel with one 'route' per row (K = 1): row r goes to row_of[group] + pos
         self._k["strata_fast_gather"]((rows,), (THREADS,),
                                       (np.uint64(x.data.ptr + 4 * r0 * h), gid_d, pos_d, tab_d, np.int32(rows),
-                                       np.int32(1), np.int32(h), np.int32(mpad), np.uint64(xs), np.uint64(rowidx)))
-        bufs = (xs, ws["gu"].ptr(2 * g_n * mpad * 2 * f), ws["act"].ptr(2 * g_n * mpad * f),
-                ws["ys"].ptr(2 * g_n * mpad * h), tab_d.data.ptr + 4 * sl.size)
-        self._run_slot_runs(pool, sl[order], count_of_block, mpad, bufs)
+                                       np.int32(1), np.int32(h), np.uint64(bufs[0]), np.uint64(rowidx)))
+        self._run_blocks(pool, sl[order], 0, lay, bufs)
         # unpack: the combine kernel with K = 1 and weight 1 turns each row's f16 result back into f32
         ones = cp.ones(rows, dtype=cp.float32)
         self._k["strata_fast_combine"]((rows,), (THREADS,),
@@ -384,53 +532,52 @@ class FastMoE:
                                         np.int32(h), np.uint64(y.data.ptr + 4 * r0 * h)))
         return y
 
-    def _run_hits(self, pool: ExpertPool, slot_of: np.ndarray, hits: np.ndarray, count_of_block: np.ndarray,
-                  mpad: int, bufs: tuple) -> None:
-        """The cached experts through _run_slot_runs, then a trace mark."""
-        self._run_slot_runs(pool, slot_of[hits], count_of_block, mpad, bufs)
-        self._mark("hits_done")
+    def _run_blocks(self, pool: ExpertPool, block_slots: np.ndarray, blk0: int, lay: StackLayout,
+                    bufs: tuple) -> None:
+        """Blocks blk0.. run slots block_slots[i]: f16 pools in calls of hit_batch_experts (0: all in one); Q8_0
+        pools group_experts at a time, dequantized into scratch first."""
+        n = len(block_slots)
+        step = self.group_experts if pool.dtype == "q8_0" else (self.hit_batch_experts or n)
+        step = max(1, step)
+        for sub in range(0, n, step):
+            m = min(n - sub, step)
+            self._group(pool, np.asarray(block_slots[sub:sub + m], dtype=np.int64), blk0 + sub, lay, bufs)
 
-    def _run_slot_runs(self, pool: ExpertPool, block_slots: np.ndarray, count_of_block: np.ndarray, mpad: int,
-                       bufs: tuple) -> None:
-        """GEMM pairs over runs of consecutive slots (block i uses slot block_slots[i]), at most hit_batch_experts
-        per batch, each padded to its own largest group; Q8_0 pools dequantize group_experts at a time into scratch."""
-        step = max(1, self.group_experts if pool.dtype == "q8_0" else (self.hit_batch_experts or len(block_slots)))
-        for first, slot0, n in slot_runs(np.asarray(block_slots).tolist()):
-            for sub in range(0, n, step):
-                m = min(n - sub, step)
-                rows = int(count_of_block[first + sub:first + sub + m].max())
-                self._group(pool, slot0 + sub, first + sub, m, rows, mpad, *bufs)
-
-    def _weights_f16(self, pool: ExpertPool, slot0: int, m: int) -> tuple[int, int]:
-        """Device pointers of m consecutive slots' f16 weights (Q8_0: dequantized into scratch on this stream)."""
+    def _weights_f16(self, pool: ExpertPool, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Device pointers of each slot's f16 gate|up and down matrices (Q8_0: dequantized into scratch on this
+        stream, one pair of launches per run of consecutive slots)."""
         h, f = self.hidden, self.ffn
         a = pool.arrays
+        n13, n2 = 2 * f * h, h * f
         if pool.dtype == "f16":
-            return (a["w_gate_up"].data.ptr + slot0 * 2 * f * h * 2, a["w_down"].data.ptr + slot0 * h * f * 2)
-        n13, n2 = m * 2 * f * h, m * h * f
-        scratch = self._ws.setdefault("scratch", _Grown(self._cp)).ptr(2 * (n13 + n2))
-        s13, s2 = scratch, scratch + 2 * n13
-        for q, d, n, dst, q_row, d_row in ((a["gate_up_q"], a["gate_up_d"], n13, s13, 2 * f * h, 2 * f * h // QK8_0),
-                                           (a["down_q"], a["down_d"], n2, s2, h * f, h * f // QK8_0)):
-            self._k["strata_fast_dequant_q8_0"]((self._stride_blocks(n // 16),), (THREADS,),
-                                                (np.uint64(q.data.ptr + slot0 * q_row),
-                                                 np.uint64(d.data.ptr + slot0 * d_row * 2), np.int64(n),
-                                                 np.uint64(dst)))
-        return s13, s2
+            return (a["w_gate_up"].data.ptr + slots * (2 * n13), a["w_down"].data.ptr + slots * (2 * n2))
+        m = len(slots)
+        scratch = self._ws.setdefault("scratch", _Grown(self._cp)).ptr(2 * m * (n13 + n2))
+        s13, s2 = scratch, scratch + 2 * m * n13
+        for first, slot0, run in slot_runs(slots.tolist()):
+            for q, d, per, dst in ((a["gate_up_q"], a["gate_up_d"], n13, s13), (a["down_q"], a["down_d"], n2, s2)):
+                n = run * per
+                self._k["strata_fast_dequant_q8_0"]((self._stride_blocks(n // 16),), (THREADS,),
+                                                    (np.uint64(q.data.ptr + slot0 * per),
+                                                     np.uint64(d.data.ptr + slot0 * (per // QK8_0) * 2),
+                                                     np.int64(n), np.uint64(dst + 2 * first * per)))
+        idx = np.arange(m, dtype=np.int64)
+        return s13 + idx * (2 * n13), s2 + idx * (2 * n2)
 
-    def _group(self, pool: ExpertPool, slot0: int, blk0: int, m: int, rows: int, mpad: int,
-               xs: int, gu: int, act: int, ys: int, count_of_block_d: int) -> None:
-        """Run m experts in consecutive slots slot0.. over stack blocks blk0.. (rows: their largest group)."""
+    def _group(self, pool: ExpertPool, slots: np.ndarray, blk0: int, lay: StackLayout, bufs: tuple) -> None:
+        """Run the experts in `slots` over stack blocks blk0..blk0+len(slots)-1: gate|up GEMMs, SwiGLU, down GEMMs."""
         h, f = self.hidden, self.ffn
-        w13, w2 = self._weights_f16(pool, slot0, m)
-        self._gemm_tn(2 * f, rows, h, w13, h, 2 * f * h, xs + 2 * blk0 * mpad * h, h, mpad * h,
-                      gu + 2 * blk0 * mpad * 2 * f, 2 * f, mpad * 2 * f, m)
-        n = m * mpad * (f // 8)
-        self._k["strata_fast_swiglu"]((self._stride_blocks(n),), (THREADS,),
-                                      (np.uint64(gu), np.uint64(count_of_block_d), np.int32(blk0), np.int32(m),
-                                       np.int32(mpad), np.int32(f), np.uint64(act)))
-        self._gemm_tn(h, rows, f, w2, f, h * f, act + 2 * blk0 * mpad * f, f, mpad * f,
-                      ys + 2 * blk0 * mpad * h, h, mpad * h, m)
+        xs, gu, act, ys = bufs
+        m = len(slots)
+        w13, w2 = self._weights_f16(pool, slots)
+        row0 = lay.row0[blk0:blk0 + m]
+        ns = lay.cap[blk0:blk0 + m] if self.gemm_mode == "classes" else lay.count[blk0:blk0 + m]
+        self._gemm_problems(2 * f, h, h, h, 2 * f, w13, xs + 2 * row0 * h, gu + 2 * row0 * 2 * f, ns)
+        r_first = int(row0[0])
+        r_n = int(row0[-1] + lay.cap[blk0 + m - 1]) - r_first
+        self._k["strata_fast_swiglu"]((self._stride_blocks(r_n * (f // 8)),), (THREADS,),
+                                      (np.uint64(gu), np.int64(r_first), np.int64(r_n), np.int32(f), np.uint64(act)))
+        self._gemm_problems(h, f, f, f, h, w2, act + 2 * row0 * f, ys + 2 * row0 * h, ns)
 
     def _copy_experts(self, pool: ExpertPool, host_pool: ExpertPool, experts: list[int], slot0: int,
                       names: Sequence[str] | None = None) -> int:
@@ -458,7 +605,7 @@ class FastMoE:
         return sizes + tail
 
     def _stream_misses(self, misses: list[int], pool: ExpertPool, host_pool: ExpertPool, ring: tuple[int, int],
-                       blk_base: int, count_of_block: np.ndarray, mpad: int, bufs: tuple, start: Any,
+                       blk_base: int, lay: StackLayout, bufs: tuple, start: Any,
                        run_hits: Any) -> None:
         cp = self._cp
         ring0, ring_n = int(ring[0]), int(ring[1])
@@ -505,8 +652,7 @@ class FastMoE:
         for g, size in enumerate(sizes):
             st.wait_event(landed[g])
             blk0 = blk_base + int(first_of[g])
-            rows = int(count_of_block[blk0:blk0 + size].max())
-            self._group(pool, ring0 + place[g], blk0, size, rows, mpad, *bufs)
+            self._group(pool, ring0 + place[g] + np.arange(size, dtype=np.int64), blk0, lay, bufs)
             done[g].record(st)
             self._mark(f"computed_{g}")
             streamed += queue_copies(g + 1)
@@ -659,9 +805,8 @@ class FastMoE:
             if out is None:
                 out = self._cp.empty((1, self.hidden), dtype=self._cp.float32)
             # route with one block and bring the ids back; only that copy is waited for
-            self._k["strata_fast_route_count"]((1,), (THREADS,), (logits, np.int32(1), np.int32(self.experts),
-                                                                  np.int32(kk), b["ids"], b["w"], b["pos"],
-                                                                  b["counts"]))
+            self._k["strata_fast_route"]((1,), (THREADS,), (logits, np.int32(1), np.int32(self.experts),
+                                                            np.int32(kk), b["ids"], b["w"]))
             self._rt.memcpyAsync(self._back.ctypes.data, b["ids"].data.ptr, 4 * kk, 2, st.ptr)
             self._synced.record(st)
             self._synced.synchronize()

@@ -119,13 +119,10 @@ __device__ __forceinline__ void warp_sync_lanes() {
 #endif
 }
 
-// Prefill routing: one warp per token; writes ids/weights [T,K], and for each (t,k) its row within its expert's
-// group (pos), counted with atomics in counts[E] (zeroed by the caller). The order within a group is not
-// deterministic, the result is: each row's GEMM output does not depend on where the row sits, and the combine sums
-// a token's k rows in k order.
-extern "C" __global__ void strata_fast_route_count(const float* __restrict__ logits, int T, int E, int K,
-                                                   int* __restrict__ ids, float* __restrict__ wts,
-                                                   int* __restrict__ pos, int* __restrict__ counts) {
+// Prefill routing: one warp per token; writes ids/weights [T,K]. Positions within each expert's group come from
+// strata_fast_positions (no atomics, so the layout is the same on every run).
+extern "C" __global__ void strata_fast_route(const float* __restrict__ logits, int T, int E, int K,
+                                             int* __restrict__ ids, float* __restrict__ wts) {
     __shared__ int s_ids[STRATA_FAST_WARPS][STRATA_FAST_MAXK];
     __shared__ float s_w[STRATA_FAST_WARPS][STRATA_FAST_MAXK];
     const int warp = threadIdx.x / STRATA_WARP, lane = threadIdx.x % STRATA_WARP;
@@ -134,23 +131,47 @@ extern "C" __global__ void strata_fast_route_count(const float* __restrict__ log
     warp_topk(logits + (long long)t * E, E, K, lane, s_ids[warp], s_w[warp]);
     warp_sync_lanes();
     if (lane < K) {
-        const int e = s_ids[warp][lane];
-        ids[(long long)t * K + lane] = e;
+        ids[(long long)t * K + lane] = s_ids[warp][lane];
         wts[(long long)t * K + lane] = s_w[warp][lane];
-        pos[(long long)t * K + lane] = atomicAdd(&counts[e], 1);
     }
 }
 
-// Gather: routed row (t,k) -> padded stack X[block_of_expert[e] * Mpad + pos] as f16; rowidx records where it went.
-// One block per routed row; each thread moves 8 floats as one 16-byte store.
+// Group positions: one block per expert e scans the N = T*K routed ids in (t,k) order; pos[i] is the number of
+// earlier i' with ids[i'] == e, counts[e] their total. Each thread counts a contiguous stretch, a block scan gives
+// its start, a second pass writes. Deterministic (no atomics); every counts[e] is written (no zeroing needed).
+extern "C" __global__ void strata_fast_positions(const int* __restrict__ ids, int N, int* __restrict__ pos,
+                                                 int* __restrict__ counts) {
+    __shared__ int s_scan[STRATA_FAST_THREADS];
+    const int e = blockIdx.x, tid = threadIdx.x;
+    const int per = (N + STRATA_FAST_THREADS - 1) / STRATA_FAST_THREADS;
+    const int i0 = min(N, tid * per), i1 = min(N, i0 + per);
+    int c = 0;
+    for (int i = i0; i < i1; ++i) c += ids[i] == e;
+    s_scan[tid] = c;
+    __syncthreads();
+    for (int off = 1; off < STRATA_FAST_THREADS; off <<= 1) {
+        const int v = tid >= off ? s_scan[tid - off] : 0;
+        __syncthreads();
+        s_scan[tid] += v;
+        __syncthreads();
+    }
+    int p = s_scan[tid] - c;
+    for (int i = i0; i < i1; ++i)
+        if (ids[i] == e) pos[i] = p++;
+    if (tid == STRATA_FAST_THREADS - 1) counts[e] = s_scan[tid];
+}
+
+// Gather: routed row (t,k) -> row row_of_expert[e] + pos of the compact f16 stack X (each expert's rows contiguous,
+// no padding to a common height); rowidx records where it went. One block per routed row; each thread moves 8
+// floats as one 16-byte store.
 extern "C" __global__ void strata_fast_gather(const float* __restrict__ x, const int* __restrict__ ids,
-                                              const int* __restrict__ pos, const int* __restrict__ block_of_expert,
-                                              int T, int K, int H, int Mpad, unsigned short* __restrict__ X,
+                                              const int* __restrict__ pos, const int* __restrict__ row_of_expert,
+                                              int T, int K, int H, unsigned short* __restrict__ X,
                                               int* __restrict__ rowidx) {
     const long long r = blockIdx.x;  // t * K + k
     if (r >= (long long)T * K) return;
     const int t = (int)(r / K);
-    const long long dst = (long long)block_of_expert[ids[r]] * Mpad + pos[r];
+    const long long dst = (long long)row_of_expert[ids[r]] + pos[r];
     if (threadIdx.x == 0) rowidx[r] = (int)dst;
     const float4* src = (const float4*)(x + (long long)t * H);
     uint4* out = (uint4*)(X + dst * H);
@@ -160,19 +181,15 @@ extern "C" __global__ void strata_fast_gather(const float* __restrict__ x, const
     }
 }
 
-// SwiGLU over the padded stack: GU [G*Mpad, 2F] (gate | up) -> A [G*Mpad, F], for blocks blk0..blk0+nblk-1 and only
-// the rows a group really has (padding rows are skipped: their outputs are never read).
-extern "C" __global__ void strata_fast_swiglu(const unsigned short* __restrict__ GU, const int* __restrict__ count_of_block,
-                                              int blk0, int nblk, int Mpad, int F, unsigned short* __restrict__ A) {
+// SwiGLU over rows row0..row0+rows-1 of the stack: GU [rows, 2F] (gate | up) -> A [rows, F]. Rows of a group's
+// alignment tail hold no routed row; their outputs are never read.
+extern "C" __global__ void strata_fast_swiglu(const unsigned short* __restrict__ GU, long long row0, long long rows,
+                                              int F, unsigned short* __restrict__ A) {
     const int per_row = F / 8;
-    const long long n = (long long)nblk * Mpad * per_row;
+    const long long n = rows * per_row;
     for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
-        const long long row_in = i / per_row;
+        const long long row = row0 + i / per_row;
         const int c = (int)(i % per_row);
-        const int b = blk0 + (int)(row_in / Mpad);
-        const int m = (int)(row_in % Mpad);
-        if (m >= count_of_block[b]) continue;
-        const long long row = (long long)b * Mpad + m;
         const uint4 g = ((const uint4*)(GU + row * 2 * F))[c];
         const uint4 u = ((const uint4*)(GU + row * 2 * F + F))[c];
         uint4 o;
