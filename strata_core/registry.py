@@ -12,7 +12,7 @@ Resolution (`PluginHost.resolve_target`): settings (or a profile's facts) -> a B
 from __future__ import annotations
 
 import importlib.metadata as md
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 import pluggy
@@ -20,7 +20,7 @@ from pydantic import BaseModel, ValidationError
 
 from strata_core.api import API_VERSION
 from strata_core.api import hookspecs
-from strata_core.api.backend import Backend, Device, DeviceSession, FactsOnlyDevice, PinnedBudget, ProbeResult
+from strata_core.api.backend import Backend, Device, FactsOnlyDevice, ProbeResult
 from strata_core.api.facts import VENDOR_OF_BACKEND, DeviceInfo, HostInfo, PlatformDefaults, Profile
 from strata_core.api.settings import SettingsGroup
 from strata_core.api.target import Target
@@ -36,7 +36,8 @@ BUILTIN_PLUGINS = (("cpu", _cpu), ("sim", _sim))
 
 #: Hooks of API 1.x that API 2.0 removed; a plugin implementing one is refused at load (its device questions now go
 #: to the Device object: `platform_defaults(host)`, `open(plan)`; its settings to `strata_settings_group`).
-REMOVED_HOOKS: tuple[str, ...] = ()
+REMOVED_HOOKS = ("strata_probe", "strata_platform_defaults", "strata_pinned_allocator", "strata_device_memory",
+                 "strata_kernels", "strata_configure")
 
 #: Where the defaults of a device come from when no backend gives them.
 CORE_DEFAULTS_SOURCE = "core (no backend answered)"
@@ -62,36 +63,6 @@ class BackendStatus:
         return {"name": self.name, "vendor": self.vendor, "version": self.version, "api_version": self.api_version,
                 "available": self.available, "reason": self.reason, "install_hint": self.install_hint,
                 "score": self.score, "devices": [d.info.to_json() for d in self.devices], "plugin": self.plugin}
-
-
-@dataclass(frozen=True)
-class _HookDevice:
-    """API 1.x, transitional: a probe's bare DeviceInfo, answered through the old broadcast hooks.
-
-    Goes when the in-tree vendor backends return Device objects (with `REMOVED_HOOKS` filled).
-    """
-
-    info: DeviceInfo
-    pm: pluggy.PluginManager = field(compare=False, repr=False)
-    present: bool = True
-
-    def platform_defaults(self, host: HostInfo) -> PlatformDefaults:
-        """What a plugin's strata_platform_defaults says, or the core's defaults."""
-        d = self.pm.hook.strata_platform_defaults(device=self.info, host=host)
-        return d if isinstance(d, PlatformDefaults) else PlatformDefaults(source=CORE_DEFAULTS_SOURCE)
-
-    def open(self, plan: Any) -> DeviceSession:
-        """A session assembled from strata_device_memory, strata_kernels and strata_pinned_allocator."""
-        if not self.present:
-            return FactsOnlyDevice(self.info).open(plan)
-        hook = self.pm.hook
-        budget = PinnedBudget.for_plan(plan)
-        memory, kernels = hook.strata_device_memory(device=self.info), hook.strata_kernels(device=self.info)
-        if memory is None or kernels is None:
-            raise StrataError(f"backend '{self.info.backend}' gives no "
-                              f"{'device memory' if memory is None else 'kernels'} for {self.info.name}")
-        return DeviceSession(memory=memory, kernels=kernels, budget=budget,
-                             pinned=hook.strata_pinned_allocator(device=self.info, budget=budget))
 
 
 @dataclass
@@ -121,40 +92,20 @@ class PluginHost:
         return self._probes[name]
 
     def _probe_uncached(self, b: Backend) -> ProbeResult:
-        r = self._legacy_probe(b)
-        if r is None:
-            try:
-                r = b.probe()
-            except Exception as e:
-                return ProbeResult.unavailable(f"probe raised {type(e).__name__}: {e}")
+        try:
+            r = b.probe()
+        except Exception as e:
+            return ProbeResult.unavailable(f"probe raised {type(e).__name__}: {e}")
         if not isinstance(r, ProbeResult):
             return ProbeResult.unavailable(f"probe returned {type(r).__name__}, not a ProbeResult")
-        devices = []
         for d in r.devices:
-            if isinstance(d, DeviceInfo):  # API 1.x, transitional
-                d = _HookDevice(d, self.pm)
+            if isinstance(d, DeviceInfo):
+                return ProbeResult.unavailable("probe lists DeviceInfo facts, not Device objects (an API 1.x "
+                                               "backend)", version=r.version)
             if not isinstance(d, Device):
                 return ProbeResult.unavailable(f"probe returned a {type(d).__name__} among its devices, not a Device "
                                                f"(info, platform_defaults, open)", version=r.version)
-            devices.append(d)
-        return replace(r, devices=tuple(devices))
-
-    def _legacy_probe(self, b: Backend) -> ProbeResult | None:
-        """API 1.x, transitional: a strata_probe answer, each implementation called on its own."""
-        owner = self.backend_plugin.get(b.name, "?")
-        for impl in reversed(self.pm.hook.strata_probe.get_hookimpls()):
-            pname = self.pm.get_name(impl.plugin) or "?"
-            try:
-                r = impl.function(backend=b)
-            except Exception as e:  # a plugin's probe must never break a command
-                if pname == owner:
-                    return ProbeResult.unavailable(f"probe raised {type(e).__name__}: {e}")
-                self.notices.append(f"plugin '{pname}' raised in strata_probe for '{b.name}': "
-                                    f"{type(e).__name__}: {e}; ignored")
-                continue
-            if r is not None:
-                return r
-        return None
+        return r
 
     def statuses(self) -> list[BackendStatus]:
         """Every discovered backend with its probe result, and the plugins that could not load, sorted by name."""
@@ -246,8 +197,6 @@ class PluginHost:
                 raise StrataError(f"backend '{b.name}' described device '{info.name}' as a {type(d).__name__}, "
                                   f"not a Device")
             return d
-        if self.pm.hook.strata_platform_defaults.get_hookimpls():  # API 1.x, transitional
-            return _HookDevice(info, self.pm, present=False)
         return FactsOnlyDevice(info, defaults=PlatformDefaults(source=CORE_DEFAULTS_SOURCE))
 
     def host_info(self) -> HostInfo:

@@ -4,7 +4,9 @@ Hooks are for discovery and cross-cutting concerns only. Everything about one de
 object a backend's probe returns (`info`, `platform_defaults(host)`, `open(plan)`), never broadcast to every plugin.
 Every hook takes keyword arguments. `firstresult` hooks stop at the first non-None answer: a site plugin that wants
 to override another marks its implementation `tryfirst=True`. A plugin implementing a hook not named here is
-refused at load time in one line naming the plugin and the hook.
+refused at load time in one line naming the plugin and the hook; so is one implementing a hook API 2.0 removed
+(`strata_probe`, `strata_platform_defaults`, `strata_pinned_allocator`, `strata_device_memory`, `strata_kernels`,
+`strata_configure`: an API 1.x plugin).
 
 Phases, in the order a command meets them:
 1. discovery: `strata_backends`
@@ -74,7 +76,7 @@ def strata_host_info() -> "HostInfo | None":
 # --- 4. planning ---------------------------------------------------------------------------------------------------
 
 @hookspec
-def strata_adjust_plan(draft: "PlanDraft", target: "Target", device=None, host=None, settings=None) -> None:
+def strata_adjust_plan(draft: "PlanDraft", target: "Target") -> None:
     """Called on every draft plan, in plugin order, before the invariants are checked: may only tighten it.
 
     `draft` is a `PlanDraft` with `tighten(knob, value, why)`: a lower chunk, fewer cache slots, a larger reserve,
@@ -85,32 +87,3 @@ def strata_adjust_plan(draft: "PlanDraft", target: "Target", device=None, host=N
     versionadded 1.0; versionchanged 2.0: receives the Target instead of (device, host, settings).
     """
 
-
-# --- API 1.x, transitional -----------------------------------------------------------------------------------------
-# Kept only while the in-tree vendor backends move to Device objects: the registry wraps a probe's bare DeviceInfo in
-# an adapter that still asks these. They go in the next step, and a plugin implementing one is then refused.
-# `strata_adjust_plan`'s device/host/settings arguments go with them.
-
-@hookspec(firstresult=True)
-def strata_probe(backend):
-    """API 1.x, going: a `ProbeResult` for `backend`, or None."""
-
-
-@hookspec(firstresult=True)
-def strata_platform_defaults(device, host):
-    """API 1.x, going: `Device.platform_defaults(host)` replaces it."""
-
-
-@hookspec(firstresult=True)
-def strata_pinned_allocator(device, budget):
-    """API 1.x, going: `Device.open(plan).pinned` replaces it."""
-
-
-@hookspec(firstresult=True)
-def strata_device_memory(device):
-    """API 1.x, going: `Device.open(plan).memory` replaces it."""
-
-
-@hookspec(firstresult=True)
-def strata_kernels(device):
-    """API 1.x, going: `Device.open(plan).kernels` replaces it."""
