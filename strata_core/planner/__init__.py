@@ -25,7 +25,7 @@ def plan_for_machine(plugin_host: Any, target: Target, model: ModelSpec, setting
         hook = plugin_host.hook.strata_adjust_plan
         for impl in reversed(hook.get_hookimpls()):  # pluggy's call order: tryfirst first, then LIFO
             draft.source = plugin_host.pm.get_name(impl.plugin) or "plugin"
-            given = dict(draft=draft, target=target, device=device, host=host, settings=settings)
+            given = dict(draft=draft, target=target)  # an implementation may take fewer arguments (pluggy's rule)
             impl.function(**{a: v for a, v in given.items() if a in impl.argnames})
 
     return make_plan(device, host, model, settings, target.defaults, adjust=adjust)
