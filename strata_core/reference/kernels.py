@@ -163,9 +163,14 @@ def moe_grouped_ffn(x: np.ndarray, offsets: np.ndarray, slots: np.ndarray, pool:
     else:
         y = out
         y.fill(0)
+    fmt = pool.fmt if pool.dtype == "gguf" else None
     for g in range(len(slots)):
         lo, hi = int(offsets[g]), int(offsets[g + 1])
         if hi <= lo:
+            continue
+        if fmt is not None:
+            # per tile of weight rows from the slot's own bytes, never the expert's whole dequantized matrices
+            y[lo:hi] = gguf_expert_ffn(x[lo:hi], pool.arrays["blob"][int(slots[g])], fmt)
             continue
         w13, w2 = expert_matrices(pool, int(slots[g]))
         f = w2.shape[1]
