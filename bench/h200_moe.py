@@ -162,7 +162,7 @@ def plan_fidelity(models: tuple[str, ...]) -> dict:
 
     import cupy
     import strata_cuda.backend as cuda_backend
-    from strata_core.models.spec import model_from_name
+    from strata_core.models.resolve import model_from_name
     from strata_core.planner import plan_for_machine
     from strata_core.registry import load_from_settings
     from strata_core.runtime.engine import Engine

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from strata_core import __version__
 from strata_core.api.facts import MIB
-from strata_core.models.spec import model_from_name
+from strata_core.models.resolve import model_from_name
 from strata_core.planner import plan_for_machine
 from strata_core.registry import load_plugins
 from strata_core.scenario import load_scenario

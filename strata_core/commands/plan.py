@@ -13,7 +13,8 @@ from rich.table import Table
 from strata_core.errors import BadInput
 from strata_core.api.facts import MIB, DeviceInfo, HostInfo, load_profile
 from strata_core.api.target import Target
-from strata_core.models.spec import ModelSpec, model_from_name, resolve_model
+from strata_core.models.resolve import model_from_name, resolve_model
+from strata_core.models.spec import ModelSpec
 from strata_core.registry import PluginHost, load_from_settings
 from strata_core.planner.model_defaults import with_model_defaults
 from strata_core.scenario import Scenario, load_scenario

@@ -22,7 +22,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from strata_core.errors import BadInput, StrataError
-from strata_core.models.spec import ModelSpec, model_from_gguf, model_from_name
+from strata_core.models.resolve import model_from_gguf, model_from_name
+from strata_core.models.spec import ModelSpec
 from strata_core.registry import load_from_settings
 from strata_core.config.settings import MAX_TOKENS, add_settings_arguments, bounded_int, seed_arg, settings_from_args
 

@@ -61,6 +61,10 @@ class ModelSpec:
         for k in required:
             if k not in d:
                 raise BadInput(f"{where}: missing field '{k}'")
+        for k in (*required, "dense_bytes", "kv_bytes_per_token", "expert_ffn", "arena_bytes", "vocab"):
+            v = d.get(k, 0)
+            if isinstance(v, bool) or not isinstance(v, int):  # int() would round 2.5 and read true as 1
+                raise BadInput(f"{where}: '{k}' must be a whole number, got {v!r}")
         try:
             spec = cls(
                 name=str(d.get("name", "inline")),
@@ -127,30 +131,3 @@ def kv_bytes_per_token(spec: ModelSpec, dtype: str) -> int:
     except KeyError:
         raise BadInput(f"kv.dtype: unknown KV dtype '{dtype}' (known: {', '.join(KV_DTYPE_RATIO)})") from None
     return -(-spec.kv_bytes_per_token * num // den)
-
-
-def model_from_name(name: str, quant: str | None = None) -> ModelSpec:
-    """A preset by name ('Qwen3-30B-A3B' or 'Qwen3-30B-A3B@Q4_K'); see strata_core.models.presets."""
-    from strata_core.models.presets import model_from_name as _from_name
-    return _from_name(name, quant)
-
-
-def list_presets() -> tuple[str, ...]:
-    """The names of the built-in presets."""
-    from strata_core.models.presets import list_presets as _list
-    return _list()
-
-
-def model_from_gguf(path) -> ModelSpec:
-    """A ModelSpec read from a GGUF file; see strata_core.models.gguf."""
-    from strata_core.models.gguf import model_from_gguf as _from_gguf
-    return _from_gguf(path)
-
-
-def resolve_model(name_or_path: str, quant: str | None = None) -> ModelSpec:
-    """A GGUF file when the argument names one (ends in .gguf), else a preset."""
-    if str(name_or_path).lower().endswith(".gguf"):
-        if quant:
-            raise BadInput(f"--quant: a GGUF file carries its own quant; drop --quant {quant}")
-        return model_from_gguf(name_or_path)
-    return model_from_name(name_or_path, quant)

@@ -7,7 +7,7 @@ import pytest
 from strata_core.errors import BadInput
 from strata_core.models.gguf import load_gguf_weights, model_from_gguf, read_moe_tensors, write_tiny_moe_gguf
 from strata_core.reference.kernels import ExpertPool, dequantize_q8_0, moe_grouped_ffn, relative_error
-from strata_core.models.spec import resolve_model
+from strata_core.models.resolve import resolve_model
 
 SHAPE = dict(layers=3, experts=6, top_k=2, hidden=64, ffn=96, vocab=50)
 

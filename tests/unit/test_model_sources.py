@@ -4,7 +4,8 @@ import pytest
 
 from strata_core.errors import BadInput
 from strata_core.models.gguf import write_tiny_moe_gguf
-from strata_core.models.spec import ModelSpec, model_from_name, resolve_model
+from strata_core.models.resolve import model_from_name, resolve_model
+from strata_core.models.spec import ModelSpec
 
 INLINE = {"moe_layers": 48, "experts_per_layer": 512, "top_k": 10, "hidden": 4096, "slot_bytes": 2065000,
           "largest_blob_bytes": 2667570, "prompt_bytes_per_token": 450560}

@@ -50,7 +50,7 @@ import pytest
 from strata_core.api.facts import MIB, Profile, seed_ring_policy
 from strata_core.errors import InvariantBroken
 from strata_core.hostinfo import virtualization
-from strata_core.models.spec import model_from_name
+from strata_core.models.resolve import model_from_name
 from strata_core.planner import check_all, plan_for_machine
 from strata_core.planner.chunks import halve
 from strata_core.planner.invariants import check_host, check_pinned

@@ -4,7 +4,8 @@ import gguf
 import pytest
 
 from strata_core.errors import BadInput
-from strata_core.models.spec import kv_bytes_per_token, list_presets, model_from_name, prompt_bytes_for
+from strata_core.models.resolve import list_presets, model_from_name
+from strata_core.models.spec import kv_bytes_per_token, prompt_bytes_for
 from strata_core.models.presets import PRESET_QUANTS, QUANTS, matrix_bytes
 
 
