@@ -9,9 +9,7 @@ import pytest
 from strata_core import cli
 from strata_core.registry import PluginHost
 
-_OWN = Path(__file__).resolve().parents[1] / "data" / "scenarios"
-SCENARIO = (_OWN if _OWN.is_dir() else Path(__file__).resolve().parents[2].parent / "shared" / "scenarios") \
-    / "seed2090-rtx4070ti-reserve700.json"
+SCENARIO = Path(__file__).resolve().parents[1] / "data" / "scenarios" / "seed2090-rtx4070ti-reserve700.json"
 
 COMMANDS = {
     "run": ["run", "--backend", "cpu", "--prompt-tokens", "64", "--decode-tokens", "1", "--json"],
@@ -42,8 +40,6 @@ def resolutions(monkeypatch):
 
 @pytest.mark.parametrize("name", list(COMMANDS))
 def test_the_command_resolves_its_target_once_through_the_registry(name, resolutions, capsys, monkeypatch, tmp_path):
-    if "scenario" in " ".join(COMMANDS[name]) and not SCENARIO.is_file():
-        pytest.skip(f"scenario copy absent: {SCENARIO}")
     monkeypatch.chdir(tmp_path)
     assert cli.main(COMMANDS[name]) == 0, capsys.readouterr().err
     assert len(resolutions) == 1, resolutions

@@ -17,8 +17,7 @@ from strata_core.builtin.sim import PhantomArray, SimDeviceMemory, SimPinnedAllo
 from strata_core.builtin.sim import backend as sim_backend
 from strata_core.builtin.sim.settings import SimSettings
 
-_OWN = Path(__file__).resolve().parents[1] / "data" / "scenarios"
-SCENARIOS = _OWN if _OWN.is_dir() else Path(__file__).resolve().parents[1] / "data" / "scenarios"
+SCENARIOS = Path(__file__).resolve().parents[1] / "data" / "scenarios"
 SEED_3090 = SCENARIOS / "seed1756-rtx3090-windows-pinned.json"
 
 
@@ -95,7 +94,6 @@ def test_a_bad_spec_in_settings_is_bad_input_at_load():
         load_from_settings(_settings(inject=["pinned-alloc:nth=0"]))
 
 
-@pytest.mark.skipif(not SEED_3090.is_file(), reason=f"scenario copies not present at {SCENARIOS}")
 def test_a_scenario_profile_gives_the_sim_its_facts_and_reproduces_the_seeds_failed_registration():
     scenario = json.loads(SEED_3090.read_text())
     s = _settings(profile=str(SEED_3090))
@@ -121,10 +119,9 @@ def test_host_facts_are_this_machines_without_a_profile_or_when_sim_is_not_selec
     s.backend.name = "sim"
     assert _sim_device(load_from_settings(s)).simulated_host is None
     assert load_from_settings(s).resolve_target(s).host.ram_total_bytes == probe_host().ram_total_bytes
-    if SEED_3090.is_file():
-        auto = _settings(profile=str(SEED_3090))  # backend.name stays 'auto': the target is not sim
-        t = load_from_settings(auto).resolve_target(auto)
-        assert t.backend.name != "sim" and t.host.os != "windows"
+    auto = _settings(profile=str(SEED_3090))  # backend.name stays 'auto': the target is not sim
+    t = load_from_settings(auto).resolve_target(auto)
+    assert t.backend.name != "sim" and t.host.os != "windows"
 
 
 def test_an_unreadable_profile_is_bad_input(tmp_path):
