@@ -28,7 +28,11 @@ if TYPE_CHECKING:  # the contract names these types; it imports nothing of the r
 
 @runtime_checkable
 class Device(Protocol):
-    """One device of a backend (versionadded 2.0)."""
+    """One device of a backend (versionadded 2.0).
+
+    A device that stands for a whole simulated machine (the built-in sim with a profile) may also carry
+    `simulated_host: HostInfo | None`; the registry's Target then plans with that host instead of this one.
+    """
 
     #: The device's facts: what the planner reads.
     info: DeviceInfo

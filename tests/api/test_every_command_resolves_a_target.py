@@ -55,3 +55,12 @@ def test_a_bad_device_index_is_refused_by_every_command_that_resolves(capsys, mo
         assert cli.main(argv + ["--backend", "cpu", "--set", "backend.device=5"]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert err == ["strata: error: backend.device: backend 'cpu' has 1 device(s), no device 5; allowed: 0..0"], err
+
+
+def test_run_with_autoload_off_runs_on_the_builtin_cpu(capsys, monkeypatch, tmp_path):
+    import json
+    monkeypatch.chdir(tmp_path)
+    argv = ["run", "--set", "plugins.autoload=false", "--prompt-tokens", "64", "--decode-tokens", "1", "--json"]
+    assert cli.main(argv) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["backend"] == "cpu" and report["device"]["device_type"] == "cpu" and report["tokens"]
