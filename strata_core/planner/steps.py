@@ -172,7 +172,7 @@ def _cache_step(device: DeviceInfo, model: ModelSpec, settings: Any, defaults: P
         src = "setting memory.expert_cache" if from_setting else "plugin"
     elif cap is not None and cap > fit:
         need = (cap * per_slot - usable)
-        raise PlanRefused(f"memory.expert_cache={cap} slots need {_mib(cap * per_slot)} but only "
+        raise PlanRefused(f"VRAM: memory.expert_cache={cap} slots need {_mib(cap * per_slot)} but only "
                           f"{_mib(max(usable, 0))} is usable: short by {_mib(need)}; lower memory.expert_cache to "
                           f"{fit} or memory.vram_reserve_mib")
     led.note("expert_cache.slots", slots, why, src)
@@ -213,7 +213,7 @@ def _compute(device: DeviceInfo, host: HostInfo, model: ModelSpec, settings: Any
     free, reserve, kv, workspace, usable, slots = _cache_step(device, model, settings, defaults, knobs, led, bsrc)
     slots_cap = knobs["expert_cache.slots_cap"]
     if slots_cap is not None and slots_cap < model.top_k:
-        raise PlanRefused(f"memory.expert_cache={slots_cap} slots cannot hold the {model.top_k} experts (top_k) one "
+        raise PlanRefused(f"expert cache: memory.expert_cache={slots_cap} slots cannot hold the {model.top_k} experts (top_k) one "
                           f"token routes to: short by {_mib((model.top_k - slots_cap) * model.slot_bytes)} of cache; set "
                           f"memory.expert_cache to at least {model.top_k}, or 'auto'")
     if usable <= 0 or slots < model.top_k:
@@ -409,5 +409,5 @@ def _owned_buffers(model: ModelSpec, loans: LoanModel, grid: int, ceiling: int, 
                      f"{_mib(need)} of buffers and the cache shrinks to {slots} slots", "core")
             return c, slots, need
     need = _max_loan_upto(loans, grid, grid)[0] * model.slot_bytes + max(min_keep, model.top_k) * model.slot_bytes
-    raise PlanRefused(f"the prompt path cannot be lent a chunk and owned buffers for {grid} tokens do not fit: "
+    raise PlanRefused(f"VRAM: the prompt path cannot be lent a chunk and owned buffers for {grid} tokens do not fit: "
                       f"short by {_mib(need - usable)}; lower memory.vram_reserve_mib or kv.max_context")

@@ -109,6 +109,8 @@ def test_every_plan_holds_every_invariant_or_is_refused_with_the_shortfall(devic
         msg = str(e)
         assert "\n" not in msg
         assert re.search(r"short by [\d,.]+ MiB", msg), f"refusal without a shortfall: {msg}"
+        assert re.match(r"(VRAM|host RAM|expert cache|page-locked memory): ", msg), \
+            f"refusal that does not name the binding resource first: {msg}"
         return
     check_all(plan)
     _independent_checks(plan)
