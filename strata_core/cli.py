@@ -77,7 +77,7 @@ def _one_line(text: str) -> str:
 
 def _report(message: str, exit_code: int, as_json: bool) -> int:
     """Print the error (stderr, and stdout as strata.error/1 under --json); return the exit code."""
-    line = _one_line(message)
+    line = _one_line(message).removeprefix("strata: error: ")
     print(line if line.startswith("strata") else f"strata: error: {line}", file=sys.stderr)
     if as_json:
         print(json.dumps({"schema": ERROR_SCHEMA, "error": line, "exit_code": exit_code}))

@@ -13,6 +13,9 @@ from strata_core.config.settings import StrataSettings, settings_from_partial
 
 SCHEMA = "strata.scenario/1"
 
+#: The longest prompt a scenario may list (the same bound as kv.max_context's).
+MAX_REQUEST_TOKENS = 1 << 24
+
 
 @dataclass(frozen=True)
 class Scenario:
@@ -53,8 +56,9 @@ def _requests(raw: Any, where: str) -> tuple[int, ...]:
         v = r.get("prompt_tokens") if isinstance(r, dict) else r
         if isinstance(r, dict) and "prompt_tokens" not in r:
             raise BadInput(f"{where}[{i}]: missing field 'prompt_tokens'")
-        if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
-            raise BadInput(f"{where}[{i}].prompt_tokens: expected a positive integer, got {v!r}")
+        if isinstance(v, bool) or not isinstance(v, int) or not 0 < v <= MAX_REQUEST_TOKENS:
+            raise BadInput(f"{where}[{i}].prompt_tokens: expected a whole number from 1 to {MAX_REQUEST_TOKENS:,}, "
+                           f"got {v!r}")
         out.append(v)
     return tuple(out)
 

@@ -24,6 +24,20 @@ VENDOR_OF_BACKEND = {
 }
 
 
+#: The most bytes a fact may state (64 TiB of VRAM or RAM): beyond it a profile is a typo or an overflow.
+MAX_FACT_BYTES = 1 << 46
+
+
+def _bytes(d: dict, key: str, where: str, required: bool = True, hi: int = MAX_FACT_BYTES) -> int | None:
+    """d[key] as a whole byte count from 0 to `hi` (no fraction, boolean or text), or BadInput naming the bound."""
+    v = _require(d, key, where) if required else (d.get(key) if isinstance(d, dict) else None)
+    if v is None and not required:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= hi:
+        raise BadInput(f"{where}: '{key}' must be a whole number from 0 to {hi:,}, got {v!r}")
+    return v
+
+
 def _require(d: dict, key: str, where: str) -> Any:
     """Return d[key] or raise BadInput naming the missing field."""
     if not isinstance(d, dict):
@@ -138,13 +152,13 @@ class DeviceInfo:
             return cls(
                 backend=str(be),
                 name=str(_require(d, "name", where)),
-                vram_total_bytes=int(_require(d, "vram_total_bytes", where)),
-                vram_free_bytes=int(_require(d, "vram_free_bytes", where)),
+                vram_total_bytes=_bytes(d, "vram_total_bytes", where),
+                vram_free_bytes=_bytes(d, "vram_free_bytes", where),
                 vendor=str(d.get("vendor") or VENDOR_OF_BACKEND.get(str(be), str(be))),
                 arch=str(d.get("arch", "")),
                 driver_model=str(d.get("driver_model", "linux")).lower(),
                 drives_display=bool(d.get("drives_display", False)),
-                index=int(d.get("index", 0)),
+                index=_bytes(d, "index", where, required=False, hi=1023) or 0,
                 unified_memory=bool(d.get("unified_memory", False)),
                 device_type=DeviceType(str(d.get("device_type", "simulated" if be == "sim" else "gpu"))),
                 caps=DeviceCaps.from_json(d.get("caps")),
@@ -183,9 +197,9 @@ class HostInfo:
             pin = d.get("pinnable_bytes") if isinstance(d, dict) else None
             return cls(
                 os=str(_require(d, "os", where)).lower(),
-                ram_total_bytes=int(_require(d, "ram_total_bytes", where)),
-                ram_available_bytes=int(_require(d, "ram_available_bytes", where)),
-                pinnable_bytes=None if pin is None else int(pin),
+                ram_total_bytes=_bytes(d, "ram_total_bytes", where),
+                ram_available_bytes=_bytes(d, "ram_available_bytes", where),
+                pinnable_bytes=None if pin is None else _bytes(d, "pinnable_bytes", where),
                 cpu=CpuInfo.from_json(d.get("cpu"), where=f"{where}.cpu"),
                 virtualization=_virtualization(d.get("virtualization", "none"), where),
             )

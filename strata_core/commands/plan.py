@@ -102,7 +102,7 @@ def gather_inputs(args: argparse.Namespace) -> PlanInputs:
         profile, origin, requests = None, "this machine", ()
     target = plugins.resolve_target(settings, profile=profile, origin=origin)
     device, host = target.device.info, target.host
-    if args.model:
+    if args.model is not None:  # an empty --model is refused by name, not read as absent
         model = resolve_model(args.model, args.quant)
     elif scenario is not None:
         model = scenario.model
