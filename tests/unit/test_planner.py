@@ -195,3 +195,18 @@ def test_the_plan_carries_resolved_limits_not_the_settings_object():
     assert "kv.max_context (2048)" in plan.refuse_reason(2049)
     assert plan.to_json()["settings"]["kv"]["max_context"] == 2048
     assert plan.prompt_buffer_bytes(100) == 100 * plan.model.prompt_bytes_per_token
+
+
+@pytest.mark.parametrize("hidden,experts,top_k,ffn", [(64, 8, 2, 128), (2048, 128, 8, 768), (4096, 8, 2, 14336)])
+def test_one_per_token_buffer_formula_for_planner_and_runtime(hidden, experts, top_k, ffn):
+    from strata_core.models.spec import prompt_bytes_for
+    from strata_core.planner.buffers import chunk_buffer_bytes, prompt_bytes_per_token, routed_row_bytes, \
+        token_buffer_bytes
+    per_token = prompt_bytes_per_token(hidden, experts, top_k, ffn)
+    assert per_token == prompt_bytes_for(hidden, experts, top_k, ffn)
+    assert per_token == token_buffer_bytes(hidden, experts, top_k) + top_k * routed_row_bytes(hidden, ffn)
+    assert chunk_buffer_bytes(300, hidden, experts, top_k, ffn) == 300 * per_token
+    spec = tiny_model_spec()
+    plan = make_plan(DEVICE, HOST, spec, _settings(), PlatformDefaults())
+    assert plan.prompt_buffer_bytes(256) == chunk_buffer_bytes(256, spec.hidden, spec.experts_per_layer, spec.top_k,
+                                                               spec.expert_ffn)
