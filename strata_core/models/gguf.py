@@ -562,7 +562,8 @@ def read_moe_tensors(path: str | Path, spec: ModelSpec | None = None) -> MoeTens
     if not blocks:
         raise BadInput(f"{path}: not an MoE model: no expert tensors (blk.N.ffn_*_exps)")
     check_tensor_types(path, tensors, blocks)
-    experts = int(_field(reader, f"{arch}.expert_count") or _numpy_shape(tensors[f"blk.{blocks[0]}.ffn_gate_exps.weight"])[0])
+    first_gate = tensors[f"blk.{blocks[0]}.ffn_gate_exps.weight"]
+    experts = int(_field(reader, f"{arch}.expert_count") or _numpy_shape(first_gate)[0])
     if spec is not None and spec.moe_layers != len(blocks):
         raise BadInput(f"{path}: {len(blocks)} MoE blocks, the model spec says {spec.moe_layers}")
     for n in ("token_embd.weight", "output_norm.weight"):

@@ -1,7 +1,8 @@
 """The weights the executor runs: dense (embeddings, per-layer RMSNorm and router, final norm, LM head) and experts.
 
 Experts of every MoE layer sit in one host `ExpertPool` of layers x experts rows (row = layer * experts + expert),
-f16, Q8_0, or 'gguf' (a GGUF file's own rows: Q4_K, Q5_K, Q6_K, MXFP4 and their mixes, never converted). The model has no attention (out of scope for Strata Core): each MoE layer is
+f16, Q8_0, or 'gguf' (a GGUF file's own rows: Q4_K, Q5_K, Q6_K, MXFP4 and their mixes, never converted).
+The model has no attention (out of scope for Strata Core): each MoE layer is
 x += sum_k w_k * expert_k(rmsnorm(x)), routed by softmax over the router's top k.
 """
 

@@ -109,7 +109,7 @@ GGUF_TILE_ROWS = 64
 
 def gguf_expert_parts(blob_row: np.ndarray, fmt: ExpertFormat) -> tuple[np.ndarray, np.ndarray, np.ndarray | None,
                                                                          np.ndarray | None]:
-    """One 'gguf' slot's bytes -> (gate_up rows [2F, rb] u8, down rows [H, rb] u8, f32 bias [2F] or None, [H] or None)."""
+    """One 'gguf' slot's bytes -> (gate_up rows [2F, rb] u8, down rows [H, rb] u8, f32 biases [2F] and [H] or None)."""
     b = np.asarray(blob_row, dtype=np.uint8).reshape(-1)
     f, h = fmt.ffn, fmt.hidden
     gu = b[:fmt.down_offset].reshape(2 * f, fmt.gate_up_row_bytes)

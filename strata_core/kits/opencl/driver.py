@@ -30,6 +30,7 @@ from strata_core.api import (Backend, DeviceInfo, DeviceSession, DeviceType, Hos
 from strata_core.errors import BadInput, StrataError
 from strata_core.kits.opencl import kernel_source
 from strata_core.reference.kernels import QK8_0, ExpertPool
+from strata_core.reference.quants import GGML_TYPES as GGML_TYPE_IDS
 
 __all__ = ["EXPERT_FORMATS", "INTEL_OCL_NAMES", "LINEAR_TILE", "DeviceArray", "EventSlot", "Local", "MoeClBackend",
            "MoeClDevice", "OpenClDeviceMemory", "OpenClKernels", "OpenClPinnedAllocator", "QueueSession",
@@ -42,8 +43,11 @@ LINEAR_TILE = 16
 INTEL_OCL_NAMES = ("libintelocl.so", "intelocl64.dll")
 #: The moe.cl source every backend of this module builds.
 SOURCE = "moe.cl"
-#: Expert formats moe.cl's grouped FFN computes from their own bytes (OpenClKernels.moe_grouped_ffn).
-EXPERT_FORMATS = ("f16", "q8_0")
+#: Expert formats moe.cl's grouped FFN computes from their own bytes (OpenClKernels.moe_grouped_ffn; K and MXFP4
+#: rows in 'gguf' pools, through quants.cl).
+EXPERT_FORMATS = ("f16", "q8_0", "bf16", "q4_k", "q5_k", "q6_k", "mxfp4")
+#: quants.cl (without its test kernel) goes before moe.cl in the one program a session builds.
+PROGRAM_PRELUDE = "#define STRATA_QUANTS_NO_TEST_KERNEL\n"
 
 
 def round_up(n: int, m: int) -> int:
@@ -550,7 +554,8 @@ class OpenClKernels:
         # One program per session: every KernelSet of a device shares it, and building moe.cl takes seconds.
         with session.lock:
             if session.program is None:
-                session.program = self._build(session, kernel_source(SOURCE))
+                session.program = self._build(session, PROGRAM_PRELUDE + kernel_source("quants.cl") + "\n"
+                                              + kernel_source(SOURCE))
         self._program = session.program
         wg = int(session.device.max_work_group_size)
         self._reduce_local = 1 << min(6, wg.bit_length() - 1)  # a power of two <= 64 for the tree reductions
@@ -711,6 +716,8 @@ class OpenClKernels:
         if od.size != g + 1:
             raise ValueError(f"moe_grouped_ffn: {od.size} offsets for {g} groups (need groups + 1)")
         a = weights.arrays
+        if weights.dtype == "gguf":
+            return self._moe_grouped_ffn_gguf(xd, od, sd, weights, k1 + k2 + k3)
         if weights.dtype == "f16":
             w13, kw1 = self._input(a["w_gate_up"], np.float16, "w_gate_up")
             w2, kw2 = self._input(a["w_down"], np.float16, "w_down")
@@ -750,6 +757,40 @@ class OpenClKernels:
         else:
             self._launch(f"ffn_gate_up_{suffix}", (f, n), None, [xd, od, sd, *sizes, *up_args, act])
             self._launch(f"ffn_down_{suffix}", (h, n), None, [act, od, sd, *sizes, *down_args, y], keep)
+        return y
+
+    def _moe_grouped_ffn_gguf(self, xd, od, sd, pool: ExpertPool, keep: tuple):
+        """The grouped FFN over a 'gguf' pool: weights read from the slots' GGUF bytes by quants.cl, per tile."""
+        fmt = pool.fmt
+        blob, kb = self._input(pool.arrays["blob"], np.uint8, "gguf expert blob")
+        n, h = xd.shape
+        g = sd.size
+        s_slots, slot_b = blob.shape
+        f = fmt.ffn
+        if fmt.hidden != h or fmt.nbytes > slot_b:
+            raise ValueError(f"moe_grouped_ffn: x has hidden {h}, the experts {fmt.hidden} in {fmt.nbytes}-byte "
+                             f"slots of {slot_b}")
+        y = self._empty((n, h), np.float32)
+        if n == 0 or h == 0:
+            return y
+        self._check_sizes(n * f, n * h, s_slots * slot_b)
+        act = self._empty((n, f), np.float32)
+        sizes = [np.int32(g), np.int32(s_slots), np.int32(n), np.int32(h), np.int32(f)]
+        bias_off = np.int32(fmt.bias_offset if fmt.bias else -1)
+        gu = [blob, np.int32(slot_b), np.int32(0), np.int32(2 * f), np.int32(fmt.gate_up_row_bytes),
+              np.int32(GGML_TYPE_IDS[fmt.gate_up]), bias_off]
+        dn = [blob, np.int32(slot_b), np.int32(fmt.down_offset), np.int32(h), np.int32(fmt.down_row_bytes),
+              np.int32(GGML_TYPE_IDS[fmt.down]), bias_off]
+        keep = keep + kb + (act,)
+        if self._tiled:
+            t = LINEAR_TILE
+            self._launch("ffn_gate_up_gguf_tiled", (round_up(f, t), round_up(n, t)), (t, t),
+                         [xd, od, sd, *sizes, *gu, act])
+            self._launch("ffn_down_gguf_tiled", (round_up(h, t), round_up(n, t)), (t, t),
+                         [act, od, sd, *sizes, *dn, y], keep)
+        else:
+            self._launch("ffn_gate_up_gguf", (f, n), None, [xd, od, sd, *sizes, *gu, act])
+            self._launch("ffn_down_gguf", (h, n), None, [act, od, sd, *sizes, *dn, y], keep)
         return y
 
     def dequantize_q8_0(self, qs, d):

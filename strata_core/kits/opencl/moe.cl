@@ -8,6 +8,9 @@
  * - sizes are passed as int, scalars as float; half data is read with vload_half and written with vstore_half_rte,
  *   so cl_khr_fp16 is not needed (the PoCL CPU device, for one, lacks it);
  * - Q8_0: blocks of QK8_0 int8 quants along the last axis with one half scale per block, value = q * d.
+ * - GGUF experts ('gguf' pools: Q4_K, Q5_K, Q6_K, MXFP4, Q8_0, f16, bf16, f32 rows as the file stores them, one
+ *   slot of slot_bytes bytes per expert, api.kernels.ExpertFormat): every weight is read through quants.cl's
+ *   dq_weight, which the host puts before this file in the one program it builds (STRATA_QUANTS_NO_TEST_KERNEL).
  */
 
 /* Contraction to fma would round the f32 kernels differently from the numpy oracle, which rounds every product
@@ -425,7 +428,7 @@ inline int tile_slot(__global const int* offsets, __global const int* slots, con
     return (s >= 0 && s < S) ? s : -1;
 }
 
-#define DEFINE_FFN_GATE_UP_TILED(NAME, WLOAD, ...)                                                                   \
+#define DEFINE_FFN_GATE_UP_TILED(NAME, WLOAD, HAS_BIAS, BIAS, ...)                                                   \
     __kernel __attribute__((reqd_work_group_size(FFN_TILE, FFN_TILE, 1)))                                           \
     void NAME(__global const float* x, __global const int* offsets, __global const int* slots,                      \
               const int G, const int S, const int N, const int H, const int F, __VA_ARGS__, __global float* act)    \
@@ -455,8 +458,13 @@ inline int tile_slot(__global const int* offsets, __global const int* slots, con
                 }                                                                                                   \
                 barrier(CLK_LOCAL_MEM_FENCE);                                                                       \
             }                                                                                                       \
-            if (f < F && n < N)                                                                                     \
+            if (f < F && n < N) {                                                                                   \
+                if (HAS_BIAS) {                                                                                     \
+                    a += BIAS(st, f);                                                                               \
+                    b += BIAS(st, F + f);                                                                           \
+                }                                                                                                   \
                 act[(size_t)n * F + f] = silu_f32(a) * b;                                                           \
+            }                                                                                                       \
             return;                                                                                                 \
         }                                                                                                           \
         if (f >= F || n >= N)                                                                                       \
@@ -473,10 +481,14 @@ inline int tile_slot(__global const int* offsets, __global const int* slots, con
             a += xr[h] * WLOAD(gate_row, h, H);                                                                     \
             b += xr[h] * WLOAD(up_row, h, H);                                                                       \
         }                                                                                                           \
+        if (HAS_BIAS) {                                                                                             \
+            a += BIAS(sl, f);                                                                                       \
+            b += BIAS(sl, F + f);                                                                                   \
+        }                                                                                                           \
         act[(size_t)n * F + f] = silu_f32(a) * b;                                                                   \
     }
 
-#define DEFINE_FFN_DOWN_TILED(NAME, WLOAD, ...)                                                                      \
+#define DEFINE_FFN_DOWN_TILED(NAME, WLOAD, HAS_BIAS, BIAS, ...)                                                      \
     __kernel __attribute__((reqd_work_group_size(FFN_TILE, FFN_TILE, 1)))                                           \
     void NAME(__global const float* act, __global const int* offsets, __global const int* slots,                    \
               const int G, const int S, const int N, const int H, const int F, __VA_ARGS__, __global float* y)      \
@@ -503,7 +515,7 @@ inline int tile_slot(__global const int* offsets, __global const int* slots, con
                 barrier(CLK_LOCAL_MEM_FENCE);                                                                       \
             }                                                                                                       \
             if (h < H && n < N)                                                                                     \
-                y[(size_t)n * H + h] = acc;                                                                         \
+                y[(size_t)n * H + h] = HAS_BIAS ? acc + BIAS(st, 2 * F + h) : acc;                                  \
             return;                                                                                                 \
         }                                                                                                           \
         if (h >= H || n >= N)                                                                                       \
@@ -518,11 +530,71 @@ inline int tile_slot(__global const int* offsets, __global const int* slots, con
         float acc = 0.0f;                                                                                           \
         for (int c = 0; c < F; ++c)                                                                                 \
             acc += ar[c] * WLOAD(down_row, c, F);                                                                   \
-        y[(size_t)n * H + h] = acc;                                                                                 \
+        y[(size_t)n * H + h] = HAS_BIAS ? acc + BIAS(sl, 2 * F + h) : acc;                                          \
     }
 
 /* The weight parameters come last (variadic) because the Q8_0 kernels take two: quants and scales. */
-DEFINE_FFN_GATE_UP_TILED(ffn_gate_up_f16_tiled, W_F16, __global const half* w)
-DEFINE_FFN_DOWN_TILED(ffn_down_f16_tiled, W_F16, __global const half* w)
-DEFINE_FFN_GATE_UP_TILED(ffn_gate_up_q8_0_tiled, W_Q8_0, __global const char* wq, __global const half* wd)
-DEFINE_FFN_DOWN_TILED(ffn_down_q8_0_tiled, W_Q8_0, __global const char* wq, __global const half* wd)
+#define NO_BIAS(slot, i) 0.0f
+DEFINE_FFN_GATE_UP_TILED(ffn_gate_up_f16_tiled, W_F16, 0, NO_BIAS, __global const half* w)
+DEFINE_FFN_DOWN_TILED(ffn_down_f16_tiled, W_F16, 0, NO_BIAS, __global const half* w)
+DEFINE_FFN_GATE_UP_TILED(ffn_gate_up_q8_0_tiled, W_Q8_0, 0, NO_BIAS, __global const char* wq, __global const half* wd)
+DEFINE_FFN_DOWN_TILED(ffn_down_q8_0_tiled, W_Q8_0, 0, NO_BIAS, __global const char* wq, __global const half* wd)
+
+/* GGUF experts: weight (row, col) of the gate_up ([2F] rows per slot, wr = 2F) or down ([H] rows, wr = H) matrix
+ * is weight col of that row's bytes, w_off bytes into its slot, rb bytes a row, ggml type fmt; the tiled kernels
+ * thus dequantize one FFN_TILE x FFN_TILE tile of weights into local memory per step, never a whole expert. The
+ * f32 biases (gate [F], up [F], down [H]) start bias_off bytes into the slot; bias_off < 0: none. */
+#define W_GGUF(row, col, C) \
+    dq_weight(w + (size_t)((row) / wr) * (size_t)slot_bytes + w_off + (size_t)((row) % wr) * rb, (col), fmt)
+#define B_GGUF(slot, i) dq_f32(w + (size_t)(slot) * (size_t)slot_bytes + bias_off, (i))
+#define GGUF_ARGS __global const uchar* w, const int slot_bytes, const int w_off, const int wr, const int rb, \
+                  const int fmt, const int bias_off
+DEFINE_FFN_GATE_UP_TILED(ffn_gate_up_gguf_tiled, W_GGUF, (bias_off >= 0), B_GGUF, GGUF_ARGS)
+DEFINE_FFN_DOWN_TILED(ffn_down_gguf_tiled, W_GGUF, (bias_off >= 0), B_GGUF, GGUF_ARGS)
+
+/* The same without local memory, for devices whose work-groups are smaller than FFN_TILE^2. */
+__kernel void ffn_gate_up_gguf(__global const float* x, __global const int* offsets, __global const int* slots,
+                               const int G, const int S, const int N, const int H, const int F, GGUF_ARGS,
+                               __global float* act)
+{
+    const int f = get_global_id(0), n = get_global_id(1);
+    if (f >= F || n >= N)
+        return;
+    const int sl = slot_of_row(offsets, slots, G, S, n);
+    if (sl < 0) {
+        act[(size_t)n * F + f] = 0.0f;
+        return;
+    }
+    const size_t gate_row = (size_t)sl * 2 * F + f, up_row = gate_row + F;
+    __global const float* xr = x + (size_t)n * H;
+    float a = 0.0f, b = 0.0f;
+    for (int h = 0; h < H; ++h) {
+        a += xr[h] * W_GGUF(gate_row, h, H);
+        b += xr[h] * W_GGUF(up_row, h, H);
+    }
+    if (bias_off >= 0) {
+        a += B_GGUF(sl, f);
+        b += B_GGUF(sl, F + f);
+    }
+    act[(size_t)n * F + f] = silu_f32(a) * b;
+}
+
+__kernel void ffn_down_gguf(__global const float* act, __global const int* offsets, __global const int* slots,
+                            const int G, const int S, const int N, const int H, const int F, GGUF_ARGS,
+                            __global float* y)
+{
+    const int h = get_global_id(0), n = get_global_id(1);
+    if (h >= H || n >= N)
+        return;
+    const int sl = slot_of_row(offsets, slots, G, S, n);
+    if (sl < 0) {
+        y[(size_t)n * H + h] = 0.0f;
+        return;
+    }
+    const size_t down_row = (size_t)sl * H + h;
+    __global const float* ar = act + (size_t)n * F;
+    float acc = 0.0f;
+    for (int c = 0; c < F; ++c)
+        acc += ar[c] * W_GGUF(down_row, c, F);
+    y[(size_t)n * H + h] = (bias_off >= 0) ? acc + B_GGUF(sl, 2 * F + h) : acc;
+}
