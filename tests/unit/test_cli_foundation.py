@@ -38,6 +38,27 @@ def strata(args, cwd, env=None) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=120)
 
 
+def strata_here(args, cwd, env, monkeypatch, capsys) -> subprocess.CompletedProcess:
+    """`strata ARGS` through cli.main in this process (no STRATA_* variable but `env`'s), as a CompletedProcess."""
+    for name in list(os.environ):
+        if name.upper().startswith("STRATA_"):
+            monkeypatch.delenv(name)
+    for k, v in (env or {}).items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.chdir(cwd)
+    capsys.readouterr()
+    code = cli.main(list(args))
+    out, err = capsys.readouterr()
+    return subprocess.CompletedProcess(args, code, out, err)
+
+
+def test_a_real_process_reports_bad_input_the_same_way(tmp_path):
+    """One bad value through a fresh interpreter: exit 2, one stderr line, strata.error/1 on stdout."""
+    r = strata(["config", "show", "--json"], cwd=tmp_path, env={"STRATA_PREFILL__CHUNK": "big"})
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr
+    assert json.loads(r.stdout)["schema"] == "strata.error/1"
+
+
 # ------------------------------------------------------------------ strata backends
 
 
@@ -120,25 +141,25 @@ def installed_backend_distribution(tmp_path):
             """The test backend."""
             return [Backend(name="{backend}", vendor="acme", probe=probe, version="0.0.1", api_version=API_VERSION)]
     '''))
+    # Into a private target seen through PYTHONPATH, never the shared venv: other tests (and xdist workers) running
+    # at the same time must not see a backend appear and vanish.
+    site = tmp_path / "site"
     pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q"]
-    subprocess.run([*pip, "install", "--no-deps", "--no-build-isolation", str(src)], check=True, cwd=tmp_path,
-                   capture_output=True, timeout=300)
-    try:
-        yield backend
-    finally:
-        subprocess.run([*pip, "uninstall", "-y", dist], check=False, capture_output=True, timeout=300)
+    subprocess.run([*pip, "install", "--no-deps", "--no-build-isolation", "--target", str(site), str(src)],
+                   check=True, cwd=tmp_path, capture_output=True, timeout=300)
+    yield backend, {"PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")])}
 
 
 def test_backend_from_an_installed_distribution_shows_up(installed_backend_distribution, tmp_path):
-    name = installed_backend_distribution
-    r = strata(["backends", "--json"], cwd=tmp_path)
+    name, env = installed_backend_distribution
+    r = strata(["backends", "--json"], cwd=tmp_path, env=env)
     assert r.returncode == 0, r.stderr
     listed = {b["name"]: b for b in json.loads(r.stdout)["backends"]}
     assert name in listed
     b = listed[name]
     assert b["available"] and b["vendor"] == "acme" and b["reason"] == "acme runtime found"
     assert b["devices"][0]["name"] == "Acme test card"
-    chosen = strata(["backends", "--json", "--backend", name], cwd=tmp_path)
+    chosen = strata(["backends", "--json", "--backend", name], cwd=tmp_path, env=env)
     assert json.loads(chosen.stdout)["selected"] == name
 
 
@@ -213,10 +234,10 @@ FILE_CASES = {"toml", "malformed-toml", "unknown-toml-key", "missing-config"}
 @pytest.mark.parametrize("command", [["config", "show", "--json"], ["backends", "--json"], ["doctor", "--json"]],
                          ids=lambda c: c[0])
 @pytest.mark.parametrize("env,toml,flags,fragments", BAD_INPUTS)
-def test_bad_input_exits_2_with_one_line(request, tmp_path, command, env, toml, flags, fragments):
+def test_bad_input_exits_2_with_one_line(request, tmp_path, monkeypatch, capsys, command, env, toml, flags, fragments):
     if toml is not None:
         (tmp_path / "strata.toml").write_text(toml)
-    r = strata([*command, *flags], cwd=tmp_path, env=env)
+    r = strata_here([*command, *flags], tmp_path, env, monkeypatch, capsys)
     case = request.node.callspec.id.split("-" + command[0])[0]
     if command[0] in ("backends", "doctor") and case in FILE_CASES:
         assert r.returncode == 0, (r.stdout, r.stderr)
@@ -286,9 +307,11 @@ def test_readme_quick_start_has_exactly_two_setup_commands():
     assert len(blocks) == 2 and all(len(b.strip().splitlines()) == 1 for b in blocks)
     main_job, tests = (b.strip() for b in blocks)
     assert main_job.endswith("strata run") and "pip install -e ." in main_job
-    assert tests.endswith("pytest")
+    assert tests.endswith("pytest -n auto tests plugins/*/tests"), "every test the repo has, on every core"
     install_spec = re.search(r"pip install -e '([^']+)'", tests).group(1)
-    assert f"pip install --quiet -e '{install_spec}'" in (ROOT / ".ci" / "run").read_text()
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert f"pip install --quiet -e '{install_spec}'" in ci
+    assert "-m pytest -n auto" in ci and "plugins/*/tests" in ci, ".ci/run runs the README's test command"
 
 
 # ------------------------------------------------------------------ strata doctor
