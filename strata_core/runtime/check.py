@@ -126,9 +126,7 @@ class ReferenceCheck:
         pool = self.w.experts.for_layer(layer)
         for e in np.unique(ids):
             tok, pos = np.nonzero(ids == e)
-            w13, w2 = r64.expert_matrices(pool, base + int(e))
-            out[tok] += wts[tok, pos][:, None] * r64.swiglu_expert(xn[tok], w13, w2,
-                                                                   *r64.expert_biases(pool, base + int(e)))
+            out[tok] += wts[tok, pos][:, None] * r64.expert_ffn(pool, base + int(e), xn[tok])
         return out, clear
 
     def __call__(self, phase: str, layer: int, x_in: np.ndarray, x_out: np.ndarray) -> None:

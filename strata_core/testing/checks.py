@@ -16,19 +16,22 @@ from typing import Any, Callable
 
 import numpy as np
 
-from strata_core.api.kernels import ExpertPool, KernelSet
+from strata_core.api.kernels import ExpertFormat, ExpertPool, KernelSet
 from strata_core.reference import kernels as oracle
+from strata_core.reference import quants
 from strata_core.testing import reference64 as r64
 from strata_core.testing.tolerance import bound_of, precision_of
 
 
 @dataclass(frozen=True)
 class Check:
-    """One check of one kernel: which kernel, which variant, and the function that runs it."""
+    """One check of one kernel: which kernel, which variant, the function that runs it, and the expert formats a
+    device must advertise (DeviceCaps.expert_formats) for the check to apply to it."""
 
     kernel: str
     variant: str
     run: Callable[[Any, Any, np.random.Generator, int], None]
+    formats: tuple[str, ...] = ()
 
     @property
     def id(self) -> str:
@@ -152,52 +155,73 @@ def check_dequantize_q8_0(mem, k, rng, seed) -> None:
     assert_close("dequantize_q8_0", mem.download(out), want, np.float16, *_bound(k, "dequantize_q8_0"), seed)
 
 
-def expert_pool(rng: np.random.Generator, dtype: str, slots: int, hidden: int, ffn: int) -> ExpertPool:
-    """A host ExpertPool of random SwiGLU experts in `dtype` ('f16' or 'q8_0')."""
+def expert_pool(rng: np.random.Generator, fmt: Any, slots: int, hidden: int, ffn: int) -> ExpertPool:
+    """A host ExpertPool of random SwiGLU experts: 'f16', 'q8_0', or a 'gguf' pool of one ExpertFormat."""
     gate_up = (rng.standard_normal((slots, 2 * ffn, hidden)) / np.sqrt(hidden)).astype(np.float32)
     down = (rng.standard_normal((slots, hidden, ffn)) / np.sqrt(ffn)).astype(np.float32)
-    if dtype == "f16":
+    if fmt == "f16":
         return ExpertPool("f16", {"w_gate_up": gate_up.astype(np.float16), "w_down": down.astype(np.float16)})
-    guq, gud = oracle.quantize_q8_0(gate_up)
-    dq, dd = oracle.quantize_q8_0(down)
-    return ExpertPool("q8_0", {"gate_up_q": guq, "gate_up_d": gud, "down_q": dq, "down_d": dd})
+    if fmt == "q8_0":
+        guq, gud = oracle.quantize_q8_0(gate_up)
+        dq, dd = oracle.quantize_q8_0(down)
+        return ExpertPool("q8_0", {"gate_up_q": guq, "gate_up_d": gud, "down_q": dq, "down_d": dd})
+    blob = np.zeros((slots, fmt.nbytes), dtype=np.uint8)
+    for s in range(slots):
+        parts = [quants.quantize(fmt.gate_up, gate_up[s]).reshape(-1), quants.quantize(fmt.down, down[s]).reshape(-1)]
+        if fmt.bias:
+            parts.append((rng.standard_normal(2 * ffn + hidden) * 0.1).astype("<f4").view(np.uint8))
+        blob[s] = np.concatenate(parts)
+    return ExpertPool("gguf", {"blob": blob}, (fmt,))
 
 
 #: The grouped FFN's groups: an empty group, a one-row group, a slot used twice, slots out of order.
 GROUP_SIZES = (7, 0, 12, 1, 9, 4)
 GROUP_SLOTS = (3, 1, 0, 4, 3, 2)
 HIDDEN, FFN, POOL_SLOTS = 128, 96, 5
+#: 'gguf' pools need whole 256-weight K blocks along both H and F.
+GGUF_HIDDEN, GGUF_FFN = 256, 256
+#: The 'gguf' pools the kit checks: name -> ExpertFormat (Q4_K_M's mix, Q5_K, bf16, gpt-oss's MXFP4 with biases).
+GGUF_POOLS = {
+    "gguf-q4_k-q6_k": ExpertFormat("q4_k", "q6_k", GGUF_HIDDEN, GGUF_FFN),
+    "gguf-q5_k": ExpertFormat("q5_k", "q5_k", GGUF_HIDDEN, GGUF_FFN),
+    "gguf-bf16": ExpertFormat("bf16", "bf16", GGUF_HIDDEN, GGUF_FFN),
+    "gguf-mxfp4-bias": ExpertFormat("mxfp4", "mxfp4", GGUF_HIDDEN, GGUF_FFN, bias=True),
+}
 
 
-def _grouped_ffn(mem, k, x, offsets, slots, dev_pool, n_rows):
+def _grouped_ffn(mem, k, x, offsets, slots, dev_pool):
     return mem.download(call(mem, k, "moe_grouped_ffn", mem.to_device(x), mem.to_device(offsets),
-                             mem.to_device(slots), dev_pool, out_shape=(n_rows, HIDDEN), out_dtype=np.float32))
+                             mem.to_device(slots), dev_pool, out_shape=x.shape, out_dtype=np.float32))
 
 
-def _check_grouped_ffn(dtype: str):
+def _check_grouped_ffn(fmt: Any, label: str):
     def check_moe_grouped_ffn(mem, k, rng, seed) -> None:
         """SwiGLU experts over token groups match the float64 reference on exactly dequantized weights; a slot
         rewritten between two calls is read fresh by the second."""
-        host = expert_pool(rng, dtype, POOL_SLOTS, HIDDEN, FFN)
+        hidden, ffn = (HIDDEN, FFN) if isinstance(fmt, str) else (fmt.hidden, fmt.ffn)
+        host = expert_pool(rng, fmt, POOL_SLOTS, hidden, ffn)
         offsets = np.concatenate([[0], np.cumsum(GROUP_SIZES)]).astype(np.int32)
         slots = np.array(GROUP_SLOTS, dtype=np.int32)
-        n = int(offsets[-1])
-        x = rng.standard_normal((n, HIDDEN)).astype(np.float32)
-        dev = ExpertPool(dtype, {name: mem.to_device(a) for name, a in host.arrays.items()})
+        x = rng.standard_normal((int(offsets[-1]), hidden)).astype(np.float32)
+        dev = host.with_arrays({name: mem.to_device(a) for name, a in host.arrays.items()})
         bound, path = _bound(k, "moe_grouped_ffn")
-        first = _grouped_ffn(mem, k, x, offsets, slots, dev, n)
-        assert_close(f"moe_grouped_ffn ({dtype})", first, r64.moe_grouped_ffn(x, offsets, slots, host), np.float32,
+        first = _grouped_ffn(mem, k, x, offsets, slots, dev)
+        assert_close(f"moe_grouped_ffn ({label})", first, r64.moe_grouped_ffn(x, offsets, slots, host), np.float32,
                      bound, path, seed)
         # the cache admits a new expert into slot 3 (used by two groups) between layers: the kernel must read it
-        fresh = expert_pool(rng, dtype, POOL_SLOTS, HIDDEN, FFN)
+        fresh = expert_pool(rng, fmt, POOL_SLOTS, hidden, ffn)
         for name, a in host.arrays.items():
             a[3] = fresh.arrays[name][3]
             mem.upload(dev.arrays[name], a)
         mem.synchronize()
-        second = _grouped_ffn(mem, k, x, offsets, slots, dev, n)
-        assert_close(f"moe_grouped_ffn ({dtype}, slot 3 rewritten)", second,
+        second = _grouped_ffn(mem, k, x, offsets, slots, dev)
+        assert_close(f"moe_grouped_ffn ({label}, slot 3 rewritten)", second,
                      r64.moe_grouped_ffn(x, offsets, slots, host), np.float32, bound, path, seed)
     return check_moe_grouped_ffn
+
+
+def _gguf_formats(fmt: ExpertFormat) -> tuple[str, ...]:
+    return tuple(sorted({fmt.gate_up, fmt.down}))
 
 
 CHECKS: dict[str, list[Check]] = {
@@ -207,8 +231,10 @@ CHECKS: dict[str, list[Check]] = {
     "rmsnorm": [Check("rmsnorm", "", check_rmsnorm)],
     "linear": [Check("linear", "f32", _check_linear("float32")), Check("linear", "f16", _check_linear("float16"))],
     "dequantize_q8_0": [Check("dequantize_q8_0", "", check_dequantize_q8_0)],
-    "moe_grouped_ffn": [Check("moe_grouped_ffn", "f16", _check_grouped_ffn("f16")),
-                        Check("moe_grouped_ffn", "q8_0", _check_grouped_ffn("q8_0"))],
+    "moe_grouped_ffn": [Check("moe_grouped_ffn", "f16", _check_grouped_ffn("f16", "f16"), ("f16",)),
+                        Check("moe_grouped_ffn", "q8_0", _check_grouped_ffn("q8_0", "q8_0"), ("q8_0",))]
+    + [Check("moe_grouped_ffn", name, _check_grouped_ffn(fmt, name), _gguf_formats(fmt))
+       for name, fmt in GGUF_POOLS.items()],
 }
 
 

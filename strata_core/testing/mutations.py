@@ -143,14 +143,13 @@ class _StaleSlots:
         self.seen: dict[int, tuple[Any, np.ndarray]] = {}
 
     def __call__(self, base, x, offsets, slots, pool):
-        from strata_core.api.kernels import ExpertPool
         arrays = {}
         for name, a in pool.arrays.items():
             key = id(a)
             if key not in self.seen or self.seen[key][0] is not a:
                 self.seen[key] = (a, np.array(a, copy=True))
             arrays[name] = self.seen[key][1]
-        return base.moe_grouped_ffn(x, offsets, slots, ExpertPool(pool.dtype, arrays))
+        return base.moe_grouped_ffn(x, offsets, slots, pool.with_arrays(arrays))
 
 
 MUTATIONS: dict[str, dict[str, Callable[..., Callable]]] = {

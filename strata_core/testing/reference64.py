@@ -2,7 +2,9 @@
 
 The numpy oracle (`strata_core.reference.kernels`) is an f32 implementation under test like any backend; the kit
 and `strata run --check` compare against these float64 values instead, so the oracle is never its own judge.
-Quantized weights are dequantized exactly (q * d in float64). Integer results (top-k ids, gathered rows) are the
+Quantized weights are dequantized exactly: Q8_0 as q * d in float64; the rows of a 'gguf' pool (K formats, MXFP4,
+bf16) by `strata_core.reference.quants.dequantize`, ggml's own f32 formula (bit-exact with gguf-py), then held in
+float64, so the products and sums after it carry no rounding. Integer results (top-k ids, gathered rows) are the
 same as the oracle's by definition of the contract (ties to the lower id).
 """
 
@@ -11,6 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from strata_core.api.kernels import QK8_0, ExpertPool
+from strata_core.reference import quants
 
 F64 = np.float64
 
@@ -62,22 +65,43 @@ def _silu(v: np.ndarray) -> np.ndarray:
     return v / (1.0 + np.exp(-v))
 
 
-def expert_matrices(pool: ExpertPool, slot: int) -> tuple[np.ndarray, np.ndarray]:
-    """(w_gate_up [2F,H], w_down [H,F]) of one host slot in float64, quantized formats dequantized exactly."""
+def expert_parts(pool: ExpertPool, slot: int) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, np.ndarray | None]:
+    """(w_gate_up [2F,H], w_down [H,F], gate-up bias [2F] or None, down bias [H] or None) of one host slot, float64."""
     a = pool.arrays
     if pool.dtype == "f16":
-        return np.asarray(a["w_gate_up"][slot], dtype=F64), np.asarray(a["w_down"][slot], dtype=F64)
+        return np.asarray(a["w_gate_up"][slot], dtype=F64), np.asarray(a["w_down"][slot], dtype=F64), None, None
     if pool.dtype == "q8_0":
         return (dequantize_q8_0_exact(a["gate_up_q"][slot], a["gate_up_d"][slot]),
-                dequantize_q8_0_exact(a["down_q"][slot], a["down_d"][slot]))
+                dequantize_q8_0_exact(a["down_q"][slot], a["down_d"][slot]), None, None)
+    if pool.dtype == "gguf":
+        from strata_core.reference.kernels import gguf_expert_parts
+        fmt = pool.fmt
+        gu, down, b13, b2 = gguf_expert_parts(a["blob"][slot], fmt)
+        return (quants.dequantize(fmt.gate_up, gu, fmt.hidden).astype(F64),
+                quants.dequantize(fmt.down, down, fmt.ffn).astype(F64),
+                None if b13 is None else b13.astype(F64), None if b2 is None else b2.astype(F64))
     raise ValueError(f"the float64 reference has no expert format {pool.dtype!r}")
 
 
-def swiglu_expert(x: np.ndarray, w13: np.ndarray, w2: np.ndarray) -> np.ndarray:
-    """One SwiGLU expert on rows x [n,H] in float64."""
+def expert_matrices(pool: ExpertPool, slot: int) -> tuple[np.ndarray, np.ndarray]:
+    """(w_gate_up [2F,H], w_down [H,F]) of one host slot in float64, quantized formats dequantized exactly."""
+    return expert_parts(pool, slot)[:2]
+
+
+def swiglu_expert(x: np.ndarray, w13: np.ndarray, w2: np.ndarray, b13: np.ndarray | None = None,
+                  b2: np.ndarray | None = None) -> np.ndarray:
+    """One SwiGLU expert on rows x [n,H] in float64 (with the biases a gpt-oss slot carries)."""
     f = w2.shape[1]
     gu = np.asarray(x, dtype=F64) @ w13.T
-    return (_silu(gu[:, :f]) * gu[:, f:]) @ w2.T
+    if b13 is not None:
+        gu = gu + b13
+    y = (_silu(gu[:, :f]) * gu[:, f:]) @ w2.T
+    return y + b2 if b2 is not None else y
+
+
+def expert_ffn(pool: ExpertPool, slot: int, x: np.ndarray) -> np.ndarray:
+    """The expert in `slot` of a host pool on rows x [n,H], in float64."""
+    return swiglu_expert(x, *expert_parts(pool, slot))
 
 
 def moe_grouped_ffn(x: np.ndarray, offsets: np.ndarray, slots: np.ndarray, pool: ExpertPool) -> np.ndarray:
@@ -87,7 +111,7 @@ def moe_grouped_ffn(x: np.ndarray, offsets: np.ndarray, slots: np.ndarray, pool:
     for g in range(len(slots)):
         lo, hi = int(offsets[g]), int(offsets[g + 1])
         if hi > lo:
-            y[lo:hi] = swiglu_expert(x[lo:hi], *expert_matrices(pool, int(slots[g])))
+            y[lo:hi] = expert_ffn(pool, int(slots[g]), x[lo:hi])
     return y
 
 
