@@ -114,7 +114,7 @@ class PluginHost:
             r = self.probe(name)
             out.append(BackendStatus(name=name, vendor=b.vendor, version=r.version or b.version,
                                      api_version=b.api_version, available=r.available, reason=r.reason,
-                                     install_hint=b.install_hint if not r.available else "",
+                                     install_hint=r.hint_for(b),
                                      score=r.score if r.available else 0, devices=tuple(r.devices),
                                      plugin=self.backend_plugin.get(name, "")))
         return sorted(out + list(self.broken), key=lambda s: s.name)
@@ -135,7 +135,7 @@ class PluginHost:
                 raise BadInput(f"backend.name: unknown backend '{requested}' (installed: {known})")
             r = self.probe(requested)
             if not r.available:
-                hint = self.backends[requested].install_hint
+                hint = r.hint_for(self.backends[requested])
                 raise BadInput(f"backend.name: backend '{requested}' is not available: {r.reason}"
                                + (f" (install: {hint})" if hint else ""))
             return self.backends[requested], r
@@ -222,12 +222,6 @@ class PluginHost:
             raise StrataError(f"backend '{backend.name}' gave a {type(d).__name__} as the platform defaults of "
                               f"'{device.info.name}', not PlatformDefaults")
         return d
-
-    def device_and_defaults(self, requested: str = "auto", device_index: int = 0):
-        """(backend, DeviceInfo, host, PlatformDefaults) through `resolve_target` (for callers not yet on Target)."""
-        from types import SimpleNamespace
-        t = self.resolve_target(SimpleNamespace(backend=SimpleNamespace(name=requested, device=device_index)))
-        return t.backend, t.device.info, t.host, t.defaults
 
     # --- settings groups -----------------------------------------------------------------------------------------
 

@@ -41,11 +41,10 @@ def resolved_settings(loaded: LoadedSettings) -> tuple[LoadedSettings, str | Non
     """The settings with backend defaults filled in, the backend that gave them (or None) and notices."""
     host = load_from_settings(loaded.settings)
     try:
-        backend, _, _, defaults = host.device_and_defaults(loaded.settings.backend.name,
-                                                           loaded.settings.backend.device)
+        target = host.resolve_target(loaded.settings)
     except StrataError as e:
         return loaded, None, [f"backend defaults not shown: {e}"]
-    return with_backend_defaults(loaded, defaults, backend.name), backend.name, []
+    return with_backend_defaults(loaded, target.defaults, target.backend.name), target.backend.name, []
 
 
 def config_report(loaded: LoadedSettings) -> dict:

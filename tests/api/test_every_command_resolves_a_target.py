@@ -20,6 +20,7 @@ COMMANDS = {
               "--repeat", "1", "--json"],
     "doctor": ["doctor", "--json"],
     "backends": ["backends", "--json"],
+    "config show": ["config", "show", "--json"],
 }
 
 

@@ -415,15 +415,6 @@ def test_sim_with_a_profile_plans_for_the_simulated_host(tmp_path):
         sim_backend.configure(None)
 
 
-def test_device_and_defaults_goes_through_resolve_target(monkeypatch):
-    host = load_plugins(autoload=False, extra=[plugin("a", backend("a"))])
-    calls = []
-    real = type(host).resolve_target
-    monkeypatch.setattr(type(host), "resolve_target", lambda self, *a, **k: calls.append(a) or real(self, *a, **k))
-    b, dev, _, defaults = host.device_and_defaults("a")
-    assert b.name == "a" and dev.backend == "a" and defaults == PlatformDefaults() and len(calls) == 1
-
-
 # ------------------------------------------------------------------ settings groups
 
 
