@@ -91,11 +91,20 @@ class ProbeResult:
     devices: tuple[Device, ...] = ()
     score: int = 0
     version: str = ""
+    #: The install line that fixes this outcome: None means the Backend's `install_hint`; "" means no install does
+    #: (the library is there, the device is not), so none is shown (versionadded 2.0).
+    install_hint: str | None = None
 
     @classmethod
-    def unavailable(cls, reason: str, version: str = "") -> "ProbeResult":
-        """A probe result for a backend that cannot run here, with the reason."""
-        return cls(available=False, reason=reason, devices=(), score=0, version=version)
+    def unavailable(cls, reason: str, version: str = "", install_hint: str | None = None) -> "ProbeResult":
+        """A probe result for a backend that cannot run here, with the reason (and the install line that fixes it)."""
+        return cls(available=False, reason=reason, devices=(), score=0, version=version, install_hint=install_hint)
+
+    def hint_for(self, backend: "Backend") -> str:
+        """The install line to show beside this result: none when available, else this result's or the backend's."""
+        if self.available:
+            return ""
+        return backend.install_hint if self.install_hint is None else self.install_hint
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ import pytest
 from strata_core.api import Device, DeviceInfo, DeviceType, HostInfo, ProbeResult
 from strata_core.api.facts import GIB
 from strata_core.errors import BadInput
-from strata_cuda import backend as cuda_backend
+from strata_cuda import backend as cuda_backend  
 from strata_cuda import probe as cuda_probe
 
 from cupy_test_helpers import FakeRuntime, assert_imports_without_cupy
@@ -240,3 +240,30 @@ def test_the_only_hook_is_discovery():
     hooks = sorted(n for n in dir(cuda_backend) if n.startswith("strata_"))
     assert hooks == ["strata_backends"]
     assert cuda_backend.strata_backends() == [cuda_backend.BACKEND]
+
+
+def _registry_over(plugin):
+    from strata_core.registry import load_plugins
+    return load_plugins(autoload=False, extra=[plugin])
+
+
+def test_no_device_shows_no_install_line_since_installing_would_not_help():
+    plugin = _plugin_over(FakeRuntime(fail=NoDeviceError()))
+    r = plugin.probe()
+    assert r.available is False and r.install_hint == ""
+    host = _registry_over(plugin)
+    (status,) = [s for s in host.statuses() if s.name == "cuda"]
+    assert status.install_hint == "" and "no CUDA device" in status.reason
+    with pytest.raises(BadInput) as e:
+        host.resolve("cuda")
+    assert "pip install" not in str(e.value) and "(install:" not in str(e.value) and "no CUDA device" in str(e.value)
+
+
+def test_a_missing_cupy_shows_the_install_line_once(monkeypatch):
+    monkeypatch.setitem(sys.modules, "cupy", None)
+    host = _registry_over(cuda_backend.PLUGIN)
+    (status,) = [s for s in host.statuses() if s.name == "cuda"]
+    assert status.install_hint == cuda_backend.INSTALL_HINT
+    with pytest.raises(BadInput) as e:
+        host.resolve("cuda")
+    assert str(e.value).count(cuda_backend.INSTALL_HINT) == 1 and str(e.value).count("pip install") == 1

@@ -19,7 +19,7 @@ from strata_core.errors import BadInput, StrataError
 
 from .cupy_device import CupyDeviceMemory, CupyPinnedAllocator
 from .kernels import CupyKernels
-from .probe import INSTALL_HINT, NAME, probe
+from .probe import INSTALL_HINT, NAME, NO_INSTALL_FIXES_IT, probe
 from .rules import nvidia_defaults
 
 PINNED_KIND = "cuda-host"
@@ -80,15 +80,20 @@ class CupyBackendPlugin:
                 return r
             return replace(r, devices=tuple(CupyDevice(self._device_info(i), self) for i in r.devices))
         except Exception as e:  # the contract: a probe never raises
-            return ProbeResult.unavailable(f"the {self.backend.name} probe failed: {type(e).__name__}: {e}")
+            return ProbeResult.unavailable(f"the {self.backend.name} probe failed: {type(e).__name__}: {e}",
+                                           install_hint=NO_INSTALL_FIXES_IT)
 
     def describe(self, info: DeviceInfo) -> CupyDevice:
         """A device of this backend known only from a profile's facts: it plans with the backend's rules."""
         return CupyDevice(info, self, present=False)
 
     def _layer_ops(self, session: DeviceSession) -> Any:
-        """The session's own layer ops (the fused CUDA paths will go here); None: the core composes the kernels'."""
-        return None
+        """The session's own layer ops: the fused CUDA paths on NVIDIA (strata_cuda.layer_ops); None elsewhere (the
+        core composes the kernels')."""
+        if self.backend.name != NAME:
+            return None
+        from .layer_ops import CudaLayerOps
+        return CudaLayerOps(session.memory, session.kernels)
 
     def open(self, device: CupyDevice, plan: Any) -> DeviceSession:
         """Device memory, page-locked memory charging the plan's pinned budget, and moe.cu's KernelSet on `device`."""

@@ -43,6 +43,9 @@ def install_line(extra: str, package_dir: Path) -> str:
 
 INSTALL_HINT = install_line("cuda", Path(__file__).parent)
 
+#: A probe result's install line when the library is installed and the device is what is missing: none is shown.
+NO_INSTALL_FIXES_IT = ""
+
 #: A usable GPU outranks the cpu backend (10) and the sim backend (0); a larger card outranks a smaller one.
 BASE_SCORE = 100
 
@@ -98,14 +101,15 @@ def probe_devices(runtime: Any, read: Callable[[int, int], DeviceInfo], *, label
     try:
         count = int(runtime.getDeviceCount())
     except Exception as e:
-        return ProbeResult.unavailable(f"{no_device}: {e}", version=version)
+        return ProbeResult.unavailable(f"{no_device}: {e}", version=version, install_hint=NO_INSTALL_FIXES_IT)
     if count <= 0:
-        return ProbeResult.unavailable(f"{no_device}: {count_call} found 0", version=version)
+        return ProbeResult.unavailable(f"{no_device}: {count_call} found 0", version=version,
+                                       install_hint=NO_INSTALL_FIXES_IT)
     try:
         devices = tuple(read(i, count) for i in range(count))
     except Exception as e:
         return ProbeResult.unavailable(f"{label} devices found but not readable: {type(e).__name__}: {e}",
-                                       version=version)
+                                       version=version, install_hint=NO_INSTALL_FIXES_IT)
     score = BASE_SCORE + max(d.vram_total_bytes for d in devices) // GIB
     names = ", ".join(f"{d.name} ({d.arch}, {d.vram_total_bytes / GIB:.0f} GiB)" for d in devices)
     return ProbeResult(available=True, reason=f"{count} {label} device(s): {names}", devices=devices,
@@ -142,7 +146,8 @@ def probe_cupy(*, hip: bool, label: str, missing: Callable[[Exception], str], wr
             return ProbeResult.unavailable(wrong_build(cupy.__version__))
         return run(runtime, cupy.__version__)
     except Exception as e:  # the contract: a probe never raises
-        return ProbeResult.unavailable(f"the {label} probe failed: {type(e).__name__}: {e}")
+        return ProbeResult.unavailable(f"the {label} probe failed: {type(e).__name__}: {e}",
+                                       install_hint=NO_INSTALL_FIXES_IT)
 
 
 # --- the NVIDIA probe ---

@@ -79,7 +79,7 @@ def device_info(dev: Any, index: int) -> DeviceInfo:
 def probe() -> ProbeResult:
     """What dpctl sees: OpenCL-backend SYCL devices, GPUs first. Never raises."""
     try:
-        from .runtime import all_device_names, load_dpctl, usable_devices
+        from .runtime import all_device_names, find_intel_opencl_runtime, load_dpctl, usable_devices
         dpctl = load_dpctl()
     except ImportError as e:  # the one outcome the install line fixes
         return ProbeResult.unavailable(f"dpctl is not installed ({e})")
@@ -93,11 +93,15 @@ def probe() -> ProbeResult:
             why = ("no SYCL device found" if not seen else
                    "no OpenCL-backend SYCL device with USM device memory (the kernels are OpenCL C); found: "
                    + ", ".join(seen))
-            return ProbeResult.unavailable(why + "; the Intel OpenCL CPU runtime comes with intel-opencl-rt",
-                                           version=version)
+            # the [sycl] extra brings Intel's OpenCL CPU runtime: its line helps only where that runtime is missing
+            runtime_here = find_intel_opencl_runtime() is not None
+            return ProbeResult.unavailable(why + ("" if runtime_here else "; the Intel OpenCL CPU runtime comes with "
+                                                  "the [sycl] extra (intel-opencl-rt)"),
+                                           version=version, install_hint="" if runtime_here else None)
         infos = tuple(device_info(d, i) for i, d in enumerate(devs))
     except Exception as e:
-        return ProbeResult.unavailable(f"SYCL device query failed: {type(e).__name__}: {e}", version=version)
+        return ProbeResult.unavailable(f"SYCL device query failed: {type(e).__name__}: {e}", version=version,
+                                       install_hint="")
     usm_host = {i: bool(d.has_aspect_usm_host_allocations) for i, d in enumerate(devs)}
     described = ", ".join(f"{d.arch} {d.name}" + ("" if usm_host[d.index] else " (no USM host memory: nothing pinned)")
                           for d in infos)

@@ -30,6 +30,9 @@ NAME = "opencl"
 #: The strata contract this plugin was written against: a core of another major version refuses it, as it should.
 API_VERSION = "2.0"
 
+#: What to install where no OpenCL platform is found: Intel's CPU runtime (the plugin finds it without any variable).
+CPU_RUNTIME_HINT = "pip install 'strata-opencl[cpu]'"
+
 #: Largest prompt chunk the auto choice may take on an OpenCL device, in tokens.
 CHUNK_CEILING_TOKENS = 4096
 
@@ -111,13 +114,13 @@ def probe() -> ProbeResult:
     try:
         devs = list_devices(cl)
         if not devs:
-            return ProbeResult.unavailable("no OpenCL platform or device found (install a driver's ICD, or "
-                                           "'pip install strata-opencl[cpu]' for Intel's CPU runtime)",
-                                           version=version)
+            return ProbeResult.unavailable("no OpenCL platform or device found (install a driver's ICD, or Intel's "
+                                           "CPU runtime)", version=version, install_hint=CPU_RUNTIME_HINT)
         infos = tuple(device_info(cl, d, i, _offers_host_visible(cl, p, n)) for i, (p, n, d) in enumerate(devs))
         platforms = sorted({str(cl.get_platforms()[p].name).strip() for p, _, _ in devs})
     except Exception as e:
-        return ProbeResult.unavailable(f"OpenCL device query failed: {type(e).__name__}: {e}", version=version)
+        return ProbeResult.unavailable(f"OpenCL device query failed: {type(e).__name__}: {e}", version=version,
+                                       install_hint="")
     described = ", ".join(f"{d.arch} {d.name}" for d in infos)
     return ProbeResult(available=True, reason=f"{len(infos)} OpenCL device(s) on {', '.join(platforms)}: {described}",
                        devices=infos, score=max(score_for(d) for d in infos), version=version)
