@@ -15,6 +15,7 @@ import numpy as np
 from strata_core.api.backend import PinnedAllocator, PinnedBudget, PinnedBuffer
 from strata_core.reference.kernels import ExpertPool
 from strata_core.phantom import PhantomArray
+from strata_core.planner.pin_caps import REGISTRATION_SLICE_BYTES
 from strata_core.runtime.runlog import RunLog
 
 GIB = 1 << 30
@@ -46,6 +47,8 @@ class ExpertStore:
         self.buffers: list[PinnedBuffer] = []
         self.allocator: PinnedAllocator | None = None
         self.whole = False
+        #: One registration call of 512 GiB or more fails: the plan's slice size (planner.pin_caps).
+        self.max_call_bytes = REGISTRATION_SLICE_BYTES
 
     @property
     def nbytes(self) -> int:
@@ -72,21 +75,24 @@ class ExpertStore:
         return {k: a[row] for k, a in self.pool.arrays.items()}
 
     def _register_rows(self, r0: int, r1: int) -> list[PinnedBuffer] | None:
-        """Register rows r0:r1 of every array; all or nothing."""
+        """Register rows r0:r1 of every array, in calls below the per-call limit; all or nothing."""
         got = []
+        step = max(1, self.max_call_bytes // max(1, self.row_bytes))
         for a in self.pool.arrays.values():
-            buf = self.allocator.register(a[r0:r1])
-            if buf is None:
-                for b in got:
-                    self.allocator.free(b)
-                return None
-            got.append(buf)
+            for c0 in range(r0, r1, step):
+                buf = self.allocator.register(a[c0:min(r1, c0 + step)])
+                if buf is None:
+                    for b in got:
+                        self.allocator.free(b)
+                    return None
+                got.append(buf)
         return got
 
     def pin(self, allocator: PinnedAllocator | None, budget: PinnedBudget, arena_limit_bytes: int,
-            log: RunLog) -> None:
+            log: RunLog, max_call_bytes: int = REGISTRATION_SLICE_BYTES) -> None:
         """Page-lock the store as the plan allows: whole, else in slices up to arena_limit_bytes, else pageable."""
         self.allocator = allocator
+        self.max_call_bytes = int(max_call_bytes)
         total = self.nbytes
         if allocator is None:
             log.fallback("expert arena", "the backend offers no page-locked memory: experts are copied from "

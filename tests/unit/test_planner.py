@@ -210,3 +210,28 @@ def test_one_per_token_buffer_formula_for_planner_and_runtime(hidden, experts, t
     plan = make_plan(DEVICE, HOST, spec, _settings(), PlatformDefaults())
     assert plan.prompt_buffer_bytes(256) == chunk_buffer_bytes(256, spec.hidden, spec.experts_per_layer, spec.top_k,
                                                                spec.expert_ffn)
+
+
+def test_the_store_registers_a_huge_arena_in_calls_below_the_per_call_limit():
+    """One registration call of 512 GiB or more fails: a 600 GiB arena is pinned whole, in slices of the plan's size."""
+    from strata_core.api.backend import PinnedBudget, PinnedBuffer
+    from strata_core.runtime.runlog import RunLog
+    from strata_core.runtime.store import ExpertStore, phantom_pool_of_bytes
+
+    class PerCallLimited:
+        calls: list[int] = []
+
+        def register(self, array, from_floor=False):
+            n = int(array.nbytes)
+            self.calls.append(n)
+            return None if n >= REGISTRATION_LIMIT_BYTES else PinnedBuffer(array=None, nbytes=n, kind="register")
+
+        def free(self, buf):
+            pass
+
+    rows, slot = 600 * 64, 16 * MIB  # 600 GiB of experts
+    store = ExpertStore(phantom_pool_of_bytes(rows, slot), 600, 64)
+    alloc = PerCallLimited()
+    store.pin(alloc, PinnedBudget(1 << 50, 0), rows * slot, RunLog(), max_call_bytes=256 * GIB)
+    assert store.whole and store.pinned_bytes == rows * slot
+    assert max(alloc.calls) < REGISTRATION_LIMIT_BYTES and sum(alloc.calls) == rows * slot
