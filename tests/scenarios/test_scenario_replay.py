@@ -46,9 +46,12 @@ def test_plan_holds_every_invariant(path, capsys):
             assert r["loan_slots"] == r["ring_slots"] + r["buffer_slots"]
             assert r["loan_slots"] <= d["expert_cache"]["slots"] - p["min_keep_slots"]
     h = d["host_memory"]
-    assert h["resident_bytes"] + h["borrow_bytes"] + h["kv_pinned_bytes"] + h["headroom_bytes"] <= h["available_bytes"]
     pin = d["pinned"]
+    # the in-RAM store is at least the resident set and at least its page-locked part (issue 12.3)
+    assert max(h["resident_bytes"], pin["arena_bytes"]) + h["borrow_bytes"] + h["kv_pinned_bytes"] \
+        + h["headroom_bytes"] <= h["available_bytes"]
     assert pin["arena_bytes"] + pin["floor_bytes"] <= pin["limit_bytes"]
+    assert pin["cap_bytes"] is None or pin["limit_bytes"] <= pin["cap_bytes"]
     assert pin["cpu_share_bytes"] <= pin["floor_bytes"] or not d["cpu_share"]["enabled"]
 
 
@@ -96,8 +99,11 @@ def _gfx12(low_ram: bool):
 def test_gfx12_with_30_gb_keeps_the_8192_chunk(path):
     plan = _plan_object(path)
     assert plan.prompt.chunk == 8192
-    h = plan.host_memory
-    assert h.resident_bytes + h.borrow_bytes + h.kv_pinned_bytes + h.headroom_bytes <= h.available_bytes
+    h, pin = plan.host_memory, plan.pinned
+    # the arena pins only what host RAM leaves beside the borrow and the headroom (it planned 24 GiB + 3.8 GiB)
+    assert max(h.resident_bytes, pin.arena_bytes) + h.borrow_bytes + h.kv_pinned_bytes + h.headroom_bytes \
+        <= h.available_bytes
+    assert pin.arena_bytes + h.borrow_bytes + h.headroom_bytes <= h.available_bytes
 
 
 @pytest.mark.parametrize("path", scenario_params(_gfx12(low_ram=False)))
