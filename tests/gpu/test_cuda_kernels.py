@@ -13,16 +13,15 @@ import secrets
 import numpy as np
 import pytest
 
-from strata_core.api.backend import DeviceMemory, KernelSet, PinnedAllocator, PinnedBudget
+from types import SimpleNamespace
+
+from strata_core.api import DeviceMemory, DeviceSession, KernelSet, PinnedAllocator, PinnedBudget
 from strata_core.reference import kernels as ref
-from strata_core.registry import load_plugins
 from strata_cuda import backend as cuda_backend
 from strata_cuda.grouping import group_layouts
-from strata_cuda.probe import probe
 
-PROBE = probe()
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not PROBE.available, reason=f"no CUDA device here: {PROBE.reason}")]
+PROBE = cuda_backend.BACKEND.probe()
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not PROBE.available, reason="no CUDA device")]
 
 FP32 = 1e-5
 FP16 = 2e-3
@@ -312,12 +311,14 @@ def test_pinned_alloc_and_register_go_through_the_budget(rng):
 
 # ---- the plugin end to end ----------------------------------------------------------------------------------------
 
-def test_the_plugin_serves_its_device_through_the_hooks(cp):
-    plugins = load_plugins(autoload=False, extra=[cuda_backend])
-    (status,) = plugins.statuses()
-    assert status.available and status.score > 100
-    dev = status.devices[0]
-    assert dev.arch.startswith("sm_") and dev.vendor == "nvidia" and 0 < dev.vram_free_bytes <= dev.vram_total_bytes
-    assert plugins.hook.strata_kernels(device=dev).name == "cuda-moe.cu"
-    assert isinstance(plugins.hook.strata_device_memory(device=dev), DeviceMemory)
-    assert plugins.hook.strata_pinned_allocator(device=dev, budget=PinnedBudget(MIB)).kind == "cuda-host"
+def test_the_backends_device_opens_a_session_with_the_kernels(cp):
+    (dev, *_) = PROBE.devices
+    info = dev.info
+    assert info.arch.startswith("sm_") and info.vendor == "nvidia" and 0 < info.vram_free_bytes <= info.vram_total_bytes
+    s = dev.open(SimpleNamespace(pinned=SimpleNamespace(limit_bytes=MIB, floor_bytes=0)))
+    try:
+        assert isinstance(s, DeviceSession) and s.kernels.name == "cuda-moe.cu"
+        assert isinstance(s.memory, DeviceMemory) and isinstance(s.pinned, PinnedAllocator)
+        assert s.pinned.kind == "cuda-host"
+    finally:
+        s.close()

@@ -60,13 +60,21 @@ def moes(cp):
     return out
 
 
+class SeededGenerator:
+    """A numpy Generator that remembers its seed, for the failure messages."""
+
+    def __init__(self, seed: int):
+        self.seed_value = seed
+        self._g = np.random.default_rng(seed)
+
+    def __getattr__(self, name):
+        return getattr(self._g, name)
+
+
 @pytest.fixture
 def rng():
     """A fresh generator per test; its seed is in every assertion message."""
-    seed = secrets.randbits(32)
-    g = np.random.default_rng(seed)
-    g.seed_value = seed  # type: ignore[attr-defined]
-    return g
+    return SeededGenerator(secrets.randbits(32))
 
 
 def pinned(cp, shape, dtype) -> np.ndarray:

@@ -37,8 +37,9 @@ from strata_core.reference.kernels import QK8_0, ExpertPool
 
 SOURCE_NAME = "moe_fast.cu"
 COMPILE_OPTIONS = ("-std=c++17",)
-KERNEL_NAMES = ("strata_fast_route", "strata_fast_positions", "strata_fast_gather", "strata_fast_swiglu", "strata_fast_combine",
-                "strata_fast_dequant_q8_0", "strata_fast_decode_gate_up", "strata_fast_decode_down")
+KERNEL_NAMES = ("strata_fast_route", "strata_fast_positions", "strata_fast_offsets", "strata_fast_gather",
+                "strata_fast_swiglu", "strata_fast_combine", "strata_fast_dequant_q8_0", "strata_fast_decode_gate_up",
+                "strata_fast_decode_down", "strata_fast_decode_norm_route")
 #: Threads per block of every kernel (STRATA_FAST_THREADS in the source).
 THREADS = 256
 #: Lanes of a warp on CUDA; the top-k keeps 8 logits per lane in registers, so E <= 8 * warp.
@@ -61,10 +62,13 @@ _MEMCPY_H2D = 1
 #: Each expert's rows in the compact f16 stacks start at a multiple of this, so every group starts 16-byte aligned
 #: whatever the widths and cuBLAS sees aligned matrices.
 ROW_ALIGN = 8
-#: How the expert GEMMs of a layer run (FastMoE.gemm_mode): "grouped" is one cublasGemmGroupedBatchedEx per
-#: projection with each expert's exact row count (CUDA >= 12.5); "classes" is one pointer-array batched GEMM per size
-#: class (each group rounded up to the next class, at most 1.5x its rows above 16); "loop" is one GEMM per expert.
-GEMM_MODES = ("grouped", "classes", "loop")
+#: How the expert GEMMs of a layer run (FastMoE.gemm_mode): "classes" is one pointer-array batched GEMM per size
+#: class (each group rounded up to the next class, at most 1.5x its rows above 16), the classes spread over
+#: `gemm_streams` streams so small ones run beside large ones; "grouped-classes" the same classes in one
+#: cublasGemmGroupedBatchedEx (CUDA >= 12.5); "grouped" one grouped call with each expert's exact rows; "loop" one
+#: GEMM per expert. Measured on the H200 (bench/results/layer_h200.json): classes is the fastest, the default.
+GEMM_MODES = ("classes", "grouped-classes", "grouped", "loop")
+CLASS_MODES = ("classes", "grouped-classes")
 
 
 def kernel_source() -> str:
@@ -120,7 +124,7 @@ class StackLayout:
     def of(cls, count_of_block: np.ndarray, mode: str) -> "StackLayout":
         """The layout of these groups (in block order) for a gemm mode."""
         count = np.asarray(count_of_block, dtype=np.int64)
-        cap = class_rows(count) if mode == "classes" else -(-count // ROW_ALIGN) * ROW_ALIGN
+        cap = class_rows(count) if mode in CLASS_MODES else -(-count // ROW_ALIGN) * ROW_ALIGN
         row0 = np.concatenate([[0], np.cumsum(cap)[:-1]]).astype(np.int64) if count.size else count
         return cls(count=count, cap=cap, row0=row0)
 
@@ -169,6 +173,28 @@ class _BlasExtra:
 
 
 @dataclass
+class DecodeLayer:
+    """One layer of a decode stack: its norm and router weights (device f32), its pool and device slot map [E]
+    int32 (-1: read from `host`, the mapped host addresses of its f16 gate|up and down arrays), and where its
+    routed ids and weights [K] land (kept for the hit counts)."""
+
+    norm_w: Any
+    router_w: Any
+    pool: ExpertPool
+    slot_map: Any
+    ids: Any
+    w: Any
+    host: tuple[int, int] | None = None
+    eps: float = 1e-6
+
+    def key(self) -> tuple:
+        """The buffers a captured graph of this layer reads and writes."""
+        a = self.pool.arrays
+        return (self.norm_w.data.ptr, self.router_w.data.ptr, a["w_gate_up"].data.ptr, a["w_down"].data.ptr,
+                self.slot_map.data.ptr, self.ids.data.ptr, self.w.data.ptr, self.host)
+
+
+@dataclass
 class LayerStats:
     """What the last layer did: experts used, hits, misses, bytes streamed, rows of the compact stack."""
 
@@ -179,6 +205,7 @@ class LayerStats:
     stack_rows: int = 0
     routed_rows_hit: int = 0
     routed_rows: int = 0
+    copy_groups: int = 0
 
 
 class _Grown:
@@ -202,7 +229,7 @@ class FastMoE:
 
     def __init__(self, experts: int, top_k: int, hidden: int, ffn: int, group_experts: int = 8,
                  hit_batch_experts: int = 0, decode_rows_per_warp: int = DECODE_ROWS_PER_WARP,
-                 gemm_mode: str | None = None):
+                 gemm_mode: str | None = None, gemm_streams: int = 4):
         import cupy
         from cupy.cuda import runtime
         from cupy_backends.cuda.libs import cublas
@@ -230,11 +257,19 @@ class FastMoE:
         self._handle = cupy.cuda.device.get_cublas_handle()
         self._blas = _BlasExtra()
         #: the expert GEMMs' mode (GEMM_MODES): grouped where this cuBLAS has it, else classes, else loop
-        self.gemm_mode = gemm_mode or ("grouped" if self._blas.grouped else "classes" if self._blas.batched
-                                       else "loop")
-        if self.gemm_mode not in GEMM_MODES or (self.gemm_mode == "grouped" and not self._blas.grouped) or \
-                (self.gemm_mode == "classes" and not self._blas.batched):
+        self.gemm_mode = gemm_mode or ("classes" if self._blas.batched else "loop")
+        needs = {"classes": self._blas.batched, "grouped-classes": self._blas.grouped, "grouped": self._blas.grouped,
+                 "loop": True}
+        if not needs.get(self.gemm_mode):
             raise ValueError(f"FastMoE: gemm_mode {self.gemm_mode!r} is not available here")
+        # side streams for the size classes, each with its own cuBLAS handle (a handle's workspace is not shared
+        # between streams that run at once)
+        self._side = []
+        if self.gemm_mode == "classes":
+            for _ in range(max(0, int(gemm_streams) - 1)):
+                hnd = cublas.create()
+                cublas.setPointerMode(hnd, _CUBLAS_POINTER_MODE_HOST)
+                self._side.append((cupy.cuda.Stream(non_blocking=True), hnd))
         # page-locked staging of the GEMMs' device pointer arrays, used from a cursor that restarts once the last
         # upload from it has run (an event), so the host never overwrites a table a queued copy still reads
         n_ptr = 16 * max(experts, 64)
@@ -315,13 +350,29 @@ class FastMoE:
         b_d = self._upload_ptrs(np.asarray(b_ptrs, dtype=np.int64)[order])
         c_d = self._upload_ptrs(np.asarray(c_ptrs, dtype=np.int64)[order])
         if self.gemm_mode == "classes":
-            for n, f0, cnt in zip(sizes.tolist(), first.tolist(), per.tolist()):
-                st = self._blas.batched(self._handle, _CUBLAS_OP_T, _CUBLAS_OP_N, m, n, k, self._one.ctypes.data,
+            main = self._cp.cuda.get_current_stream()
+            lanes = [(main, self._handle)]
+            if self._side and sizes.size > 1:
+                fork = self._cp.cuda.Event(disable_timing=True)
+                fork.record(main)
+                for side, _ in self._side:
+                    side.wait_event(fork)
+                lanes += self._side
+            # largest classes first, dealt round the lanes, so each lane gets a share of the heavy work
+            for j, c in enumerate(np.argsort(-sizes, kind="stable").tolist()):
+                stream, hnd = lanes[j % len(lanes)]
+                cb.setStream(hnd, stream.ptr)
+                n, f0, cnt = int(sizes[c]), int(first[c]), int(per[c])
+                st = self._blas.batched(hnd, _CUBLAS_OP_T, _CUBLAS_OP_N, m, n, k, self._one.ctypes.data,
                                         a_d + 8 * f0, _CUDA_R_16F, lda, b_d + 8 * f0, _CUDA_R_16F, ldb,
                                         self._zero.ctypes.data, c_d + 8 * f0, _CUDA_R_16F, ldc, cnt,
                                         _CUBLAS_COMPUTE_32F, _CUBLAS_GEMM_DEFAULT)
                 if st:
                     raise RuntimeError(f"cublasGemmBatchedEx failed with status {st}")
+            for side, _ in lanes[1:]:
+                join = self._cp.cuda.Event(disable_timing=True)
+                join.record(side)
+                main.wait_event(join)
             return
         g = int(sizes.size)
         # host arrays cuBLAS reads during the call; kept on self so nothing is collected before it returns
@@ -411,17 +462,23 @@ class FastMoE:
     # -- prefill -----------------------------------------------------------------------------------------------
 
     def prefill_layer(self, x: Any, logits: Any, pool: ExpertPool, slot_of_expert: np.ndarray,
-                      host_pool: ExpertPool | None = None, ring: tuple[int, int] | None = None,
-                      out: Any = None) -> Any:
+                      host_pool: ExpertPool | None = None, ring: Any = None, out: Any = None,
+                      accumulate: bool = False, on_counts: Any = None) -> Any:
         """One MoE layer over a chunk: x [T,H] f32, logits [T,E] f32 -> y [T,H] f32 (see the module docstring).
 
         slot_of_expert [E] (host int32): the pool slot holding each expert, -1 when missed. Missed experts are
-        copied from host_pool (page-locked arrays, indexed by expert id) into the ring, pool slots
-        ring[0]..ring[0]+ring[1]-1, whose earlier contents are no longer needed. Runs on `compute_stream`;
-        `out` (a [T,H] f32 device array) is written in place when given.
+        copied from host_pool (page-locked arrays, indexed by expert id) into the ring, pool slots whose earlier
+        contents are no longer needed: (first, count) for a run, or an array of slots. Runs on `compute_stream`;
+        `out` (a [T,H] f32 device array) is written in place when given, or added to with `accumulate`.
+        on_counts(counts [E] host int64), when given, is called once the counts are known and returns the slot map
+        to run with: either every miss given a slot (admitted; its copy already ordered before this stream's next
+        work) or none (they stream through the ring).
         """
+        if ring is not None and not isinstance(ring, np.ndarray):
+            ring = np.arange(int(ring[0]), int(ring[0]) + int(ring[1]), dtype=np.int64)
         with self.compute_stream:
-            return self._prefill(x, logits, pool, np.asarray(slot_of_expert, dtype=np.int64), host_pool, ring, out)
+            return self._prefill(x, logits, pool, np.asarray(slot_of_expert, dtype=np.int64), host_pool, ring, out,
+                                 accumulate, on_counts)
 
     def warm_prefill_layer(self, x: Any, logits: Any, pool: ExpertPool, slot_of_expert: np.ndarray) -> Any:
         """prefill_layer with every routed expert cached (raises if one is not)."""
@@ -432,29 +489,63 @@ class FastMoE:
         """prefill_layer with every expert missed and streamed through the ring."""
         return self.prefill_layer(x, logits, pool, np.full(self.experts, -1, dtype=np.int64), host_pool, ring)
 
+    def stack_rows_bound(self, tokens: int) -> int:
+        """The most rows the compact stack of a `tokens`-token chunk can take in this gemm mode (any routing)."""
+        routed = tokens * self.top_k
+        if self.gemm_mode in CLASS_MODES:
+            return (3 * routed) // 2 + 2 * ROW_ALIGN * self.experts
+        return routed + ROW_ALIGN * self.experts
+
     def _stack_bufs(self, ws: dict, rows: int) -> tuple[int, int, int, int]:
         """(xs, gu, act, ys) f16 stacks of `rows` rows: inputs [rows,H], gate|up [rows,2F], SwiGLU [rows,F], out [rows,H]."""
         h, f = self.hidden, self.ffn
         return (ws["xs"].ptr(2 * rows * h), ws["gu"].ptr(2 * rows * 2 * f), ws["act"].ptr(2 * rows * f),
                 ws["ys"].ptr(2 * rows * h))
 
-    def _prefill(self, x: Any, logits: Any, pool: ExpertPool, slot_of: np.ndarray,
-                 host_pool: ExpertPool | None, ring: tuple[int, int] | None, out: Any) -> Any:
+    def _prefill(self, x: Any, logits: Any, pool: ExpertPool, slot_of: np.ndarray, host_pool: ExpertPool | None,
+                 ring: np.ndarray | None, out: Any, accumulate: bool = False, on_counts: Any = None) -> Any:
         cp = self._cp
         t, h = int(x.shape[0]), self.hidden
         kk, e_n = self.top_k, self.experts
+        st = self._cp.cuda.get_current_stream()
         self._mark("start")
+        maps = self._ws.setdefault("maps", _Grown(cp)).ptr(8 * e_n)
+        slot_d, row_of_d = maps, maps + 4 * e_n
+        self._upload_i32(slot_d, np.where(slot_of >= 0, 1, -1).astype(np.int32))
         ids, wts, pos, rowidx, counts = self._launch_route(logits, t)
+        self._k["strata_fast_offsets"]((1,), (THREADS,), (np.uint64(counts), np.uint64(slot_d), np.int32(e_n),
+                                                          np.int32(self.gemm_mode in CLASS_MODES),
+                                                          np.uint64(row_of_d)))
         self._mark("routed")
-        # the one host sync of a prefill layer: row counts decide the GEMM sizes and which experts to fetch
-        counts_h = self._download_i32(counts, e_n).astype(np.int64)
+        # the one host sync of a prefill layer: row counts decide the GEMM sizes and which experts to fetch; the
+        # gather (its offsets computed on the device, as the host computes them below) runs while the host waits
+        self._rt.memcpyAsync(self._back.ctypes.data, counts, 4 * e_n, 2, st.ptr)
+        self._synced.record(st)
+        # ring copies may begin once the compute stream is past every earlier reader of the ring (previous layers)
+        start = cp.cuda.Event(disable_timing=True)
+        start.record()
+        # the input stack is sized for the most rows any routing can need, so the gather need not wait for the counts
+        xs = self._ws["xs"].ptr(2 * self.stack_rows_bound(t) * h)
+        self._k["strata_fast_gather"]((t * kk,), (THREADS,),
+                                      (x, np.uint64(ids), np.uint64(pos), np.uint64(row_of_d), np.int32(t),
+                                       np.int32(kk), np.int32(h), np.uint64(xs), np.uint64(rowidx)))
+        self._synced.synchronize()
+        counts_h = self._back[:e_n].astype(np.int64)
         # every pointer table uploaded before this point has been copied (it preceded the counts on this stream)
         self._ptr_cursor = 0
         used = counts_h > 0
         hits = np.nonzero(used & (slot_of >= 0))[0]
-        hits = hits[np.argsort(slot_of[hits], kind="stable")]
         misses = np.nonzero(used & (slot_of < 0))[0]
-        if misses.size and (host_pool is None or ring is None):
+        if on_counts is not None:
+            new = np.asarray(on_counts(counts_h), dtype=np.int64)
+            placed = new[misses] >= 0
+            if placed.any() and not placed.all():
+                raise ValueError("prefill_layer: on_counts must give every miss a slot or none")
+            slot_of = new
+            if placed.any():
+                # every miss admitted: all blocks run as hits, in the device's order (hits, then the former misses)
+                hits, misses = np.concatenate([hits, misses]), misses[:0]
+        if misses.size and (host_pool is None or ring is None or ring.size == 0):
             raise ValueError(f"prefill_layer: {misses.size} experts are not cached and no host pool/ring was given")
         order = np.concatenate([hits, misses])
         g_n = int(order.size)
@@ -464,20 +555,12 @@ class FastMoE:
         if out is None:
             out = cp.empty((t, h), dtype=cp.float32)
         if g_n == 0:
-            out.fill(0)
+            if not accumulate:
+                out.fill(0)
             return out
-        table = np.zeros(e_n, dtype=np.int32)
-        table[order] = lay.row0
-        maps = self._ws.setdefault("maps", _Grown(cp)).ptr(4 * e_n)
-        self._upload_i32(maps, table)
         bufs = self._stack_bufs(self._ws, lay.rows)
+        assert bufs[0] == xs, "the input stack grew after the gather"
         self._mark("planned")
-        # ring copies may begin once the compute stream is past every earlier reader of the ring (previous layers)
-        start = cp.cuda.Event(disable_timing=True)
-        start.record()
-        self._k["strata_fast_gather"]((t * kk,), (THREADS,),
-                                      (x, np.uint64(ids), np.uint64(pos), np.uint64(maps), np.int32(t),
-                                       np.int32(kk), np.int32(h), np.uint64(bufs[0]), np.uint64(rowidx)))
 
         def run_hits() -> None:
             if hits.size:
@@ -490,7 +573,8 @@ class FastMoE:
         else:
             run_hits()
         self._k["strata_fast_combine"]((t,), (THREADS,), (np.uint64(bufs[3]), np.uint64(rowidx), np.uint64(wts),
-                                                          np.int32(t), np.int32(kk), np.int32(h), out))
+                                                          np.int32(t), np.int32(kk), np.int32(h), out,
+                                                          np.int32(bool(accumulate))))
         self._mark("end")
         return out
 
@@ -529,7 +613,7 @@ class FastMoE:
         ones = cp.ones(rows, dtype=cp.float32)
         self._k["strata_fast_combine"]((rows,), (THREADS,),
                                        (np.uint64(bufs[3]), np.uint64(rowidx), ones, np.int32(rows), np.int32(1),
-                                        np.int32(h), np.uint64(y.data.ptr + 4 * r0 * h)))
+                                        np.int32(h), np.uint64(y.data.ptr + 4 * r0 * h), np.int32(0)))
         return y
 
     def _run_blocks(self, pool: ExpertPool, block_slots: np.ndarray, blk0: int, lay: StackLayout,
@@ -571,7 +655,7 @@ class FastMoE:
         m = len(slots)
         w13, w2 = self._weights_f16(pool, slots)
         row0 = lay.row0[blk0:blk0 + m]
-        ns = lay.cap[blk0:blk0 + m] if self.gemm_mode == "classes" else lay.count[blk0:blk0 + m]
+        ns = lay.cap[blk0:blk0 + m] if self.gemm_mode in CLASS_MODES else lay.count[blk0:blk0 + m]
         self._gemm_problems(2 * f, h, h, h, 2 * f, w13, xs + 2 * row0 * h, gu + 2 * row0 * 2 * f, ns)
         r_first = int(row0[0])
         r_n = int(row0[-1] + lay.cap[blk0 + m - 1]) - r_first
@@ -579,17 +663,24 @@ class FastMoE:
                                       (np.uint64(gu), np.int64(r_first), np.int64(r_n), np.int32(f), np.uint64(act)))
         self._gemm_problems(h, f, f, f, h, w2, act + 2 * row0 * f, ys + 2 * row0 * h, ns)
 
-    def _copy_experts(self, pool: ExpertPool, host_pool: ExpertPool, experts: list[int], slot0: int,
+    def _copy_experts(self, pool: ExpertPool, host_pool: ExpertPool, experts: list[int], slots: Sequence[int],
                       names: Sequence[str] | None = None) -> int:
-        """Enqueue host->device copies of `experts` into slots slot0.. on the copy stream (arrays `names`, default
-        all); consecutive expert ids go as one copy per array. Returns the bytes enqueued."""
+        """Enqueue host->device copies of `experts` into `slots` on the copy stream (arrays `names`, default all);
+        runs of consecutive expert ids landing in consecutive slots go as one copy per array. Returns the bytes."""
         total = 0
         stream = self.copy_stream.ptr
-        for first, e0, n in slot_runs(experts):
+        runs: list[tuple[int, int, int]] = []  # (expert, slot, count)
+        for e, sl in zip(experts, slots):
+            e, sl = int(e), int(sl)
+            if runs and runs[-1][0] + runs[-1][2] == e and runs[-1][1] + runs[-1][2] == sl:
+                runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+            else:
+                runs.append((e, sl, 1))
+        for e0, s0, n in runs:
             for name in names or pool.arrays:
                 dev, src = pool.arrays[name], host_pool.arrays[name]
                 per = int(src.strides[0])
-                self._rt.memcpyAsync(dev.data.ptr + (slot0 + first) * int(dev.strides[0]), src.ctypes.data + e0 * per,
+                self._rt.memcpyAsync(dev.data.ptr + s0 * int(dev.strides[0]), src.ctypes.data + e0 * per,
                                      n * per, _MEMCPY_H2D, stream)
                 total += n * per
         return total
@@ -604,11 +695,11 @@ class FastMoE:
         sizes = [head // groups + (1 if i < head % groups else 0) for i in range(groups)] if groups else []
         return sizes + tail
 
-    def _stream_misses(self, misses: list[int], pool: ExpertPool, host_pool: ExpertPool, ring: tuple[int, int],
+    def _stream_misses(self, misses: list[int], pool: ExpertPool, host_pool: ExpertPool, ring: np.ndarray,
                        blk_base: int, lay: StackLayout, bufs: tuple, start: Any,
                        run_hits: Any) -> None:
         cp = self._cp
-        ring0, ring_n = int(ring[0]), int(ring[1])
+        ring_n = int(ring.size)
         sizes = self.miss_groups(len(misses), ring_n)
         if max(sizes) > ring_n:
             raise ValueError(f"prefill_layer: a ring of {ring_n} slots cannot hold a copy group of {max(sizes)}")
@@ -641,7 +732,8 @@ class FastMoE:
                 for d in deps[g]:
                     cs.wait_event(done[d])
                 a = first_of[g]
-                moved += self._copy_experts(pool, host_pool, misses[a:a + sizes[g]], ring0 + place[g])
+                moved += self._copy_experts(pool, host_pool, misses[a:a + sizes[g]],
+                                            ring[place[g]:place[g] + sizes[g]])
                 landed[g].record(cs)
                 self._mark(f"copied_{g}", cs)
                 next_copy += 1
@@ -652,11 +744,12 @@ class FastMoE:
         for g, size in enumerate(sizes):
             st.wait_event(landed[g])
             blk0 = blk_base + int(first_of[g])
-            self._group(pool, ring0 + place[g] + np.arange(size, dtype=np.int64), blk0, lay, bufs)
+            self._group(pool, ring[place[g]:place[g] + size], blk0, lay, bufs)
             done[g].record(st)
             self._mark(f"computed_{g}")
             streamed += queue_copies(g + 1)
         self.stats.bytes_streamed = streamed
+        self.stats.copy_groups = len(sizes)
 
     # -- decode ------------------------------------------------------------------------------------------------
 
@@ -673,6 +766,8 @@ class FastMoE:
                    "map": cp.empty(self.experts, dtype=cp.int32),
                    "pos": cp.empty(self.top_k, dtype=cp.int32),
                    "counts": cp.zeros(self.experts, dtype=cp.int32),
+                   "xn": cp.empty((1, self.hidden), dtype=cp.float32),
+                   "logits": cp.empty((1, self.experts), dtype=cp.float32),
                    "ev_gate_up": cp.cuda.Event(disable_timing=True),
                    "ev_down": cp.cuda.Event(disable_timing=True)}
             self._dec = buf
@@ -714,8 +809,10 @@ class FastMoE:
         return out
 
     def _gate_up(self, x: Any, logits: Any, pool: ExpertPool, slot_map: Any, refill_from: Any, skip_missing: int,
-                 host_w13: int = 0) -> None:
-        b = self.decode_buffers()
+                 host_w13: int = 0, ids_out: Any = None, w_out: Any = None) -> None:
+        b = dict(self.decode_buffers())
+        if ids_out is not None:
+            b["ids"], b["w"] = ids_out, w_out
         h, f, kk = self.hidden, self.ffn, self.top_k
         rows_per_block = (THREADS // WARP_LANES) * self.decode_rows_per_warp
         self._k["strata_fast_decode_gate_up"](((f + rows_per_block - 1) // rows_per_block, kk), (THREADS,),
@@ -726,15 +823,51 @@ class FastMoE:
                                                b["w"]))
 
     def _down(self, pool: ExpertPool, slot_map: Any, only_missing_in: Any, skip_missing: int, out: Any,
-              host_w2: int = 0) -> None:
-        b = self.decode_buffers()
+              host_w2: int = 0, accumulate: int = 0, ids: Any = None, w: Any = None) -> None:
+        b = dict(self.decode_buffers())
+        if ids is not None:
+            b["ids"], b["w"] = ids, w
         h, f, kk = self.hidden, self.ffn, self.top_k
         warps = THREADS // WARP_LANES
         self._k["strata_fast_decode_down"](((h + warps - 1) // warps,), (THREADS,),
                                            (b["act"], b["ids"], b["w"], slot_map,
                                             only_missing_in if only_missing_in is not None else np.uint64(0),
                                             np.int32(skip_missing), pool.arrays["w_down"], np.uint64(host_w2),
-                                            np.int64(h * f), np.int32(h), np.int32(f), np.int32(kk), out))
+                                            np.int64(h * f), np.int32(h), np.int32(f), np.int32(kk), out,
+                                            np.int32(accumulate)))
+
+    def decode_stack(self, x: Any, layers: Sequence["DecodeLayer"], graph: bool = True) -> None:
+        """One token through every layer, in place on the residual x [1,H] f32: per layer rmsnorm + router,
+        gate/up + SwiGLU, then down added to x; no host sync. With `graph` the whole stack is captured once per set
+        of buffers and replayed (one launch per step); missed experts (slot -1) are read from each layer's mapped
+        host memory. Runs on `compute_stream`."""
+        for lay in layers:
+            self._check_decode_pool(lay.pool)
+        self.decode_buffers()
+        if not graph:
+            with self.compute_stream:
+                self._decode_stack_body(x, layers)
+            return
+        key = ("stack", x.data.ptr) + tuple(lay.key() for lay in layers)
+        g = self._graphs.get(key)
+        if g is None:
+            if len(self._graphs) >= MAX_DECODE_GRAPHS:
+                self._graphs.clear()
+            g = self._capture(lambda: self._decode_stack_body(x, layers))
+            self._graphs[key] = g
+        g.launch(self.compute_stream)
+
+    def _decode_stack_body(self, x: Any, layers: Sequence["DecodeLayer"]) -> None:
+        b = self.decode_buffers()  # allocated before any capture: no allocation may happen inside one
+        xn, logits = b["xn"], b["logits"]
+        warps = THREADS // WARP_LANES
+        for lay in layers:
+            self._k["strata_fast_decode_norm_route"](((self.experts + warps - 1) // warps,), (THREADS,),
+                                                     (x, lay.norm_w, lay.router_w, np.int32(self.experts),
+                                                      np.int32(self.hidden), np.float32(lay.eps), xn, logits))
+            h13, h2 = lay.host or (0, 0)
+            self._gate_up(xn, logits, lay.pool, lay.slot_map, None, 0, h13, ids_out=lay.ids, w_out=lay.w)
+            self._down(lay.pool, lay.slot_map, None, 0, x, h2, accumulate=1, ids=lay.ids, w=lay.w)
 
     def _check_decode_pool(self, pool: ExpertPool) -> None:
         if pool.dtype != "f16":

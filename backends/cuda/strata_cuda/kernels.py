@@ -59,6 +59,9 @@ def compile_to_ptx(arch: str = "compute_90", options: tuple[str, ...] = COMPILE_
 class CupyKernels:
     """KernelSet on a CUDA or ROCm device through cupy (see the module docstring for the grouped FFN's structure)."""
 
+    #: the grouped FFN packs rows and intermediates as f16 (f32 accumulation); every other kernel is f32
+    precision = {"moe_grouped_ffn": "f16"}
+
     def __init__(self, device_index: int = 0, name: str = "cupy-moe.cu", fast_grouped_ffn: bool = False):
         import cupy
         from cupy.cuda import runtime
@@ -168,6 +171,11 @@ class CupyKernels:
 
         offsets and slots may be numpy or cupy arrays; the group sizes are read on the host (a small copy).
         """
+        if weights.dtype == "gguf":  # GGUF rows, dequantized per tile inside moe_quant.cu's GEMMs (issue 14)
+            if getattr(self, "_quant", None) is None:
+                from .quant_ffn import QuantGroupedFFN
+                self._quant = QuantGroupedFFN(self._cp)
+            return self._quant(x, offsets, slots, weights)
         fast = self._fast_path(weights)
         if fast is not None:
             return fast.grouped_ffn(x, offsets, slots, weights)

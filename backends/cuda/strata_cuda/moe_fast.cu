@@ -161,6 +161,44 @@ extern "C" __global__ void strata_fast_positions(const int* __restrict__ ids, in
     if (tid == STRATA_FAST_THREADS - 1) counts[e] = s_scan[tid];
 }
 
+// Rows of a group in the compact stack: its count rounded up to 8, or in size-class mode to its class (8, 16, then
+// 2^k and 1.5 * 2^k); fast.py's StackLayout computes the same on the host.
+__device__ __forceinline__ int stack_cap(int c, int classes) {
+    if (c <= 0) return 0;
+    if (!classes) return (c + 7) / 8 * 8;
+    int p = 1;
+    while (p < c) p <<= 1;
+    const int mid = 3 * p / 4;
+    const int r = (mid >= c && mid % 8 == 0) ? mid : p;
+    return r < 8 ? 8 : r;
+}
+
+// Stack offsets on the device, so the gather need not wait for the host: one block of STRATA_FAST_THREADS >= E
+// threads; the cached experts' groups first, then the missed ones, each in expert-id order.
+extern "C" __global__ void strata_fast_offsets(const int* __restrict__ counts, const int* __restrict__ slot_of, int E,
+                                               int classes, int* __restrict__ row_of_expert) {
+    __shared__ int s_hit[STRATA_FAST_THREADS];
+    __shared__ int s_miss[STRATA_FAST_THREADS];
+    const int e = threadIdx.x;
+    const int c = e < E ? counts[e] : 0;
+    const int cap = stack_cap(c, classes);
+    const bool hit = c > 0 && slot_of[e] >= 0;
+    s_hit[e] = hit ? cap : 0;
+    s_miss[e] = hit ? 0 : cap;
+    __syncthreads();
+    for (int off = 1; off < STRATA_FAST_THREADS; off <<= 1) {
+        const int h = e >= off ? s_hit[e - off] : 0, m = e >= off ? s_miss[e - off] : 0;
+        __syncthreads();
+        s_hit[e] += h;
+        s_miss[e] += m;
+        __syncthreads();
+    }
+    if (e < E) {
+        const int hits_total = s_hit[STRATA_FAST_THREADS - 1];
+        row_of_expert[e] = hit ? s_hit[e] - cap : (c > 0 ? hits_total + s_miss[e] - cap : 0);
+    }
+}
+
 // Gather: routed row (t,k) -> row row_of_expert[e] + pos of the compact f16 stack X (each expert's rows contiguous,
 // no padding to a common height); rowidx records where it went. One block per routed row; each thread moves 8
 // floats as one 16-byte store.
@@ -201,10 +239,11 @@ extern "C" __global__ void strata_fast_swiglu(const unsigned short* __restrict__
     }
 }
 
-// Combine: out[t] = sum_k w[t,k] * Y[rowidx[t,k]] in k order (deterministic, no atomics), f32 out.
+// Combine: out[t] = sum_k w[t,k] * Y[rowidx[t,k]] in k order (deterministic, no atomics), f32 out; with accumulate
+// the sum is added to out (the residual update x += moe(x)).
 extern "C" __global__ void strata_fast_combine(const unsigned short* __restrict__ Y, const int* __restrict__ rowidx,
                                                const float* __restrict__ wts, int T, int K, int H,
-                                               float* __restrict__ out) {
+                                               float* __restrict__ out, int accumulate) {
     const int t = blockIdx.x;
     if (t >= T) return;
     for (int c = threadIdx.x; c < H / 8; c += blockDim.x) {
@@ -216,6 +255,11 @@ extern "C" __global__ void strata_fast_combine(const unsigned short* __restrict_
             acc[4] += s * lo_h(v.z); acc[5] += s * hi_h(v.z); acc[6] += s * lo_h(v.w); acc[7] += s * hi_h(v.w);
         }
         float4* o = (float4*)(out + (long long)t * H + 8 * c);
+        if (accumulate) {
+            const float4 a = o[0], b = o[1];
+            acc[0] = a.x + acc[0]; acc[1] = a.y + acc[1]; acc[2] = a.z + acc[2]; acc[3] = a.w + acc[3];
+            acc[4] = b.x + acc[4]; acc[5] = b.y + acc[5]; acc[6] = b.z + acc[6]; acc[7] = b.w + acc[7];
+        }
         o[0] = make_float4(acc[0], acc[1], acc[2], acc[3]);
         o[1] = make_float4(acc[4], acc[5], acc[6], acc[7]);
     }
@@ -321,7 +365,7 @@ extern "C" __global__ void __launch_bounds__(STRATA_FAST_THREADS)
 strata_fast_decode_down(const float* __restrict__ act, const int* __restrict__ ids, const float* __restrict__ wts,
                         const int* __restrict__ slot_map, const int* __restrict__ only_missing_in, int skip_missing,
                         const unsigned short* __restrict__ w2, const unsigned short* __restrict__ host_w2,
-                        long long slot_stride, int H, int F, int K, float* __restrict__ out) {
+                        long long slot_stride, int H, int F, int K, float* __restrict__ out, int accumulate) {
     __shared__ const unsigned short* s_base[STRATA_FAST_WARPS][STRATA_FAST_MAXK];
     __shared__ float s_w[STRATA_FAST_WARPS][STRATA_FAST_MAXK];
     __shared__ int s_nan[STRATA_FAST_WARPS];
@@ -370,5 +414,33 @@ strata_fast_decode_down(const float* __restrict__ act, const int* __restrict__ i
         acc += s_w[warp][k] * dot8(v, xv);
     }
     acc = warp_sum(acc);
-    if (lane == 0) out[h] = only_missing_in ? out[h] + acc : acc;
+    if (lane == 0) out[h] = (only_missing_in || accumulate) ? out[h] + acc : acc;
+}
+
+// Decode, step 0 of 3 (the layer op's graph): rmsnorm and router of the one token. Every block reduces x's sum of
+// squares itself (H values: cheaper than another launch), block 0 writes xn = x / rms(x) * w for step 1, and each
+// warp computes one expert's logit xn . router[e]. Grid ceil(E / warps).
+extern "C" __global__ void __launch_bounds__(STRATA_FAST_THREADS)
+strata_fast_decode_norm_route(const float* __restrict__ x, const float* __restrict__ norm_w,
+                              const float* __restrict__ router, int E, int H, float eps, float* __restrict__ xn,
+                              float* __restrict__ logits) {
+    __shared__ float s_part[STRATA_FAST_WARPS];
+    const int warp = threadIdx.x / STRATA_WARP, lane = threadIdx.x % STRATA_WARP;
+    float ss = 0.f;
+    for (int i = threadIdx.x; i < H; i += STRATA_FAST_THREADS) ss += x[i] * x[i];
+    ss = warp_sum(ss);
+    if (lane == 0) s_part[warp] = ss;
+    __syncthreads();
+    float tot = 0.f;
+    for (int w = 0; w < STRATA_FAST_WARPS; ++w) tot += s_part[w];
+    const float inv = 1.0f / sqrtf(tot / (float)H + eps);
+    if (blockIdx.x == 0)
+        for (int i = threadIdx.x; i < H; i += STRATA_FAST_THREADS) xn[i] = x[i] * inv * norm_w[i];
+    const int e = blockIdx.x * STRATA_FAST_WARPS + warp;
+    if (e >= E) return;
+    const float* r = router + (long long)e * H;
+    float acc = 0.f;
+    for (int i = lane; i < H; i += STRATA_WARP) acc += (x[i] * inv * norm_w[i]) * r[i];
+    acc = warp_sum(acc);
+    if (lane == 0) logits[e] = acc;
 }

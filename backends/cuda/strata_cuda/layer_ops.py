@@ -1,0 +1,254 @@
+"""The cuda session's layer ops: the executor's LayerWork run on strata_cuda.fast.FastMoE's fused paths.
+
+- `prefill_layer`: rmsnorm and router through the session's kernels, then FastMoE.prefill_layer: routing counts and
+  positions on the device, one host sync for the counts (the GEMM sizes), the hits as size-class batched GEMMs
+  over a compact stack, the misses streamed into the loan's ring slots on a copy stream (grouped copies, events),
+  and the weighted sum added to the residual in k order. Without a ring the misses are admitted into the cache
+  first (copies on the executor's copy stream, behind a fence). The cache's slot map is read before routing
+  (`slot_of` of the runtime's ExpertCache) and the hits and misses are counted with `lookup` once the counts are
+  known.
+- `decode_step`: every layer of the token as one CUDA graph replay (per layer: rmsnorm + router, gate/up, down
+  into the residual), no host sync per layer; a missed expert is read by the kernels from mapped page-locked host
+  memory. After the replay the routed ids of all layers come back in one copy for the hit and miss counts. Decode
+  does not admit misses (admission stays off the critical path: the cache is what prefill and warm-up left).
+Where the fused paths do not apply (expert formats other than f16 and Q8_0, shapes off their grid, Q8_0 or
+unmapped host memory in decode, a --check observer in decode) the core's ComposedLayerOps over the same session
+runs the layer, so every model still runs.
+cupy is imported on first use: this module imports without it.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+
+from strata_core.api.kernels import ExpertPool, LayerWork
+from strata_core.errors import StrataError
+
+EMPTY = -1
+#: The fused paths' formats (FastMoE's layouts).
+FUSED_DTYPES = ("f16", "q8_0")
+#: The CPU share stays off on the fused path's fallback (it would need the runtime's share buffers).
+_NO_SHARE = SimpleNamespace(armed_for=lambda tokens: False, rows_capacity=0)
+
+
+class CudaLayerOps:
+    """LayerOps on a cuda session: FastMoE per model shape, ComposedLayerOps where the fused paths do not apply."""
+
+    name = "cuda-fused"
+    #: f16 activations and intermediates, f32 accumulation (the --check bound of that path)
+    precision = "f16"
+
+    def __init__(self, memory: Any, kernels: Any, workspace_bytes: int = 0):
+        self.memory = memory
+        self.kernels = kernels
+        self.workspace_bytes = int(workspace_bytes)
+        self._fast: dict[tuple, Any] = {}
+        self._composed: Any = None
+        self._maps_host: np.ndarray | None = None
+        self._maps_dev: Any = None
+        self._ids_dev: Any = None
+        self._w_dev: Any = None
+        self._host_ptrs: dict[tuple, Any] = {}
+        #: how many layers each path ran (a test and `strata run` can tell which path ran)
+        self.counts = {"prefill_fused": 0, "prefill_composed": 0, "decode_graph_steps": 0, "decode_plain_steps": 0,
+                       "decode_composed_steps": 0}
+
+    # --- shapes and fallbacks ------------------------------------------------------------------------------
+
+    @staticmethod
+    def _shape(w: LayerWork) -> tuple[int, int, int, int] | None:
+        """(E, K, H, F) of the work when the fused paths take it, else None."""
+        pool = w.pool
+        if pool is None or pool.dtype not in FUSED_DTYPES or w.router_w is None:
+            return None
+        down = pool.arrays.get("w_down" if pool.dtype == "f16" else "down_q")
+        if down is None or not hasattr(down, "data"):
+            return None
+        e, h, f = int(w.router_w.shape[0]), int(down.shape[1]), int(down.shape[2])
+        if h % 32 or f % 32 or e > 256 or w.top_k > 16:
+            return None
+        return e, int(w.top_k), h, f
+
+    def _fast_for(self, w: LayerWork) -> Any:
+        """The FastMoE of this work's shape (built once), or None when the fused paths do not apply."""
+        shape = self._shape(w)
+        if shape is None:
+            return None
+        if shape not in self._fast:
+            from .fast import FastMoE
+            self._fast[shape] = FastMoE(*shape)
+        return self._fast[shape]
+
+    def _fallback(self, w: LayerWork) -> Any:
+        """The core's composed layer ops over this session (built once)."""
+        if self._composed is None:
+            from strata_core.runtime.layer_ops import ComposedLayerOps
+            store = getattr(w.source, "store", None)
+            if store is None:
+                raise StrataError("cuda layer ops: this layer needs the composed path, and its expert source has "
+                                  "no host store")
+            down = w.pool.arrays.get("w_down", w.pool.arrays.get("down_q"))
+            ffn = int(down.shape[2]) if down is not None and getattr(down, "ndim", 0) == 3 else 0
+            self._composed = ComposedLayerOps(dm=self.memory, kernels=self.kernels, store=store, share=_NO_SHARE,
+                                              hidden=int(w.x.shape[1]), expert_ffn=ffn,
+                                              experts_per_layer=int(getattr(w.slots, "experts_per_layer", 0)),
+                                              layers=int(getattr(w.slots, "layers", 1)),
+                                              workspace_bytes=self.workspace_bytes)
+        return self._composed
+
+    # --- the cache as the fused paths see it ---------------------------------------------------------------
+
+    @staticmethod
+    def _slot_map(w: LayerWork, experts: int) -> np.ndarray:
+        """Slot of every expert of the layer (-1: missed), read without counting a lookup."""
+        rows = np.asarray(w.slots.row(w.layer, np.arange(experts)), dtype=np.int64)
+        table = getattr(w.slots, "slot_of", None)
+        if table is None:
+            raise StrataError("cuda layer ops need the runtime's expert cache (its slot_of table)")
+        return np.asarray(table[rows], dtype=np.int64)
+
+    @staticmethod
+    def _host_layer(w: LayerWork, experts: int) -> ExpertPool | None:
+        """The host store's experts of this layer, indexed by expert id (views, no copy)."""
+        store = getattr(w.source, "store", None)
+        if store is None or getattr(store.pool, "dtype", None) != w.pool.dtype:
+            return None
+        r0 = int(w.slots.row(w.layer, 0))
+        return ExpertPool(w.pool.dtype, {k: a[r0:r0 + experts] for k, a in store.pool.arrays.items()})
+
+    # --- prefill -------------------------------------------------------------------------------------------
+
+    def prefill_layer(self, work: LayerWork) -> None:
+        """Run one MoE layer of a prompt chunk in place on work.x."""
+        fast = self._fast_for(work)
+        if fast is None:
+            self.counts["prefill_composed"] += 1
+            self._fallback(work).prefill_layer(work)
+            return
+        import cupy as cp
+        e_n = fast.experts
+        observer = work.extras.get("observer")
+        x = work.x
+        x_in = np.asarray(self.memory.download(x)) if observer is not None else None
+        fast.compute_stream = cp.cuda.get_current_stream()
+        xn = self.kernels.rmsnorm(x, work.norm_w)
+        logits = self.kernels.linear(xn, work.router_w)
+        slot_map = self._slot_map(work, e_n)
+        ring = np.asarray(work.ring, dtype=np.int64) if work.ring is not None and len(work.ring) else None
+        host = self._host_layer(work, e_n) if ring is not None else None
+        if ring is not None and host is None:
+            ring = None  # no host arrays to copy from directly: misses go through admission and the source
+
+        def on_counts(counts: np.ndarray) -> np.ndarray:
+            used = np.flatnonzero(counts > 0)
+            work.slots.lookup(work.layer, used, counts[used])
+            missed = used[slot_map[used] < 0]
+            if ring is not None or missed.size == 0:
+                return slot_map
+            return self._admit(work, slot_map, used, missed)
+
+        fast.prefill_layer(xn, logits, work.pool, slot_map, host, ring, out=x, accumulate=True, on_counts=on_counts)
+        st = fast.stats
+        if ring is not None and st.misses:
+            work.stats["experts_streamed"] += int(st.misses)
+            work.stats["bytes_streamed"] += int(st.bytes_streamed)
+            work.stats["ring_batches"] += int(st.copy_groups)
+        self.counts["prefill_fused"] += 1
+        work.workspace.reset()
+        if observer is not None:
+            observer(work.phase, work.layer, x_in, np.asarray(self.memory.download(x)))
+
+    def _admit(self, work: LayerWork, slot_map: np.ndarray, used: np.ndarray, missed: np.ndarray) -> np.ndarray:
+        """Admit every missed expert into the cache (never evicting this layer's hits), copies ordered before the
+        compute stream's next work; the new slot map. Raises when the cache cannot take them all."""
+        import cupy as cp
+        hits = slot_map[used]
+        hits = hits[hits >= 0]
+        got = work.slots.admit(work.layer, missed, keep=hits)
+        if np.any(got < 0):
+            raise StrataError(f"layer {work.layer}: the cache cannot take the {missed.size} missed experts of this "
+                              f"chunk without a ring")
+        cs = work.copy_stream
+        fence = cp.cuda.Event(disable_timing=True)
+        fence.record(cp.cuda.get_current_stream())
+        cs.wait_event(fence)  # earlier layers' kernels may still read the evicted slots
+        for e, slot in zip(missed, got):
+            work.source.upload(int(work.slots.row(work.layer, int(e))), int(slot), cs)
+        landed = cp.cuda.Event(disable_timing=True)
+        landed.record(cs)
+        cp.cuda.get_current_stream().wait_event(landed)
+        work.stats["experts_admitted"] += int(missed.size)
+        out = slot_map.copy()
+        out[missed] = got
+        return out
+
+    # --- decode --------------------------------------------------------------------------------------------
+
+    def _decode_layers(self, works: list[LayerWork], fast: Any) -> list | None:
+        """The DecodeLayer of every work (device slot maps refreshed from the cache), or None when some layer's
+        misses could not be read from mapped host memory."""
+        import cupy as cp
+        from .fast import DecodeLayer
+        n, e_n, k = len(works), fast.experts, fast.top_k
+        maps = np.stack([self._slot_map(w, e_n) for w in works]).astype(np.int32)
+        if self._maps_dev is None or self._maps_dev.shape != maps.shape:
+            self._maps_dev = cp.empty(maps.shape, dtype=cp.int32)
+            self._ids_dev = cp.empty((n, k), dtype=cp.int32)
+            self._w_dev = cp.empty((n, k), dtype=cp.float32)
+            self._maps_host = None
+        if self._maps_host is None or not np.array_equal(self._maps_host, maps):
+            self._maps_dev.set(maps, stream=cp.cuda.get_current_stream())
+            self._maps_host = maps
+        layers = []
+        for i, w in enumerate(works):
+            host = None
+            if np.any(maps[i] < 0):
+                key = (w.layer, id(w.source))
+                if key not in self._host_ptrs:
+                    hp = self._host_layer(w, e_n)
+                    self._host_ptrs[key] = fast.host_device_ptrs(hp) if hp is not None else None
+                host = self._host_ptrs[key]
+                if host is None:
+                    return None
+            layers.append(DecodeLayer(norm_w=w.norm_w, router_w=w.router_w, pool=w.pool,
+                                      slot_map=self._maps_dev[i], ids=self._ids_dev[i], w=self._w_dev[i], host=host))
+        return layers
+
+    def decode_step(self, works: list[LayerWork]) -> None:
+        """Run every MoE layer of one decode token: one graph replay where the fused decode applies."""
+        if not works:
+            return
+        fast = self._fast_for(works[0])
+        observer = works[0].extras.get("observer")
+        if fast is None or works[0].pool.dtype != "f16" or any(self._shape(w) != self._shape(works[0])
+                                                               for w in works):
+            self.counts["decode_composed_steps"] += 1
+            self._fallback(works[0]).decode_step(works)
+            return
+        import cupy as cp
+        layers = self._decode_layers(works, fast)
+        if layers is None:
+            self.counts["decode_composed_steps"] += 1
+            self._fallback(works[0]).decode_step(works)
+            return
+        fast.compute_stream = cp.cuda.get_current_stream()
+        x = works[0].x
+        if observer is None:
+            fast.decode_stack(x, layers, graph=True)
+            self.counts["decode_graph_steps"] += 1
+        else:
+            # --check: layer by layer, each layer's residual handed to the observer
+            for w, lay in zip(works, layers):
+                x_in = np.asarray(self.memory.download(x))
+                fast.decode_stack(x, [lay], graph=False)
+                observer(w.phase, w.layer, x_in, np.asarray(self.memory.download(x)))
+            self.counts["decode_plain_steps"] += 1
+        ids = self._ids_dev.get(stream=cp.cuda.get_current_stream())
+        for w, row in zip(works, ids):
+            used, cnt = np.unique(row, return_counts=True)
+            w.slots.lookup(w.layer, used.astype(np.int64), cnt)
+        for w in works:
+            w.workspace.reset()

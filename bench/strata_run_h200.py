@@ -1,0 +1,308 @@
+"""`strata run` itself on the H200 at Qwen3-30B-A3B shape: 48 layers, a 4096-token prompt in one chunk, 128 decode
+tokens, three cache settings; PyTorch peers in the same run. Writes strata_run_h200.json (fields: bench/README.md).
+
+Each setting is one `python3 -m strata_core.cli run --backend cuda --json` subprocess (the product's path: the
+executor drives the session's layer ops, strata_cuda.layer_ops over strata_cuda.fast), F16 experts (the fused decode
+reads f16 pools), `--set prefill.chunk=4096`:
+- all: every expert cached (memory.expert_cache = 48 x 128 slots);
+- half_skewed: half the experts cached, weights generated with the sweep's popularity skew (`--skew`: this script's
+  wrapper around the run command, which calls the synthetic generator with popularity_skew=1.0; the run command has
+  no such flag yet);
+- smallest: the smallest cache the plan allows (found by asking the planner for decreasing caches).
+Peers (one layer's weights, the same shape, times 48 layers): torch._grouped_mm prefill in bf16 and in f16 (the
+faster is the peer), and a decode peer that gathers no weights (torch._grouped_mm over the routed rows with
+per-expert offsets: experts with no rows are skipped), replayed as one CUDA graph of 48 layers. The link floor is a
+pinned host-to-device copy measured in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+LAYERS, E, K, H, F = 48, 128, 8, 2048, 768
+PROMPT, DECODE = 4096, 128
+MODEL = "Qwen3-30B-A3B@F16"
+
+
+def log(msg: str) -> None:
+    """One progress line at once."""
+    print(msg, flush=True)
+
+
+def run_strata(extra: list[str], skew: bool, timeout_s: int, decode: int) -> dict:
+    """One `strata run` subprocess; its strata.run/1 JSON plus wall time and stderr tail."""
+    argv = [sys.executable, "-m", "strata_core.cli", "run", "--backend", "cuda", "--model", MODEL,
+            "--prompt-tokens", str(PROMPT), "--decode-tokens", str(decode), "--json",
+            "--set", f"prefill.chunk={PROMPT}", *extra]
+    if skew:
+        argv = [sys.executable, __file__, "--skewed-run", "--", *argv[1:]]
+    t0 = time.perf_counter()
+    p = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s)
+    wall = time.perf_counter() - t0
+    try:
+        d = json.loads(p.stdout)
+    except json.JSONDecodeError:
+        d = {"error": "no JSON", "stdout_tail": p.stdout[-2000:]}
+    d["_wall_s"] = wall
+    d["_exit"] = p.returncode
+    d["_stderr_tail"] = p.stderr[-3000:]
+    d["_argv"] = argv
+    return d
+
+
+def skewed_run(argv: list[str]) -> int:
+    """The run command with the synthetic generator's popularity skew on (what a run flag would do)."""
+    import functools
+    from strata_core.models import synthetic
+    synthetic.generate_weights = functools.partial(synthetic.generate_weights, popularity_skew=1.0)
+    from strata_core.cli import main as cli_main
+    sys.argv = ["strata", *argv[2:]] if argv[:2] == ["-m", "strata_core.cli"] else ["strata", *argv]
+    return cli_main()
+
+
+def plan_json(slots: int) -> dict:
+    """`strata plan --backend cuda --json` of this run's model and chunk with a cache of `slots`."""
+    argv = [sys.executable, "-m", "strata_core.cli", "plan", "--backend", "cuda", "--model", MODEL, "--json",
+            "--set", f"prefill.chunk={PROMPT}", "--set", f"memory.expert_cache={slots}"]
+    p = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    return json.loads(p.stdout) if p.stdout.strip().startswith("{") else {"error": p.stderr[-500:]}
+
+
+def smallest_cache() -> tuple[int | None, list]:
+    """The smallest expert cache (slots) whose plan still lends the 4096-token chunk its loan: the loan's slots plus
+    the slots the plan keeps for decode (read off one plan, then confirmed by planning it)."""
+    tried = []
+    d = plan_json(LAYERS * E // 8)
+    pr = d.get("prompt") or {}
+    tried.append({"slots": LAYERS * E // 8, "chunk": pr.get("chunk"), "max_loan_slots": pr.get("max_loan_slots"),
+                  "min_keep_slots": pr.get("min_keep_slots")})
+    if not pr.get("max_loan_slots"):
+        return None, tried
+    n = int(pr["max_loan_slots"]) + int(pr["min_keep_slots"])
+    for _ in range(4):
+        d = plan_json(n)
+        pr = d.get("prompt") or {}
+        tried.append({"slots": n, "chunk": pr.get("chunk"), "owned_buffers": pr.get("owned_buffers"),
+                      "max_loan_slots": pr.get("max_loan_slots"), "error": d.get("error")})
+        if pr.get("chunk") == PROMPT and not pr.get("owned_buffers"):
+            return n, tried
+        n = int(n * 1.1) + 8
+    return None, tried
+
+
+def peers(res: dict) -> None:
+    """PyTorch peers on one layer's weights, times 48 layers."""
+    import torch
+    import torch.nn.functional as tfn
+    dev = "cuda"
+    g = torch.Generator(device=dev).manual_seed(5)
+    w13 = (torch.randn(E, 2 * F, H, device=dev, generator=g) / H ** 0.5).half()
+    w2 = (torch.randn(E, H, F, device=dev, generator=g) / F ** 0.5).half()
+    x = torch.randn(PROMPT, H, device=dev, generator=g)
+    bias = -torch.log1p(torch.randperm(E, device=dev, generator=g).float())
+    logits_u = torch.randn(PROMPT, E, device=dev, generator=g)
+
+    def timed(fn, reps=10) -> float:
+        for _ in range(3):
+            fn()
+        torch.cuda.synchronize()
+        ts = []
+        for _ in range(reps):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            b.synchronize()
+            ts.append(a.elapsed_time(b))
+        return float(np.median(ts))
+
+    out = {}
+    for dt_name, dt in (("bf16", torch.bfloat16), ("f16", torch.float16)):
+        g13, g2, gx = w13.to(dt).transpose(1, 2), w2.to(dt).transpose(1, 2), x.to(dt)
+        for route_name, lg in (("uniform", logits_u), ("skewed", logits_u + bias)):
+            def layer():
+                v, i = lg.topk(K, dim=1)
+                w = torch.softmax(v, dim=1)
+                flat = i.flatten()
+                order = torch.argsort(flat, stable=True)
+                tok = order // K
+                offs = torch.bincount(flat, minlength=E).cumsum(0).to(torch.int32)
+                h = torch._grouped_mm(gx[tok], g13, offs=offs)
+                a = tfn.silu(h[:, :F]) * h[:, F:]
+                y = torch._grouped_mm(a, g2, offs=offs)
+                return torch.zeros(PROMPT, H, device=dev).index_add_(0, tok, y.float() * w.flatten()[order, None])
+            try:
+                ms = timed(layer)
+                out[f"prefill_grouped_mm_{dt_name}_{route_name}_layer_ms"] = ms
+                out[f"prefill_grouped_mm_{dt_name}_{route_name}_tokens_per_s"] = PROMPT / (LAYERS * ms / 1e3)
+            except Exception as e:
+                out[f"prefill_grouped_mm_{dt_name}_{route_name}_error"] = f"{type(e).__name__}: {e}"
+        del g13, g2, gx
+    # decode peer: no weight gather; grouped_mm over the K routed rows, one CUDA graph of 48 layers
+    dt = torch.bfloat16
+    g13, g2 = w13.to(dt).transpose(1, 2), w2.to(dt).transpose(1, 2)
+    routers = torch.randn(LAYERS, E, H, device=dev, generator=g) / H ** 0.5
+    xd = torch.randn(1, H, device=dev, generator=g)
+
+    def step():
+        h = xd
+        for layer in range(LAYERS):
+            xn = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
+            v, i = (xn @ routers[layer].T).topk(K, dim=1)
+            w = torch.softmax(v, dim=1)
+            flat = i.flatten()
+            order = torch.argsort(flat, stable=True)
+            offs = torch.bincount(flat, minlength=E).cumsum(0).to(torch.int32)
+            rows = xn.to(dt).expand(K, H)
+            hh = torch._grouped_mm(rows, g13, offs=offs)
+            a = tfn.silu(hh[:, :F]) * hh[:, F:]
+            y = torch._grouped_mm(a, g2, offs=offs)
+            h = h + (y.float() * w.flatten()[order, None]).sum(0, keepdim=True)
+        return h
+
+    try:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                step()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            step()
+        ms = timed(graph.replay, reps=20)
+        out["decode_grouped_mm_bf16_graph_step_ms"] = ms
+        out["decode_grouped_mm_bf16_graph_tokens_per_s"] = 1e3 / ms
+    except Exception as e:
+        out["decode_peer_error"] = f"{type(e).__name__}: {e}"
+    # the link floor: one pinned copy of 1.2 GB (one layer's f16 experts)
+    host = torch.empty(E * 3 * H * F, dtype=torch.float16, pin_memory=True)
+    devbuf = torch.empty_like(host, device=dev)
+    ms = timed(lambda: devbuf.copy_(host, non_blocking=True), reps=5)
+    out["link_bytes_per_s"] = host.numel() * 2 / (ms / 1e3)
+    out["link_floor_prefill_tokens_per_s_all_streamed"] = PROMPT / (LAYERS * ms / 1e3)
+    res["peers"] = out
+    log("peers: " + json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in out.items()}))
+
+
+def fidelity(out_dir: str, timeout_s: int) -> dict:
+    """Measured device peak against planned for the tiny model and a Qwen3-30B-A3B-shaped Q8_0 model, at chunks 4096
+    and 16384 (a prompt of one chunk each), from each run's own device_bytes_planned / device_bytes_peak_measured."""
+    rows = []
+    for model, chunk in (("", 4096), ("", 16384), ("Qwen3-30B-A3B@Q8_0", 4096), ("Qwen3-30B-A3B@Q8_0", 16384)):
+        argv = [sys.executable, "-m", "strata_core.cli", "run", "--backend", "cuda", "--json", "--prompt-tokens",
+                str(chunk), "--decode-tokens", "4", "--set", f"prefill.chunk={chunk}"]
+        if model:
+            argv += ["--model", model]
+        t0 = time.perf_counter()
+        p = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s)
+        try:
+            d = json.loads(p.stdout)
+        except json.JSONDecodeError:
+            d = {}
+        planned, peak = d.get("device_bytes_planned"), d.get("device_bytes_peak_measured")
+        row = {"model": model or "strata-tiny", "chunk": chunk, "exit": p.returncode,
+               "wall_s": time.perf_counter() - t0, "device_bytes_planned": planned,
+               "device_bytes_peak_measured": peak, "plan_chunk": ((d.get("plan") or {}).get("prompt") or {}).get("chunk"),
+               "peak_over_planned": (peak / planned) if planned and peak else None}
+        if p.returncode:
+            row["stderr_tail"] = p.stderr[-1500:]
+        rows.append(row)
+        log(f"fidelity {row['model']} chunk {chunk}: exit {p.returncode} planned {planned} peak {peak} "
+            f"ratio {row['peak_over_planned']}")
+    res = {"schema": "strata.bench.fidelity/1", "target": "peak <= planned and >= 0.98 x planned", "runs": rows}
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    (Path(out_dir) / "fidelity_h200.json").write_text(json.dumps(res, indent=1, default=str))
+    return res
+
+
+def summarize(d: dict) -> dict:
+    """The fields this bench keeps of one run."""
+    keep = ("prefill_tokens_per_s", "decode_tokens_per_s", "cache_hit_rate", "bytes_streamed", "check",
+            "outputs_sha256", "device_bytes_planned", "device_bytes_peak_measured", "fallbacks", "layer_ops",
+            "time_per_layer_s", "link_bytes_per_s", "hit_rates", "plan", "_wall_s", "_exit", "error")
+    out = {k: d.get(k) for k in keep if k in d}
+    if isinstance(out.get("plan"), dict):
+        p = out["plan"]
+        out["plan"] = {"expert_cache": p.get("expert_cache"), "prompt": {k: (p.get("prompt") or {}).get(k)
+                                                                         for k in ("chunk", "chunk_source")}}
+    if d.get("_exit"):
+        out["stderr_tail"] = d.get("_stderr_tail")
+    return out
+
+
+def main() -> int:
+    """Run the settings and the peers; write the JSON."""
+    if "--skewed-run" in sys.argv:
+        i = sys.argv.index("--")
+        return skewed_run(sys.argv[i + 1:])
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--out", default=".")
+    ap.add_argument("--settings", default="all,half_skewed,smallest")
+    ap.add_argument("--decode", type=int, default=DECODE)
+    ap.add_argument("--timeout", type=int, default=240)
+    ap.add_argument("--skip-peers", action="store_true")
+    ap.add_argument("--fidelity", action="store_true", help="also write fidelity_h200.json")
+    args = ap.parse_args()
+    if args.fidelity:
+        try:
+            fidelity(args.out, args.timeout)
+        except Exception as e:
+            log(f"fidelity failed: {type(e).__name__}: {e}")
+    res: dict = {"schema": "strata.bench.strata_run/1", "model": MODEL, "layers": LAYERS, "prompt_tokens": PROMPT,
+                 "decode_tokens": args.decode, "runs": {}}
+    total = LAYERS * E
+    for name in args.settings.split(","):
+        if name == "all":
+            extra, skew = ["--set", f"memory.expert_cache={total}"], False
+        elif name == "half_skewed":
+            extra, skew = ["--set", f"memory.expert_cache={total // 2}"], True
+        elif name == "smallest":
+            try:
+                n, tried = smallest_cache()
+            except Exception as e:
+                res["runs"][name] = {"error": f"smallest cache not found: {type(e).__name__}: {e}"}
+                continue
+            res["smallest_cache_slots"], res["smallest_cache_plans"] = n, tried
+            if n is None:
+                res["runs"][name] = {"error": "no cache size lent the chunk its loan", "plans": tried}
+                continue
+            extra, skew = ["--set", f"memory.expert_cache={n}"], False
+        else:
+            continue
+        d = run_strata(extra, skew, args.timeout, args.decode)
+        res["runs"][name] = summarize(d)
+        log(f"{name}: exit {d.get('_exit')} wall {d['_wall_s']:.1f} s prefill {d.get('prefill_tokens_per_s')} tok/s "
+            f"decode {d.get('decode_tokens_per_s')} tok/s hit {d.get('cache_hit_rate')} layer_ops {d.get('layer_ops')}")
+        if d.get("_exit"):
+            log(d.get("_stderr_tail", "")[-1500:])
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        (Path(args.out) / "strata_run_h200.json").write_text(json.dumps(res, indent=1, default=str))
+    if not args.skip_peers:
+        try:
+            peers(res)
+        except Exception as e:
+            res["peers_error"] = f"{type(e).__name__}: {e}"
+    p = res.get("peers", {})
+    peer_prefill = max((v for k, v in p.items() if k.startswith("prefill_grouped_mm") and k.endswith("tokens_per_s")
+                        and "uniform" in k), default=None)
+    peer_decode = p.get("decode_grouped_mm_bf16_graph_tokens_per_s")
+    for name, r in res["runs"].items():
+        if peer_prefill and r.get("prefill_tokens_per_s"):
+            r["ours_over_peer_time_prefill"] = peer_prefill / r["prefill_tokens_per_s"]
+        if peer_decode and r.get("decode_tokens_per_s"):
+            r["ours_over_peer_time_decode"] = peer_decode / r["decode_tokens_per_s"]
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    (Path(args.out) / "strata_run_h200.json").write_text(json.dumps(res, indent=1, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,142 @@
+"""The cuda session's layer ops (strata_cuda.layer_ops.CudaLayerOps) on the runtime's own cache, store and source,
+against a float64 numpy reference: a prefill chunk with half the experts cached and the misses streamed through
+lent ring slots, a chunk without a ring (misses admitted), and decode steps as one graph replay across the layers
+with misses read from mapped page-locked memory. Skipped with "no CUDA device" where there is none.
+"""
+
+from __future__ import annotations
+
+import secrets
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from strata_core.api.kernels import ExpertPool, LayerWork
+from strata_core.reference import kernels as ref
+
+from .test_fast_paths import SeededGenerator, _cuda_device_count, pinned, rel
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(_cuda_device_count() == 0, reason="no CUDA device")]
+
+L, E, K, H, F = 3, 64, 4, 256, 128
+BOUND = 2e-3  # the f16 path: f16 activations and intermediates, f32 accumulation, over three layers
+
+
+@pytest.fixture
+def rng():
+    """A fresh generator per test; its seed is in every assertion message."""
+    return SeededGenerator(secrets.randbits(32))
+
+
+def model(cp, rng):
+    """Host experts (page-locked) of L layers, routers and norms; the runtime's cache, store and source."""
+    from strata_core.runtime.cache import ExpertCache
+    from strata_core.runtime.layer_ops import StoreSource, new_counters
+    from strata_core.runtime.store import ExpertStore
+    from strata_cuda.cupy_device import CupyDeviceMemory
+    w13 = pinned(cp, (L * E, 2 * F, H), np.float16)
+    w2 = pinned(cp, (L * E, H, F), np.float16)
+    w13[...] = (rng.standard_normal((L * E, 2 * F, H), dtype=np.float32) / np.sqrt(H)).astype(np.float16)
+    w2[...] = (rng.standard_normal((L * E, H, F), dtype=np.float32) / np.sqrt(F)).astype(np.float16)
+    host = ExpertPool("f16", {"w_gate_up": w13, "w_down": w2})
+    routers = [(rng.standard_normal((E, H)) / np.sqrt(H)).astype(np.float32) for _ in range(L)]
+    norms = [(1 + 0.1 * rng.standard_normal(H)).astype(np.float32) for _ in range(L)]
+    slots = L * E // 2 + 16
+    cache = ExpertCache(slots, L, E)
+    dev = ExpertPool("f16", {"w_gate_up": cp.full((slots, 2 * F, H), np.nan, cp.float16),
+                             "w_down": cp.full((slots, H, F), np.nan, cp.float16)})
+    placed_rows = rng.permutation(L * E)[: L * E // 2]
+    got = cache.place(placed_rows)
+    for name, a in host.arrays.items():
+        dev.arrays[name][cp.asarray(got)] = cp.asarray(a[placed_rows[: got.size]])
+    store = ExpertStore(host, L, E)
+    dm = CupyDeviceMemory(0)
+    stats = new_counters()
+    source = StoreSource(dm, dev, store, None, stats, False)
+    return SimpleNamespace(host=host, routers=routers, norms=norms, cache=cache, dev=dev, store=store, dm=dm,
+                           stats=stats, source=source)
+
+
+def reference_layer(m, layer: int, x: np.ndarray) -> np.ndarray:
+    """float64 x + MoE(rmsnorm(x)) of one layer."""
+    xn = ref.rmsnorm(x, m.norms[layer])
+    logits = ref.linear(xn, m.routers[layer])
+    ids, w = ref.route_topk(logits, K)
+    y = np.zeros((x.shape[0], H))
+    x64 = xn.astype(np.float64)
+    for e in np.unique(ids):
+        rows, ks = np.nonzero(ids == e)
+        r = layer * E + int(e)
+        gu = x64[rows] @ m.host.arrays["w_gate_up"][r].astype(np.float64).T
+        y_e = (gu[:, :F] / (1 + np.exp(-gu[:, :F])) * gu[:, F:]) @ m.host.arrays["w_down"][r].astype(np.float64).T
+        np.add.at(y, rows, w[rows, ks, None].astype(np.float64) * y_e)
+    return x.astype(np.float64) + y
+
+
+def works(cp, m, phase: str, x, ring: np.ndarray, copy_stream) -> list[LayerWork]:
+    """The LayerWork of every layer, as the executor builds them."""
+    ws = SimpleNamespace(reset=lambda: None)
+    return [LayerWork(phase=phase, layer=i, tokens=int(x.shape[0]), x=x, norm_w=cp.asarray(m.norms[i]),
+                      router_w=cp.asarray(m.routers[i]), top_k=K, pool=m.dev, slots=m.cache, source=m.source,
+                      workspace=ws, ring=ring, copy_stream=copy_stream, stats=m.stats) for i in range(L)]
+
+
+def ops(m):
+    """The layer ops a cuda session gets."""
+    from strata_cuda.kernels import CupyKernels
+    from strata_cuda.layer_ops import CudaLayerOps
+    return CudaLayerOps(m.dm, CupyKernels(0))
+
+
+@pytest.mark.parametrize("with_ring", [True, False], ids=["ring", "admit"])
+def test_prefill_chunk_through_the_layer_ops(cp, rng, with_ring):
+    m = model(cp, rng)
+    op = ops(m)
+    t = 200
+    x0 = rng.standard_normal((t, H)).astype(np.float32)
+    ring = m.cache.lend(12) if with_ring else np.zeros(0, np.int32)
+    assert ring is not None
+    x = cp.asarray(x0)
+    want = x0.astype(np.float64)
+    for w in works(cp, m, "prefill", x, np.asarray(ring), cp.cuda.Stream(non_blocking=True)):
+        op.prefill_layer(w)
+        want = reference_layer(m, w.layer, want.astype(np.float32))
+    cp.cuda.Device().synchronize()
+    err = rel(x.get(), want)
+    assert err < BOUND, f"{err:.2e} (seed {rng.seed_value})"
+    assert op.counts["prefill_fused"] == L and op.counts["prefill_composed"] == 0
+    assert m.cache.misses > 0 and m.cache.hits > 0
+    if with_ring:
+        assert m.stats["experts_streamed"] > 0 and m.stats["ring_batches"] > 0
+        m.cache.give_back(ring)
+    else:
+        assert m.stats["experts_admitted"] > 0
+
+
+def test_decode_steps_replay_one_graph_with_mapped_misses(cp, rng):
+    m = model(cp, rng)
+    op = ops(m)
+    x0 = rng.standard_normal((1, H)).astype(np.float32)
+    x = cp.empty((1, H), cp.float32)
+    for step in range(3):
+        x.set(x0)
+        lookups = m.cache.lookups
+        op.decode_step(works(cp, m, "decode", x, np.zeros(0, np.int32), cp.cuda.Stream(non_blocking=True)))
+        cp.cuda.Device().synchronize()
+        want = x0.astype(np.float64)
+        for layer in range(L):
+            want = reference_layer(m, layer, want.astype(np.float32))
+        err = rel(x.get(), want)
+        assert err < BOUND, f"step {step}: {err:.2e} (seed {rng.seed_value})"
+        assert m.cache.lookups > lookups
+    assert op.counts["decode_graph_steps"] == 3, op.counts
+    assert len([k for k in op._fast.values()][0]._graphs) == 1, "one graph for the whole stack, replayed"
+    assert m.cache.misses > 0, "half the experts are not cached: some decode reads came from host memory"
+
+
+@pytest.fixture(scope="module")
+def cp():
+    """cupy, imported only where a GPU is present."""
+    import cupy
+    return cupy
