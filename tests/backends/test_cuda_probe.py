@@ -183,7 +183,7 @@ def _plugin_over(runtime, nvml=None, os_name="linux"):
     return cuda_backend.CupyBackendPlugin(
         name="cuda", vendor="nvidia", install_hint="hint", description="test", defaults=cuda_backend.nvidia_defaults,
         probe=lambda: cuda_probe.probe_with(runtime, nvml=nvml, os_name=os_name, wsl=False), pinned_kind="cuda-host",
-        kernel_name="cuda-moe.cu", caps=cuda_backend.CUDA_CAPS)
+        kernel_name="cuda-moe.cu", caps=cuda_backend.CUDA_CAPS, layer_ops=cuda_backend.cuda_layer_ops)
 
 
 class PeerRuntime(FakeRuntime):
@@ -202,8 +202,9 @@ def test_the_backend_probe_gives_device_objects_with_the_cuda_caps():
         assert isinstance(d, Device) and isinstance(d.info, DeviceInfo) and d.info.index == i
         assert d.info.device_type is DeviceType.GPU
         caps = d.info.caps
+        # the plugin has its own (fused) layer ops: the cap says so
         assert (caps.async_copies, caps.graph_capture, caps.host_mapped_memory, caps.fused_layer_ops) == \
-            (True, True, False, False)
+            (True, True, False, True)
         assert caps.peer_copies is True and caps.expert_formats == ("f16", "q8_0")
 
 
@@ -234,6 +235,12 @@ def test_describe_plans_from_a_profile_and_open_refuses_in_one_line():
     with pytest.raises(BadInput) as e:
         d.open(plan=None)
     assert "\n" not in str(e.value) and "RTX 3090" in str(e.value) and "profile" in str(e.value)
+
+
+def test_the_real_cuda_plugin_has_fused_layer_ops_and_rocm_has_none():
+    from strata_rocm import backend as rocm_backend
+    assert cuda_backend.PLUGIN.caps.fused_layer_ops is True and cuda_backend.PLUGIN.layer_ops is not None
+    assert rocm_backend.PLUGIN.caps.fused_layer_ops is False and rocm_backend.PLUGIN.layer_ops is None
 
 
 def test_the_only_hook_is_discovery():

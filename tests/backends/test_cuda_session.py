@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from strata_core.api import Device, DeviceMemory, DeviceSession, KernelSet, PinnedAllocator
+from strata_core.api import Device, DeviceMemory, DeviceSession, KernelSet, LayerOps, PinnedAllocator
 from strata_cuda import backend as cuda_backend
 
 PROBE = cuda_backend.BACKEND.probe()
@@ -33,7 +33,9 @@ def test_the_probe_gives_devices_that_open_a_session_charging_the_plans_budget()
         assert isinstance(s.memory, DeviceMemory) and isinstance(s.kernels, KernelSet)
         assert isinstance(s.pinned, PinnedAllocator) and s.pinned.kind == "cuda-host"
         assert (s.budget.limit_bytes, s.budget.floor_bytes) == (64 * MIB, 8 * MIB)
-        assert s.layer_ops is None and s.kernels.name == "cuda-moe.cu"
+        # the fused CUDA layer ops, advertised in the caps
+        assert isinstance(s.layer_ops, LayerOps) and d.info.caps.fused_layer_ops
+        assert s.kernels.name == "cuda-moe.cu"
         buf = s.pinned.alloc(4 * MIB)
         assert buf is not None and s.budget.used_bytes == 4 * MIB
         # the arena may not eat into the floor: 64 - 8 - 4 MiB are left to it

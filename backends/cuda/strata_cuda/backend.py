@@ -27,7 +27,7 @@ PINNED_KIND = "cuda-host"
 #: What the CUDA session offers: copies on their own non-blocking streams overlap kernels (the copy engines); cupy
 #: captures and replays CUDA graphs; the kernels compute f16 and Q8_0 experts from their own bytes. Host-mapped
 #: memory is off because the pinned allocator asks for portable, not mapped, memory (cudaHostAllocMapped is never
-#: requested); fused layer ops are off until the session sets its own (`_layer_ops`).
+#: requested). `fused_layer_ops` is set by the plugin from whether it has layer ops of its own (`layer_ops`).
 CUDA_CAPS = DeviceCaps(async_copies=True, host_mapped_memory=False, graph_capture=True, peer_copies=False,
                        fused_layer_ops=False, expert_formats=("f16", "q8_0"))
 
@@ -57,12 +57,15 @@ class CupyBackendPlugin:
 
     def __init__(self, *, name: str, vendor: str, probe: Callable[[], ProbeResult], install_hint: str,
                  description: str, defaults: Callable[[DeviceInfo, HostInfo], PlatformDefaults], pinned_kind: str,
-                 kernel_name: str, caps: DeviceCaps, fast_grouped_ffn: bool = False):
+                 kernel_name: str, caps: DeviceCaps, fast_grouped_ffn: bool = False,
+                 layer_ops: Callable[[DeviceSession], Any] | None = None):
         self._probe = probe
         self.defaults = defaults
         self.pinned_kind = pinned_kind
         self.kernel_name = kernel_name
-        self.caps = caps
+        #: the backend's own layer ops for a session (cuda's fused paths), or None: the core composes the kernels'
+        self.layer_ops = layer_ops
+        self.caps = replace(caps, fused_layer_ops=layer_ops is not None)
         self.fast_grouped_ffn = fast_grouped_ffn
         self.backend = Backend(name=name, vendor=vendor, probe=self.probe, version=__version__,
                                api_version=API_VERSION, install_hint=install_hint, description=description,
@@ -88,12 +91,8 @@ class CupyBackendPlugin:
         return CupyDevice(info, self, present=False)
 
     def _layer_ops(self, session: DeviceSession) -> Any:
-        """The session's own layer ops: the fused CUDA paths on NVIDIA (strata_cuda.layer_ops); None elsewhere (the
-        core composes the kernels')."""
-        if self.backend.name != NAME:
-            return None
-        from .layer_ops import CudaLayerOps
-        return CudaLayerOps(session.memory, session.kernels)
+        """The session's own layer ops (the backend's `layer_ops` factory); None: the core composes the kernels'."""
+        return None if self.layer_ops is None else self.layer_ops(session)
 
     def open(self, device: CupyDevice, plan: Any) -> DeviceSession:
         """Device memory, page-locked memory charging the plan's pinned budget, and moe.cu's KernelSet on `device`."""
@@ -120,9 +119,16 @@ class CupyBackendPlugin:
         return [self.backend]
 
 
+def cuda_layer_ops(session: DeviceSession) -> Any:
+    """The fused CUDA layer ops (strata_cuda.layer_ops) over a session's memory and kernels."""
+    from .layer_ops import CudaLayerOps  # imported when a session opens, so this module imports without cupy
+    return CudaLayerOps(session.memory, session.kernels)
+
+
 PLUGIN = CupyBackendPlugin(name=NAME, vendor="nvidia", probe=probe, install_hint=INSTALL_HINT,
                            description="NVIDIA GPUs through cupy (CUDA) and nvidia-ml-py", defaults=nvidia_defaults,
-                           pinned_kind=PINNED_KIND, kernel_name="cuda-moe.cu", caps=CUDA_CAPS, fast_grouped_ffn=True)
+                           pinned_kind=PINNED_KIND, kernel_name="cuda-moe.cu", caps=CUDA_CAPS, fast_grouped_ffn=True,
+                           layer_ops=cuda_layer_ops)
 BACKEND = PLUGIN.backend
 
 # The entry point names this module, so the hookimpl is its attribute (pluggy reads bound methods' markers).
