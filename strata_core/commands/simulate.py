@@ -162,6 +162,8 @@ def run(args: argparse.Namespace) -> int:
     scenario = load_scenario(args.scenario)
     from strata_core.commands.plan import merge_scenario_settings
     loaded = merge_scenario_settings(settings_from_args(args), scenario)
+    for n in loaded.notices:  # legacy names, unknown STRATA_* variables: said on stderr, as `strata run` does
+        say(n)
     settings = loaded.settings
     inject = list(settings.sim.inject) + list(args.inject)
     plugins = load_from_settings(settings)

@@ -398,3 +398,29 @@ def test_backend_defaults_fill_only_unset_values(tmp_path):
     assert filled.origins["prefill.lend_fraction"].source == "backend-default"
     assert "rocm" in filled.origins["prefill.lend_fraction"].origin
     assert loaded.settings.prefill.lend_fraction is None  # the input is left as it was
+
+
+# ------------------------------------------------------------------ unknown STRATA_* variables
+
+
+@pytest.mark.parametrize("name, closest", [
+    ("STRATA_PREFILL_CHUNK", "STRATA_PREFILL__CHUNK"),      # one underscore where two belong
+    ("STRATA_PREFIL__CHUNK", "STRATA_PREFILL__CHUNK"),      # a typo in the group
+    ("STRATA_KV__MAX_CONTEXTS", "STRATA_KV__MAX_CONTEXT"),
+    ("STRATA_PIN_GAURD", "STRATA_PIN_GUARD"),               # a legacy name, misspelt
+])
+def test_an_unknown_variable_is_a_notice_with_the_closest_name(tmp_path, name, closest):
+    loaded = load(tmp_path, env={name: "4096"})
+    said = [n for n in loaded.notices if n.startswith(name)]
+    assert said == [f"{name} is not a setting and was ignored (did you mean {closest}?)"]
+    assert loaded.settings == StrataSettings(), "an unknown variable changes nothing"
+
+
+def test_an_unknown_variable_far_from_every_name_says_where_the_names_are(tmp_path):
+    loaded = load(tmp_path, env={"STRATA_ZZZZZZZZZZZZ": "1"})
+    assert loaded.notices == ["STRATA_ZZZZZZZZZZZZ is not a setting and was ignored; "
+                              "`strata config table` lists every variable"]
+
+
+def test_variables_outside_the_prefix_are_not_ours(tmp_path):
+    assert load(tmp_path, env={"STRATAX_FOO": "1", "PATH": "/bin"}).notices == []
