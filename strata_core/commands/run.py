@@ -34,10 +34,11 @@ DEFAULT_DECODE_TOKENS = 64
 GENERATE_RAM_FRACTION = 0.25
 NOTES = ("attention is out of scope for Strata Core: each layer is RMSNorm, router (top-k, renormalized), routed "
          "SwiGLU experts and the residual; there is no KV cache",
-         "device_bytes_allocated counts what the runtime asked DeviceMemory for (cache pool, dense weights, "
-         "per-chunk inputs); kernel outputs come from the backend's own allocator and are counted, from their "
-         "shapes, in device_bytes_peak_estimate; grouped-FFN calls are split so a chunk's buffers stay within the "
-         "plan's workspace",
+         "device memory is the plan's: at start the runtime takes one region per plan line (expert cache, dense "
+         "weights, workspace, owned prompt buffers, KV) and carves every buffer from them (a chunk's from its "
+         "loan's buffer slots); device_bytes_peak_measured is read from the backend (device_bytes_peak_source "
+         "says how); device_bytes_peak_estimate is the older shape-based figure",
+         "prefill_s and decode_s exclude --check's downloads and comparisons (check_s)",
          "a GGUF model is planned with the device bytes this runtime uses: its dense weights without the embedding "
          "(kept on the host) and no KV cache")
 
@@ -217,6 +218,7 @@ def _execute(args: argparse.Namespace, target, plan, spec: ModelSpec, load_weigh
         prompt = np.random.default_rng(args.seed).integers(0, weights.vocab, args.prompt_tokens)
         try:
             result = engine.serve(prompt, args.decode_tokens)
+            measured_bytes, measured_source = engine.device_bytes_peak_measured()
             if result.refused_reason:
                 raise BadInput(f"the request was refused: {result.refused_reason}")
             if checker is not None:
@@ -230,7 +232,9 @@ def _execute(args: argparse.Namespace, target, plan, spec: ModelSpec, load_weigh
     if checker is not None:
         for f in checker.report.failures[:5]:
             say(f"check: {f}")
-    planned = plan.vram.expert_cache_bytes + plan.vram.dense_bytes + plan.vram.workspace_bytes + plan.vram.kv_bytes
+    planned = engine.device_bytes_planned
+    layers = spec.moe_layers
+    hm = plan.host_memory
     return {
         "schema": SCHEMA,
         "backend": plan.backend,
@@ -266,9 +270,32 @@ def _execute(args: argparse.Namespace, target, plan, spec: ModelSpec, load_weigh
         "dense_device_bytes": engine.dense_device_bytes,
         "workspace_bytes_estimate": stats.workspace_peak_bytes,
         "device_bytes_peak_estimate": engine.device_bytes_peak_estimate,
+        "device_bytes_peak_measured": measured_bytes,
+        "device_bytes_peak_source": measured_source,
+        "device_regions": dict(engine.dm.regions),
+        "host_bytes_planned": max(hm.resident_bytes, plan.pinned.arena_bytes) + hm.borrow_bytes + hm.kv_pinned_bytes,
+        "host_rss_peak_bytes": host_rss_peak_bytes(),
+        "pinned_bytes_peak": engine.budget.peak_bytes,
+        "prefill_s": result.prefill_s,
+        "decode_s": result.decode_s,
+        "check_s": engine.executor.observer_s,
+        "time_per_layer_us": {
+            "prefill": 1e6 * result.prefill_s / (stats.chunks * layers) if stats.chunks else None,
+            "decode": 1e6 * result.decode_s / (result.decode_steps * layers) if result.decode_steps else None},
+        "link_gb_per_s": (stats.bytes_streamed / stats.copy_s / 1e9) if stats.copy_s > 0 else None,
+        "link_time_source": stats.copy_time_source,
+        "cache_hit_rate_prefill": result.prefill_hits / result.prefill_lookups if result.prefill_lookups else None,
+        "cache_hit_rate_decode": result.decode_hits / result.decode_lookups if result.decode_lookups else None,
         "log": list(log.lines),
         "notes": list(NOTES),
     }
+
+
+def host_rss_peak_bytes() -> int:
+    """This process's peak resident set (getrusage: KiB on Linux, bytes on macOS)."""
+    import resource
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(rss if sys.platform == "darwin" else rss * 1024)
 
 
 def _mib(n: int | None) -> str:
@@ -290,8 +317,8 @@ def _print_summary(r: dict) -> None:
         ("streamed", f"{_mib(r['bytes_streamed'])} ({r['experts_streamed']} experts, {r['ring_batches']} ring batches)"),
         ("loans", f"{r['loans']} ({r['loan_slots']} slots), halvings {r['halvings']}"),
         ("CPU share", f"{'on' if r['cpu_share']['enabled'] else 'off'}, {r['cpu_share']['experts']} experts"),
-        ("device memory", f"{_mib(r['device_bytes_allocated'])} allocated, {_mib(r['device_bytes_peak_estimate'])} "
-                          f"peak with kernel outputs, of {_mib(r['device_bytes_planned'])} planned"),
+        ("device memory", f"{_mib(r['device_bytes_peak_measured'])} peak measured, of "
+                          f"{_mib(r['device_bytes_planned'])} planned"),
         ("fallbacks", str(len(r["fallbacks"]))),
         ("check", r["check"] + (f" (worst layer rel err {r['check_report']['worst_rel_err']:.2e})"
                                 if r.get("check_report") else "")),

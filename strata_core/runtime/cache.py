@@ -140,6 +140,34 @@ class ExpertCache:
         self.trimmed[taken] = False
         return taken
 
+    def lend_run(self, n: int) -> np.ndarray | None:
+        """Take n adjacent slots not on loan, the run whose experts are coldest in sum; None if no such run.
+
+        A loan's buffer slots are one run, so its buffers are contiguous bytes of the pool's arrays.
+        """
+        if n <= 0:
+            return np.empty(0, dtype=np.int64)
+        held = self.expert_in
+        heat = np.where(held == EMPTY, 0.0, self.freq[np.maximum(held, 0)])
+        heat = np.where(self.on_loan, np.inf, heat)
+        if n > self.slots:
+            return None
+        c = np.concatenate([[0.0], np.cumsum(np.where(np.isinf(heat), 0.0, heat))])
+        blocked = np.concatenate([[0], np.cumsum(np.isinf(heat))])
+        starts = np.arange(self.slots - n + 1)
+        ok = (blocked[starts + n] - blocked[starts]) == 0
+        if not ok.any():
+            return None
+        cost = np.where(ok, c[starts + n] - c[starts], np.inf)
+        a = int(np.argmin(cost))
+        taken = np.arange(a, a + n, dtype=np.int64)
+        old = self.expert_in[taken]
+        self.slot_of[old[old != EMPTY]] = EMPTY
+        self.expert_in[taken] = EMPTY
+        self.on_loan[taken] = True
+        self.trimmed[taken] = False
+        return taken
+
     def give_back(self, slots: np.ndarray) -> None:
         """Return lent slots to the cache, empty."""
         slots = np.asarray(slots, dtype=np.int64)

@@ -1,19 +1,238 @@
-"""A DeviceMemory wrapper that counts what the runtime asks the device for, so a run can report it beside its plan."""
+"""Device memory from the plan only: the regions the runtime takes at start, and the arenas buffers are carved from.
+
+At start the engine takes one region per plan line (the expert cache pool, the dense weights, the workspace, owned
+prompt buffers, KV when the plan has it) through `PlanMemory`, then seals it. While serving, every buffer is a view
+carved from an `Arena` over those regions (the workspace region, a loan's buffer slots of the cache pool): an
+allocation after the seal is outside the plan. In strict mode (tests) it raises `OutsidePlan`; in a run it is
+refused (None, as a device with no room would answer) and reported once as a fallback.
+
+The measured peak comes from the backend itself where it keeps one (`peak_bytes`: the sim's ledger, a pool's
+high-water), else from the driver's free-memory figure sampled around the run (`mem_info`), else (host memory, the
+cpu backend) from the high-water of the regions the runtime allocated through it.
+"""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
+
+import numpy as np
+
+from strata_core.errors import StrataError
+
+#: Carved views start on this byte boundary (OpenCL sub-buffers want the device's base alignment; 256 covers it).
+ALIGN_BYTES = 256
 
 
-class CountingMemory:
-    """Forwards to a backend's DeviceMemory; counts live and peak bytes of the arrays the runtime allocated."""
+class OutsidePlan(StrataError):
+    """An allocation after start-up: outside every region of the plan (a bug; raised in strict mode)."""
 
-    def __init__(self, inner: Any):
+
+class DeviceFull(StrataError):
+    """The device refused an allocation the request cannot run without."""
+
+
+def _align(n: int) -> int:
+    return -(-int(n) // ALIGN_BYTES) * ALIGN_BYTES
+
+
+def nbytes_of(shape: tuple[int, ...], dtype: Any) -> int:
+    """Bytes of an array of this shape and dtype."""
+    return int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+
+
+def byte_view(dm: Any, arr: Any) -> Any | None:
+    """A flat uint8 view of a contiguous device array (the backend's `as_bytes`, else numpy-style), or None."""
+    f = getattr(dm, "as_bytes", None)
+    if f is not None:
+        return f(arr)
+    try:
+        v = arr.reshape(-1).view(np.uint8)
+        return v if int(v.nbytes) == int(arr.nbytes) else None
+    except (AttributeError, TypeError, ValueError, NotImplementedError):
+        return None
+
+
+def typed_view(dm: Any, base: Any, offset_bytes: int, shape: tuple[int, ...], dtype: Any) -> Any:
+    """A [shape] dtype view of bytes [offset, offset + size) of a flat uint8 device array."""
+    f = getattr(dm, "view", None)
+    if f is not None:
+        return f(base, offset_bytes, shape, dtype)
+    n = nbytes_of(shape, dtype)
+    return base[offset_bytes:offset_bytes + n].view(np.dtype(dtype)).reshape(shape)
+
+
+class Arena:
+    """A Workspace over extents of plan memory (flat uint8 device views): first-fit bump carving, marks, reset.
+
+    `sizes` alone (no device views) makes a dry arena that only computes where carves would land (loan sizing).
+    """
+
+    def __init__(self, dm: Any, extents: list[Any] | None = None, sizes: list[int] | None = None):
+        self.dm = dm
+        self.extents = list(extents or [])
+        self.sizes = [int(e.nbytes) for e in self.extents] if sizes is None else [int(s) for s in sizes]
+        self.used = [0] * len(self.sizes)
+        self._base: tuple[int, ...] = tuple(self.used)
+        self.high_water_bytes = 0
+
+    @property
+    def capacity_bytes(self) -> int:
+        """Bytes of all extents."""
+        return sum(self.sizes)
+
+    def _place(self, n: int) -> tuple[int, int] | None:
+        for i, size in enumerate(self.sizes):
+            off = _align(self.used[i])
+            if off + n <= size:
+                return i, off
+        return None
+
+    def fits(self, n: int) -> bool:
+        """Would a carve of n bytes land now?"""
+        return self._place(int(n)) is not None
+
+    def carve(self, shape: tuple[int, ...], dtype: Any) -> Any:
+        """A device view of this shape from the first extent with room; DeviceFull when none has."""
+        shape = tuple(int(s) for s in shape)
+        n = nbytes_of(shape, dtype)
+        at = self._place(n)
+        if at is None:
+            raise DeviceFull(f"the plan's buffers have no room for {n} bytes ({shape} {np.dtype(dtype).name}; "
+                             f"{self.capacity_bytes - sum(self.used)} of {self.capacity_bytes} bytes left, fragmented)")
+        i, off = at
+        self.used[i] = off + n
+        self.high_water_bytes = max(self.high_water_bytes, sum(self.used))
+        if not self.extents:
+            return None
+        return typed_view(self.dm, self.extents[i], off, shape, dtype)
+
+    def mark(self) -> tuple[int, ...]:
+        """Where every extent stands now (release to it later)."""
+        return tuple(self.used)
+
+    def release(self, mark: tuple[int, ...]) -> None:
+        """Release everything carved since `mark`."""
+        self.used = list(mark)
+
+    def fix(self) -> None:
+        """Make the present carves permanent for this arena's life: `reset` releases only what comes after."""
+        self._base = self.mark()
+
+    def reset(self) -> None:
+        """Release every view carved since `fix` (between layers)."""
+        self.used = list(self._base)
+
+
+class HeapArena:
+    """The Arena of a backend that cannot view its arrays: every carve is an allocation, freed on release/reset.
+
+    Its buffers are outside the plan's regions; the runtime says so once, as a fallback, when it has to use one.
+    """
+
+    def __init__(self, dm: Any):
+        self.dm = dm
+        self._live: list = []
+        self._base = 0
+        self.high_water_bytes = 0
+        self._bytes = 0
+
+    def carve(self, shape: tuple[int, ...], dtype: Any) -> Any:
+        """A fresh device array; DeviceFull when the device refuses it."""
+        a = self.dm.alloc(tuple(int(s) for s in shape), dtype)
+        if a is None:
+            raise DeviceFull(f"the device refused {nbytes_of(shape, dtype)} bytes of buffers")
+        self._live.append(a)
+        self._bytes += int(a.nbytes)
+        self.high_water_bytes = max(self.high_water_bytes, self._bytes)
+        return a
+
+    def mark(self) -> int:
+        """How many buffers are live now."""
+        return len(self._live)
+
+    def release(self, mark: int) -> None:
+        """Free the buffers carved since `mark`."""
+        while len(self._live) > mark:
+            a = self._live.pop()
+            self._bytes -= int(a.nbytes)
+            self.dm.free(a)
+
+    def fix(self) -> None:
+        """Keep the present buffers for the arena's life."""
+        self._base = len(self._live)
+
+    def reset(self) -> None:
+        """Free every buffer carved since `fix`."""
+        self.release(self._base)
+
+    def close(self) -> None:
+        """Free everything, the fixed buffers too."""
+        self.release(0)
+
+
+def can_view(dm: Any, region: Any) -> bool:
+    """Can typed views be carved from this flat region on this backend?"""
+    try:
+        v = typed_view(dm, region, 0, (1,), np.float32)
+        return v is not None and int(v.nbytes) == 4
+    except Exception:  # a backend whose arrays have no dtype views (no DeviceMemory.view)
+        return False
+
+
+class PlanMemory:
+    """Forwards to a backend's DeviceMemory; takes the plan's regions at start and refuses allocations after `seal`.
+
+    `strict` (tests): an allocation after the seal raises OutsidePlan. Otherwise it is refused (None) and
+    `on_outside(what, why)` is told once per kind of buffer, so the run reports it as a fallback.
+    """
+
+    def __init__(self, inner: Any, strict: bool = False, on_outside: Callable[[str, str], None] | None = None):
         self.inner = inner
+        self.strict = bool(strict)
+        self.on_outside = on_outside
+        self.sealed = False
         self.live_bytes = 0
         self.peak_bytes = 0
         self.bytes_uploaded = 0
+        self.regions: dict[str, int] = {}
+        self.refused: dict[str, int] = {}
         self._sizes: dict[int, int] = {}
+        self._region = "unnamed"
+        self._used0 = self._device_used()
+        self._sampled_peak = 0
+
+    # --- regions -------------------------------------------------------------------------------------------
+
+    def region(self, name: str) -> "PlanMemory":
+        """Count the allocations that follow under the plan line `name` (until the next call)."""
+        self._region = name
+        self.regions.setdefault(name, 0)
+        return self
+
+    def take(self, name: str, nbytes: int) -> Any | None:
+        """One flat uint8 region of nbytes for the plan line `name` (None when the device refuses it)."""
+        self.region(name)
+        return self.alloc((max(1, int(nbytes)),), np.uint8) if nbytes > 0 else None
+
+    def seal(self) -> None:
+        """Start-up is over: from now on every buffer is carved from a region."""
+        self.sealed = True
+        self.sample()
+
+    def allow_outside(self, why: str) -> None:
+        """Let allocations after the seal through (a backend that cannot carve views), said once as a fallback."""
+        self.sealed = False
+        if self.on_outside is not None:
+            self.on_outside("device memory (regions)", why)
+
+    def _outside(self, nbytes: int, what: str) -> None:
+        why = f"{nbytes} bytes for {what} asked after start-up, outside the plan's regions"
+        if self.strict:
+            raise OutsidePlan(why)
+        first = what not in self.refused
+        self.refused[what] = self.refused.get(what, 0) + 1
+        if first and self.on_outside is not None:
+            self.on_outside(f"device memory ({what})", f"{why}: refused")
 
     def _count(self, arr: Any) -> Any:
         if arr is not None:
@@ -21,14 +240,23 @@ class CountingMemory:
             self._sizes[id(arr)] = n
             self.live_bytes += n
             self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+            self.regions[self._region] = self.regions.get(self._region, 0) + n
         return arr
 
+    # --- DeviceMemory --------------------------------------------------------------------------------------
+
     def alloc(self, shape, dtype):
-        """A device array through the backend, counted; None when the device has no room."""
+        """A device array through the backend (start-up only), counted under the current region."""
+        if self.sealed:
+            self._outside(nbytes_of(tuple(np.atleast_1d(shape)), dtype), "an array")
+            return None
         return self._count(self.inner.alloc(shape, dtype))
 
     def to_device(self, src):
-        """Allocate and fill through the backend, counted."""
+        """Allocate and fill through the backend (start-up only), counted under the current region."""
+        if self.sealed:
+            self._outside(int(src.nbytes), "a host array's copy")
+            return None
         self.bytes_uploaded += int(src.nbytes)
         return self._count(self.inner.to_device(src))
 
@@ -46,3 +274,46 @@ class CountingMemory:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
+
+    # --- measurement ---------------------------------------------------------------------------------------
+
+    def _device_used(self) -> int | None:
+        try:
+            free, total = self.inner.mem_info()
+            return int(total) - int(free)
+        except Exception:  # a backend without mem_info: no driver figure
+            return None
+
+    def sample(self) -> None:
+        """Read the driver's used-memory figure now (between chunks and steps) and keep its high-water."""
+        used = self._device_used()
+        if used is not None and self._used0 is not None:
+            self._sampled_peak = max(self._sampled_peak, used - self._used0)
+
+    def peak_measured(self) -> tuple[int, str]:
+        """(peak device bytes, where the figure comes from), from the backend itself where it can say."""
+        f = getattr(self.inner, "peak_bytes", None)
+        if callable(f):
+            return int(f()), "the backend's own peak_bytes()"
+        if isinstance(f, (int, np.integer)):
+            return int(f), "the backend's ledger (peak_bytes)"
+        if _host_arrays(self.inner):
+            return self.peak_bytes, "host memory: high-water of the numpy arrays allocated through DeviceMemory"
+        self.sample()
+        return self._sampled_peak, "the driver's used memory (mem_info), sampled between chunks and steps"
+
+
+def _host_arrays(inner: Any) -> bool:
+    """Does this DeviceMemory hand out numpy arrays (the cpu backend: device memory is host RAM)?"""
+    try:
+        a = inner.alloc((1,), np.uint8)
+    except Exception:
+        return False
+    ok = isinstance(a, np.ndarray)
+    if a is not None:
+        inner.free(a)
+    return ok
+
+
+#: The name the runtime used before regions (kept for imports).
+CountingMemory = PlanMemory

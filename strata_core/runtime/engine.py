@@ -47,6 +47,11 @@ class RequestResult:
     prefill_s: float = 0.0
     decode_s: float = 0.0
     decode_steps: int = 0
+    #: cache hits and lookups during this request's prefill and its decode
+    prefill_hits: int = 0
+    prefill_lookups: int = 0
+    decode_hits: int = 0
+    decode_lookups: int = 0
 
     def to_json(self) -> dict:
         """One request of `strata.simulation/1`."""
@@ -77,7 +82,7 @@ class Engine:
         host_pool = weights.experts if weights is not None else phantom_pool_of_bytes(model.experts_total,
                                                                                       model.slot_bytes)
         self.store = ExpertStore(host_pool, model.moe_layers, model.experts_per_layer)
-        self.store.pin(allocator, budget, plan.pinned.arena_bytes, log)
+        self.store.pin(allocator, budget, plan.pinned.arena_bytes, log, plan.pinned.registration_slice_bytes)
         self.arena_pinned_bytes = self.store.pinned_bytes
         self.dm.region("expert_cache")
         self.device_pool = self._alloc_pool(plan.expert_cache.slots)
@@ -103,6 +108,13 @@ class Engine:
         if not accounting_only:
             self.loans.buffer_need = self.executor.buffer_slots_needed
         self.dm.seal()
+        if not self.executor.carves:
+            # the regions cannot be viewed: give them back, buffers are allocated per use as before API 2.0
+            for name in [n for n in self.regions if n != "kv"]:
+                self.dm.free(self.regions.pop(name))
+            self.executor.regions = self.regions
+            self.dm.allow_outside(f"{type(dm).__name__} has no DeviceMemory.view: buffers are allocated per use, "
+                                  "outside the plan's regions")
         self.engine_exits = 0
 
     @classmethod
@@ -205,6 +217,17 @@ class Engine:
         """Peak bytes the runtime asked DeviceMemory for (pool, dense weights, per-chunk buffers)."""
         return self.dm.peak_bytes
 
+    def device_bytes_peak_measured(self) -> tuple[int, str]:
+        """(peak device bytes, source) read from the backend itself (its ledger, pool or driver; host: regions)."""
+        return self.dm.peak_measured()
+
+    @property
+    def device_bytes_planned(self) -> int:
+        """Every device line of the plan: cache, dense weights, workspace, KV, owned prompt buffers."""
+        v = self.plan.vram
+        return (v.expert_cache_bytes + v.dense_bytes + v.workspace_bytes + v.kv_bytes
+                + getattr(v, "owned_prompt_bytes", 0))
+
     @property
     def device_bytes_peak_estimate(self) -> int:
         """Pool, dense weights and the peak of a chunk's buffers (kernel outputs included, from their shapes)."""
@@ -227,7 +250,8 @@ class Engine:
         if res.refused_reason:
             return res
         before = len(self.log.fallbacks)
-        t0 = time.perf_counter()
+        t0, obs0 = time.perf_counter(), self.executor.observer_s
+        h0, l0 = self.cache.hits, self.cache.lookups
         max_chunk: int | None = None
         extra_halvings = 0
         while True:
@@ -256,8 +280,11 @@ class Engine:
                 if self.loans.outstanding is loan:
                     self.loans.give_back(loan)
         self.dm.synchronize()
-        res.prefill_s = time.perf_counter() - t0
-        t0 = time.perf_counter()
+        # --check's downloads and comparisons happen inside the layers: their time is taken out of the timings
+        res.prefill_s = time.perf_counter() - t0 - (self.executor.observer_s - obs0)
+        res.prefill_hits, res.prefill_lookups = self.cache.hits - h0, self.cache.lookups - l0
+        t0, obs0 = time.perf_counter(), self.executor.observer_s
+        h0, l0 = self.cache.hits, self.cache.lookups
         try:
             if logits is not None:
                 tok = int(np.argmax(logits))
@@ -278,7 +305,8 @@ class Engine:
             self.log.say(f"request of {n} tokens: {res.refused_reason}")
             return res
         self.dm.synchronize()
-        res.decode_s = time.perf_counter() - t0
+        res.decode_s = time.perf_counter() - t0 - (self.executor.observer_s - obs0)
+        res.decode_hits, res.decode_lookups = self.cache.hits - h0, self.cache.lookups - l0
         self._trim_when_quiet()
         res.completed = True
         res.fallbacks = list(self.log.fallbacks[before:])

@@ -19,6 +19,7 @@ from strata_core.api.kernels import LayerWork
 from strata_core.reference.kernels import ExpertPool
 from strata_core.runtime.cache import ExpertCache
 from strata_core.runtime.cpu_share import CpuShare
+from strata_core.runtime.devmem import Arena, HeapArena, byte_view, can_view
 from strata_core.runtime.layer_ops import (KERNEL_SCRATCH_FACTOR, MIN_ROWS_PER_CALL, ComposedLayerOps,  # noqa: F401
                                            DeviceFull, Routing, StoreSource, new_counters)
 from strata_core.runtime.loan import Loan, NoLoan
@@ -62,6 +63,22 @@ class ExecStats:
         return self.layer["ring_batches"]
 
     @property
+    def copy_s(self) -> float:
+        """Seconds the expert copies took: the simulator's copy ledger, else a host timer around the uploads."""
+        sim = _sim_copy_seconds(getattr(self, "dm", None))
+        if sim is not None:
+            return sim - (getattr(self, "copy_seconds0", None) or 0.0)
+        src = getattr(self, "source", None)
+        return src.copy_s if src is not None else 0.0
+
+    @property
+    def copy_time_source(self) -> str:
+        """Where copy_s comes from."""
+        if _sim_copy_seconds(getattr(self, "dm", None)) is not None:
+            return "the simulated device's copy ledger"
+        return "host timer around the upload calls (a backend with asynchronous copies: the time to enqueue them)"
+
+    @property
     def workspace_peak_bytes(self) -> int:
         """The largest chunk buffers plus one grouped call's buffers, from their shapes."""
         return self.layer["workspace_peak_bytes"]
@@ -74,35 +91,14 @@ LayerObserver = Callable[[str, int, np.ndarray, np.ndarray], None]
 _NO_RING = np.zeros(0, np.int32)
 
 
-class HeapWorkspace:
-    """A Workspace whose views are fresh device arrays, freed on reset."""
-
-    def __init__(self, dm: Any):
-        self.dm = dm
-        self._live: list = []
-
-    def carve(self, shape: tuple[int, ...], dtype: Any) -> Any:
-        """A device array of this shape; DeviceFull when the device refuses it."""
-        a = self.dm.alloc(shape, dtype)
-        if a is None:
-            raise DeviceFull(f"the device refused a {shape} {np.dtype(dtype).name} workspace buffer")
-        self._live.append(a)
-        return a
-
-    def reset(self) -> None:
-        """Free every carved array."""
-        for a in self._live:
-            self.dm.free(a)
-        self._live.clear()
-
-
 class Executor:
     """Runs requests' prefill and decode over a device ExpertPool whose slots the ExpertCache manages."""
 
     def __init__(self, *, dm: Any, kernels: Any, cache: ExpertCache, store: ExpertStore, device_pool: ExpertPool,
                  weights: ModelWeights | None, dense_dev: dict[str, Any] | None, share: CpuShare, log: RunLog,
                  top_k: int, hidden: int, workspace_bytes: int = 0, accounting_only: bool = False, seed: int = 0,
-                 observer: LayerObserver | None = None, staging: Any = None, layer_ops: Any = None):
+                 observer: LayerObserver | None = None, staging: Any = None, layer_ops: Any = None,
+                 regions: dict[str, Any] | None = None):
         self.dm = dm
         self.k = kernels
         self.cache = cache
@@ -127,12 +123,26 @@ class Executor:
         self.progress: Callable[[str, int], None] | None = None
         self.copy_stream = dm.new_stream()
         self.source = StoreSource(dm, device_pool, store, staging, self.counters, accounting_only)
-        self.workspace = HeapWorkspace(dm)
+        self.stats.source = self.source
+        self.stats.dm = dm
+        self.stats.copy_seconds0 = _sim_copy_seconds(dm)
+        #: The plan's flat device regions besides the pool and the dense weights (workspace, owned_prompt, kv).
+        self.regions = regions or {}
+        ws = self.regions.get("workspace")
+        #: Buffers are carved from the plan's regions (False: the backend has no views; per-use allocations)
+        self.carves = accounting_only or (ws is not None and can_view(dm, ws))
+        self.vocab = int(weights.vocab) if weights is not None else 0
         ffn = weights.expert_ffn if weights is not None else 0
         self.ops = layer_ops if layer_ops is not None else ComposedLayerOps(
             dm=dm, kernels=kernels, store=store, share=share, hidden=hidden, expert_ffn=ffn,
             experts_per_layer=cache.experts_per_layer, layers=cache.layers, workspace_bytes=workspace_bytes,
             accounting_only=accounting_only, seed=seed)
+
+    def _sample(self) -> None:
+        """Let the device memory read its driver figure (a no-op where the backend keeps its own peak)."""
+        f = getattr(self.dm, "sample", None)
+        if f is not None:
+            f()
 
     def _timed(self, observer: LayerObserver) -> LayerObserver:
         """The observer, its time (downloads and comparisons) added to observer_s."""
@@ -144,43 +154,107 @@ class Executor:
                 self.observer_s += time.perf_counter() - t0
         return call
 
-    # --- device helpers ------------------------------------------------------------------------------------
+    # --- buffers: arenas over the plan's regions ------------------------------------------------------------
 
-    def _put(self, host: np.ndarray, temps: list) -> Any:
-        """Host -> a fresh device array, remembered in temps to free; DeviceFull when the device says no."""
-        arr = self.dm.to_device(np.ascontiguousarray(host))
-        if arr is None:
-            raise DeviceFull(f"the device refused {host.nbytes} bytes of prompt buffers")
-        temps.append(arr)
-        return arr
+    def _region_sizes(self, loan: Loan | NoLoan | None) -> list[int]:
+        names = ["workspace"] + (["owned_prompt"] if loan is not None else [])
+        return [int(self.regions[n].nbytes) for n in names if n in self.regions]
 
-    def _free(self, temps: list) -> None:
-        for a in temps:
-            self.dm.free(a)
-        temps.clear()
+    def _arena(self, loan: Loan | NoLoan | None) -> Arena:
+        """The buffers of a chunk (loan given) or a decode step (None): the workspace region, then owned prompt
+        buffers, then the loan's buffer slots of the cache pool viewed as bytes."""
+        if self.accounting_only:
+            return Arena(self.dm, sizes=[])
+        if not self.carves:
+            return HeapArena(self.dm)
+        names = ["workspace"] + (["owned_prompt"] if loan is not None else [])
+        extents = [self.regions[n] for n in names if n in self.regions]
+        if isinstance(loan, Loan) and len(loan.buffers):
+            for a, b in _runs(loan.buffers):
+                for arr in self.pool.arrays.values():
+                    v = byte_view(self.dm, arr[a:b])
+                    if v is not None:
+                        extents.append(v)
+        return Arena(self.dm, extents)
 
-    def _works(self, phase: str, x: Any, tokens: int, ring: np.ndarray) -> list[LayerWork]:
+    def _slot_part_bytes(self) -> list[int]:
+        """Bytes one slot takes in each of the pool's arrays (a run of n slots is n times these, per array)."""
+        return [int(arr[0].nbytes) for arr in self.pool.arrays.values()]
+
+    def buffer_slots_needed(self, chunk_tokens: int, planned_slots: int) -> int:
+        """The fewest of a loan's planned buffer slots that hold a chunk's buffers beside the workspace region.
+
+        The carves of a chunk's worst layer are replayed on a dry arena of the same extents, in the same order;
+        slots the chunk would not touch stay in the cache (an idle loan costs no hits).
+        """
+        if self.accounting_only or not self.carves or not hasattr(self.ops, "worst_carves"):
+            return planned_slots
+        base = self._region_sizes(NoLoan(0, chunk_tokens, ""))
+        parts = self._slot_part_bytes()
+        steps = [((chunk_tokens, self.hidden), np.float32)] + self.ops.worst_carves(chunk_tokens, self.vocab, self.top_k)
+
+        def fits(n: int) -> bool:
+            arena = Arena(None, sizes=base + [n * p for p in parts])
+            try:
+                for step in steps:
+                    if step == "fix":
+                        arena.fix()
+                    elif step == "mark":
+                        mark = arena.mark()
+                    elif step == "release":
+                        arena.release(mark)
+                    elif step == "reset":
+                        arena.reset()
+                    else:
+                        arena.carve(*step)
+            except DeviceFull:
+                return False
+            return True
+
+        if fits(0):
+            return 0
+        if not fits(planned_slots):
+            return planned_slots
+        lo, hi = 0, planned_slots  # fits(lo) False, fits(hi) True
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if fits(mid) else (mid, hi)
+        return hi
+
+    def _works(self, phase: str, x: Any, tokens: int, ring: np.ndarray, arena: Arena) -> list[LayerWork]:
         """The LayerWork of every MoE layer for one chunk or one decode step (all on the same residual x)."""
         extras = {"observer": self.observer} if self.observer is not None else {}
         return [LayerWork(phase=phase, layer=layer, tokens=tokens, x=x, norm_w=self.dense.get(f"norm.{layer}"),
-                          router_w=self.dense.get(f"router.{layer}"), top_k=self.top_k, pool=self.pool,
-                          slots=self.cache, source=self.source, workspace=self.workspace, ring=ring,
+                          router_w=self.dense.get(f"router.{layer}"), top_k=self.top_k, pool=self.pool.for_layer(layer),
+                          slots=self.cache, source=self.source, workspace=arena, ring=ring,
                           compute_stream=None, copy_stream=self.copy_stream, stats=self.counters, extras=extras)
                 for layer in range(self.cache.layers)]
 
     # --- prefill and decode --------------------------------------------------------------------------------
 
-    def _embed(self, token_ids: np.ndarray, temps: list) -> Any:
-        """The residual stream of these tokens on the device (None in accounting mode)."""
+    def _embed(self, token_ids: np.ndarray, arena: Arena) -> Any:
+        """The residual stream of these tokens, carved from the arena for the chunk's life (None in accounting)."""
         if self.accounting_only:
             return None
-        return self._put(self.weights.dense.embed[token_ids].astype(np.float32), temps)
+        host = self.weights.dense.embed[token_ids].astype(np.float32)
+        x = arena.carve(host.shape, np.float32)
+        self.dm.upload(x, host)
+        arena.fix()
+        return x
 
-    def _head(self, x: Any, temps: list) -> np.ndarray:
+    def _head(self, x: Any, arena: Arena) -> np.ndarray:
         """Final norm and LM head of the last token of x -> logits [V] f32 on the host."""
         x_last = x[-1:] if x.shape[0] > 1 else x
-        xn = self.k.rmsnorm(x_last, self.dense["final_norm"])
-        logits = np.asarray(self.dm.download(self.k.linear(xn, self.dense["lm_head"])), dtype=np.float32)[-1]
+        k = self.ops
+        takes = getattr(k, "_takes_out", {})
+        xn_out = arena.carve((1, self.hidden), np.float32) if takes.get("rmsnorm") else None
+        xn = self.k.rmsnorm(x_last, self.dense["final_norm"], out=xn_out) if xn_out is not None else \
+            self.k.rmsnorm(x_last, self.dense["final_norm"])
+        lg_out = arena.carve((1, self.vocab), np.float32) if takes.get("linear") else None
+        lg = self.k.linear(xn, self.dense["lm_head"], out=lg_out) if lg_out is not None else \
+            self.k.linear(xn, self.dense["lm_head"])
+        logits = np.asarray(self.dm.download(lg), dtype=np.float32)[-1]
+        arena.reset()
         if self.observer is not None:
             self.observer("head", -1, np.asarray(self.dm.download(x_last)), logits[None, :])
         return logits
@@ -193,16 +267,17 @@ class Executor:
         logits = None
         for start in range(0, total, chunk):
             n = min(chunk, total - start)
-            temps: list = []
+            self.cache.tick()
+            arena = self._arena(loan)
             try:
-                self.cache.tick()
-                x = self._embed(None if np.isscalar(prompt) else prompt[start:start + n], temps)
-                for work in self._works("prefill", x, n, ring):
+                x = self._embed(None if np.isscalar(prompt) else prompt[start:start + n], arena)
+                for work in self._works("prefill", x, n, ring, arena):
                     self.ops.prefill_layer(work)
                 if start + n >= total and not self.accounting_only:
-                    logits = self._head(x, temps)
+                    logits = self._head(x, arena)
+                self._sample()
             finally:
-                self._free(temps)
+                _close(arena)
             self.stats.chunks += 1
             self.stats.prefill_tokens += n
             if self.progress:
@@ -211,15 +286,39 @@ class Executor:
 
     def decode_step(self, token: int) -> np.ndarray | None:
         """One decode step of one token; its logits (None in accounting mode)."""
-        temps: list = []
+        self.cache.tick()
+        arena = self._arena(None)
         try:
-            self.cache.tick()
-            x = self._embed(np.array([token]) if not self.accounting_only else None, temps)
-            self.ops.decode_step(self._works("decode", x, 1, _NO_RING))
-            logits = None if self.accounting_only else self._head(x, temps)
+            x = self._embed(np.array([token]) if not self.accounting_only else None, arena)
+            self.ops.decode_step(self._works("decode", x, 1, _NO_RING, arena))
+            logits = None if self.accounting_only else self._head(x, arena)
+            self._sample()
         finally:
-            self._free(temps)
+            _close(arena)
         self.stats.decode_tokens += 1
         if self.progress:
             self.progress("decode", 1)
         return logits
+
+
+def _runs(slots: np.ndarray) -> list[tuple[int, int]]:
+    """[a, b) runs of adjacent slot numbers, in slot order."""
+    s = np.sort(np.asarray(slots, dtype=np.int64))
+    if len(s) == 0:
+        return []
+    cut = np.flatnonzero(np.diff(s) != 1) + 1
+    return [(int(p[0]), int(p[-1]) + 1) for p in np.split(s, cut)]
+
+
+def _sim_copy_seconds(dm: Any) -> float | None:
+    """The simulated device's copy ledger (seconds), when the device keeps one."""
+    inner = getattr(dm, "inner", dm)
+    v = getattr(inner, "copy_seconds", None) if inner is not None else None
+    return float(v) if isinstance(v, (int, float)) else None
+
+
+def _close(arena: Any) -> None:
+    """Free what a per-use arena still holds (a region arena holds nothing of its own)."""
+    f = getattr(arena, "close", None)
+    if f is not None:
+        f()

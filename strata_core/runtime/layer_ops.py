@@ -13,6 +13,8 @@ bytes counted and no kernel launched.
 
 from __future__ import annotations
 
+import inspect
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,6 +24,7 @@ from strata_core.api.kernels import ExpertPool, LayerWork
 from strata_core.errors import StrataError
 from strata_core.models.spec import ACTIVATION_BUFFERS, F32_BYTES
 from strata_core.runtime.cache import EMPTY
+from strata_core.runtime.devmem import DeviceFull, nbytes_of
 
 #: A grouped-FFN call takes at least this many routed rows, however small the workspace.
 MIN_ROWS_PER_CALL = 64
@@ -34,10 +37,6 @@ KERNEL_SCRATCH_FACTOR = 3
 #: The counters a layer op adds to (LayerWork.stats); the executor keeps one such dict for the run.
 COUNTERS = ("experts_streamed", "bytes_streamed", "experts_admitted", "cpu_share_experts", "ring_batches",
             "workspace_peak_bytes")
-
-
-class DeviceFull(StrataError):
-    """The device refused an allocation the request cannot run without."""
 
 
 def new_counters() -> dict[str, int]:
@@ -71,13 +70,17 @@ class StoreSource:
         self.staging = staging
         self.stats = stats
         self.accounting_only = accounting_only
+        #: host seconds inside the upload calls (the copies themselves on a synchronous backend)
+        self.copy_s = 0.0
 
     def upload(self, row: int, slot: int, stream: Any) -> None:
         """Copy expert `row` of the host store into device slot `slot` on `stream`."""
         if not self.accounting_only:
+            t0 = time.perf_counter()
             staged = self.staging.stage(row, lambda: self.dm.synchronize(stream)) if self.staging else None
             for name, src in (staged or self.store.expert(row)).items():
                 self.dm.upload(self.pool.arrays[name][slot], src, stream)
+            self.copy_s += time.perf_counter() - t0
         self.stats["experts_streamed"] += 1
         self.stats["bytes_streamed"] += self.store.row_bytes
 
@@ -106,6 +109,10 @@ class ComposedLayerOps:
         # accounting mode: a Zipf-like popularity per layer, a different hot set in every layer
         base = 1.0 / np.arange(1, self.E + 1) ** 0.8
         self._popularity = [self._rng.permutation(base / base.sum()) for _ in range(int(layers))]
+        #: Which primitives take an `out` buffer (a backend written before 2.0 allocates its results itself).
+        self._takes_out = {name: _takes_out(getattr(kernels, name, None))
+                           for name in ("rmsnorm", "linear", "route_topk", "gather", "moe_grouped_ffn")}
+        self._zeros_host = np.zeros(0, np.float32)
 
     # --- the contract --------------------------------------------------------------------------------------
 
@@ -120,18 +127,30 @@ class ComposedLayerOps:
 
     # --- device helpers ------------------------------------------------------------------------------------
 
-    def _put(self, host: np.ndarray, temps: list) -> Any:
-        """Host -> a fresh device array, remembered in temps to free; DeviceFull when the device says no."""
-        arr = self.dm.to_device(np.ascontiguousarray(host))
-        if arr is None:
-            raise DeviceFull(f"the device refused {host.nbytes} bytes of prompt buffers")
-        temps.append(arr)
+    def _put(self, w: LayerWork, host: np.ndarray) -> Any:
+        """Host -> a device view carved from the work's workspace; DeviceFull when the plan's buffers are spent."""
+        host = np.ascontiguousarray(host)
+        arr = w.workspace.carve(host.shape, host.dtype)
+        self.dm.upload(arr, host)
         return arr
 
-    def _free(self, temps: list) -> None:
-        for a in temps:
-            self.dm.free(a)
-        temps.clear()
+    def _out(self, w: LayerWork, kernel: str, shape: tuple[int, ...], dtype: Any) -> Any:
+        """An output buffer for `kernel` carved from the workspace, or None when the kernel allocates its own."""
+        return w.workspace.carve(shape, dtype) if self._takes_out[kernel] else None
+
+    def _zeros(self, w: LayerWork, shape: tuple[int, ...]) -> Any:
+        """A zeroed f32 device view carved from the workspace (uploaded from one host buffer kept for the run)."""
+        n = int(np.prod(shape))
+        if self._zeros_host.size < n:
+            self._zeros_host = np.zeros(n, np.float32)
+        arr = w.workspace.carve(shape, np.float32)
+        self.dm.upload(arr, self._zeros_host[:n])
+        return arr
+
+    def _k(self, kernel: str, *args: Any, out: Any = None) -> Any:
+        """Call a primitive, with its output buffer when it takes one."""
+        f = getattr(self.k, kernel)
+        return f(*args) if out is None else f(*args, out=out)
 
     # --- routing -------------------------------------------------------------------------------------------
 
@@ -144,8 +163,10 @@ class ComposedLayerOps:
             counts = counts[experts]
             starts = np.concatenate([[0], np.cumsum(counts)[:-1]]) if len(counts) else counts
             return Routing(experts, counts, starts, None, None)
-        logits = self.k.linear(xn, w.router_w)
-        ids_d, w_d = self.k.route_topk(logits, k)
+        logits = self._k("linear", xn, w.router_w, out=self._out(w, "linear", (tokens, self.E), np.float32))
+        out = ((w.workspace.carve((tokens, k), np.int32), w.workspace.carve((tokens, k), np.float32))
+               if self._takes_out["route_topk"] else None)
+        ids_d, w_d = self._k("route_topk", logits, k, out=out)
         ids = np.asarray(self.dm.download(ids_d)).reshape(-1)
         wts = np.asarray(self.dm.download(w_d), dtype=np.float32).reshape(-1)
         order = np.argsort(ids, kind="stable")
@@ -185,6 +206,56 @@ class ComposedLayerOps:
         if not self.workspace_bytes:
             return 1 << 62
         return max(MIN_ROWS_PER_CALL * self._row_bytes(), self.workspace_bytes - self._token_part_bytes(w))
+
+    def worst_carves(self, tokens: int, vocab: int, top_k: int | None = None) -> list:
+        """The carves of a chunk's worst layer after its residual, in the order `_layer` makes them.
+
+        Items are (shape, dtype) or "fix" / "mark" / "release" / "reset"; the executor replays them on a dry arena
+        to lend only the buffer slots a chunk needs.
+        """
+        k = int(top_k if top_k is not None else getattr(self, "top_k", 1))
+        from types import SimpleNamespace
+        w = SimpleNamespace(tokens=int(tokens), top_k=k)
+        T, H, N = int(tokens), self.hidden, int(tokens) * k
+        f32, i32 = np.float32, np.int32
+        saved = self._ordered
+        try:
+            self._ordered = ordered = self._ordered_fits(w)
+            budget = self._call_budget(w)
+        finally:
+            self._ordered = saved
+        row_b = KERNEL_SCRATCH_FACTOR * self._row_bytes()
+        n = max(1, min(N, max((budget - KERNEL_SCRATCH_FACTOR * self._staged_slot_bytes()) // row_b,
+                              budget // row_b)))
+        g = max(1, min(n, self.E))
+        out = ["fix"]
+        if self._takes_out["rmsnorm"]:
+            out.append(((T, H), f32))
+        if self._takes_out["linear"]:
+            out.append(((T, self.E), f32))
+        if self._takes_out["route_topk"]:
+            out += [((T, k), i32), ((T, k), f32)]
+        if ordered:
+            out.append(((N, H), f32))
+        out += ["mark", ((n,), i32)]
+        if self._takes_out["gather"]:
+            out.append(((n, H), f32))
+        out += [((g + 1,), i32), ((g,), i32)]
+        if self._takes_out["moe_grouped_ffn"]:
+            out.append(((n, H), f32))
+        out += [((n,), i32), ((n,), f32)] if ordered else [((n,), f32)]
+        out.append("release")
+        c = int(self.share.rows_capacity) if self.share.armed_for(T) else 0
+        if c:
+            out += [((c,), i32), ((c, H), f32), ((c,), f32)]
+        if ordered:
+            out += [((N,), i32), ((N,), f32)]
+        out.append("reset")
+        if self._takes_out["rmsnorm"]:
+            out.append(((1, H), f32))
+        if self._takes_out["linear"] and vocab:
+            out.append(((1, int(vocab)), f32))
+        return out
 
     # --- grouped calls -------------------------------------------------------------------------------------
 
@@ -226,25 +297,27 @@ class ComposedLayerOps:
         """One moe_grouped_ffn over these (rows, positions, scales, slot) groups into `out`; buffers freed after."""
         if not call:
             return
-        temps: list = []
+        ws = w.workspace
+        mark = ws.mark()
         try:
             rows = np.concatenate([p[0] for p in call]).astype(np.int32)
             offsets = np.concatenate([[0], np.cumsum([len(p[0]) for p in call])]).astype(np.int32)
-            rows_d = self._put(rows, temps)
-            xg = self.k.gather(xn, rows_d)
-            y = self.k.moe_grouped_ffn(xg, self._put(offsets, temps),
-                                       self._put(np.array([p[3] for p in call], np.int32), temps), w.pool)
+            rows_d = self._put(w, rows)
+            n = len(rows)
+            xg = self._k("gather", xn, rows_d, out=self._out(w, "gather", (n, self.hidden), np.float32))
+            y = self._k("moe_grouped_ffn", xg, self._put(w, offsets),
+                        self._put(w, np.array([p[3] for p in call], np.int32)), w.pool,
+                        out=self._out(w, "moe_grouped_ffn", (n, self.hidden), np.float32))
             if self._ordered:
                 # out starts at zero and each position is written once: 0 + y is y, bit for bit
                 positions = np.concatenate([p[1] for p in call]).astype(np.int32)
-                self.k.scatter_add(out, self._put(positions, temps), y,
-                                   self._put(np.ones(len(rows), np.float32), temps))
+                self.k.scatter_add(out, self._put(w, positions), y, self._put(w, np.ones(n, np.float32)))
             else:
                 scales = np.concatenate([p[2] for p in call]).astype(np.float32)
-                self.k.scatter_add(out, rows_d, y, self._put(scales, temps))
+                self.k.scatter_add(out, rows_d, y, self._put(w, scales))
             del xg, y
         finally:
-            self._free(temps)
+            ws.release(mark)
         w.stats["workspace_peak_bytes"] = max(w.stats["workspace_peak_bytes"], self._token_part_bytes(w)
                                               + len(rows) * self._row_bytes() + len(call) * self._staged_slot_bytes())
 
@@ -332,7 +405,18 @@ class ComposedLayerOps:
     def _layer(self, w: LayerWork) -> None:
         """One MoE layer in place on the residual w.x [T,H] (a device array; None in accounting mode)."""
         layer, tokens, x = w.layer, w.tokens, w.x
-        xn = None if self.accounting_only else self.k.rmsnorm(x, w.norm_w)
+        if self.accounting_only:
+            self._layer_body(w, None)
+            return
+        try:
+            xn = self._k("rmsnorm", x, w.norm_w, out=self._out(w, "rmsnorm", (tokens, self.hidden), np.float32))
+            self._layer_body(w, xn)
+        finally:
+            w.workspace.reset()
+
+    def _layer_body(self, w: LayerWork, xn: Any) -> None:
+        """The layer after its rmsnorm: route, hits, misses, the CPU share, the ordered sum; buffers from w.workspace."""
+        layer, tokens, x = w.layer, w.tokens, w.x
         observer = w.extras.get("observer")
         x_in = None
         if observer is not None and not self.accounting_only:
@@ -357,20 +441,18 @@ class ComposedLayerOps:
                 xh = np.asarray(self.dm.download(xn), dtype=np.float32)
                 groups = [(self.store.expert(int(w.slots.row(layer, int(r.experts[g])))), r.group(int(g))[0])
                           for g in cpu]
-                job = self.share.start(xh, groups, out, self.store.pool.dtype)
+                job = self.share.start(xh, groups, out, self.store.pool.for_layer(layer))
         device_misses = np.setdiff1d(misses, cpu, assume_unique=True)
-        layer_temps: list = []
         try:
             routed = None
             self._ordered = not self.accounting_only and self._ordered_fits(w)
             if self._ordered:
-                routed = self._put(np.zeros((len(r.rows), self.hidden), np.float32), layer_temps)
+                routed = self._zeros(w, (len(r.rows), self.hidden))
             elif not self.accounting_only:
                 routed = x
             self._run_groups(w, r, hits, slots[hits], xn, routed)
             self._run_misses(w, r, device_misses, slots[hits], xn, routed)
         except BaseException:
-            self._free(layer_temps)
             if job is not None:
                 job.join()  # the share writes into a buffer the next attempt reuses: let it finish first
             raise
@@ -379,33 +461,31 @@ class ComposedLayerOps:
             if err is None:
                 # the share's rows go to their routing positions, so they add to the residual in the same order
                 # (and to the same bits) as rows the device ran
-                try:
-                    if self._ordered:
-                        positions = np.concatenate([np.arange(int(r.starts[g]), int(r.starts[g] + r.counts[g]))
-                                                    for g in cpu]).astype(np.int32)
-                        self.k.scatter_add(routed, self._put(positions, layer_temps), self._put(out, layer_temps),
-                                           self._put(np.ones(cpu_rows, np.float32), layer_temps))
-                    else:
-                        rows = np.concatenate([r.group(int(g))[0] for g in cpu]).astype(np.int32)
-                        scales = np.concatenate([r.group(int(g))[1] for g in cpu]).astype(np.float32)
-                        self.k.scatter_add(x, self._put(rows, layer_temps), self._put(out, layer_temps),
-                                           self._put(scales, layer_temps))
-                except BaseException:
-                    self._free(layer_temps)
-                    raise
+                if self._ordered:
+                    positions = np.concatenate([np.arange(int(r.starts[g]), int(r.starts[g] + r.counts[g]))
+                                                for g in cpu]).astype(np.int32)
+                    self.k.scatter_add(routed, self._put(w, positions), self._put(w, out),
+                                       self._put(w, np.ones(cpu_rows, np.float32)))
+                else:
+                    rows = np.concatenate([r.group(int(g))[0] for g in cpu]).astype(np.int32)
+                    scales = np.concatenate([r.group(int(g))[1] for g in cpu]).astype(np.float32)
+                    self.k.scatter_add(x, self._put(w, rows), self._put(w, out), self._put(w, scales))
             else:
                 # the share's result is lost: turn it off for the run and run its experts on the device path
                 self.share.turn_off(f"its thread failed ({type(err).__name__}: {err}); off for this run")
-                try:
-                    self._run_misses(w, r, cpu, slots[hits], xn, routed)
-                except BaseException:
-                    self._free(layer_temps)
-                    raise
-        try:
-            if self._ordered:
-                # every routed row's weighted output into the residual, in routing order (experts ascending)
-                self.k.scatter_add(x, self._put(r.rows, layer_temps), routed, self._put(r.scales, layer_temps))
-        finally:
-            self._free(layer_temps)
+                self._run_misses(w, r, cpu, slots[hits], xn, routed)
+        if self._ordered:
+            # every routed row's weighted output into the residual, in routing order (experts ascending)
+            self.k.scatter_add(x, self._put(w, r.rows), routed, self._put(w, r.scales))
         if x_in is not None:
             observer(w.phase, layer, x_in, np.asarray(self.dm.download(x)))
+
+
+def _takes_out(f: Any) -> bool:
+    """Does this kernel accept an `out` buffer?"""
+    if f is None:
+        return False
+    try:
+        return "out" in inspect.signature(f).parameters
+    except (TypeError, ValueError):
+        return False

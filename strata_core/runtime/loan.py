@@ -62,6 +62,9 @@ class PromptLoan:
         self.loans = 0
         self.halvings = 0
         self.outstanding: Loan | None = None
+        #: (chunk tokens, planned buffer slots) -> the buffer slots the chunk's buffers really take (the runtime
+        #: carves them from the loan): lending only those keeps the rest of the loan caching experts. None: all.
+        self.buffer_need: Any = None
 
     @property
     def auto_loan_slots(self) -> int:
@@ -110,15 +113,24 @@ class PromptLoan:
                          f"({self.cache.available_slots} slots available, {self.plan.prompt.min_keep_slots} kept for "
                          f"decode): such requests read with chunks of {chunk} tokens ({halvings} halvings)",
                          once=("halved", first_chunk, chunk))
-        slots = self.cache.lend(row.loan_slots)
+        if self.buffer_need is None:  # nothing is carved from the buffers (accounting): the plan's loan as it is
+            need = row.buffer_slots
+            slots = self.cache.lend(row.loan_slots)
+        else:
+            need = min(row.buffer_slots, int(self.buffer_need(chunk, row.buffer_slots)))
+            run = self.cache.lend_run(need)  # first: one run of adjacent slots is harder to find than any slots
+            if run is None:
+                run = self.cache.lend(need)  # no free run: the buffers are then views of each run of slots
+            ring = self.cache.lend(row.ring_slots)
+            slots = None if run is None or ring is None else np.concatenate([ring, run])
         assert slots is not None, "lendable slots could not be lent"
         auto = self.auto_loan_slots
         larger = row.loan_slots > auto
         if larger:
             self.log.say(f"the loan for a chunk of {chunk} tokens ({row.loan_slots} slots) is larger than the auto "
                          f"chunk's ({auto} slots): lent from further down the cache", once=("loan-larger", chunk))
-        self.log.trace(f"lent {row.loan_slots} slots for {chunk} tokens ({row.ring_slots} ring, "
-                       f"{row.buffer_slots} buffers)")
+        self.log.trace(f"lent {row.ring_slots + need} slots for {chunk} tokens ({row.ring_slots} ring, "
+                       f"{need} of the plan's {row.buffer_slots} buffer slots)")
         loan = Loan(prompt_tokens=prompt_tokens, chunk_tokens=chunk, ring=slots[:row.ring_slots],
                     buffers=slots[row.ring_slots:], halvings=halvings, larger_than_auto=larger)
         self.loans += 1

@@ -42,5 +42,5 @@ def tiny_engine(settings: dict | None = None, faults=(), dtype: str = "f16", obs
     dm = SimDeviceMemory(plan.device.vram_free_bytes, faults=fp)
     log = RunLog()
     eng = Engine(plan, dm=wrap(dm) if wrap else dm, allocator=SimPinnedAllocator(budget, None, faults=fp), kernels=ReferenceKernels(),
-                 budget=budget, weights=w, log=log, observer=observer)
+                 budget=budget, weights=w, log=log, observer=observer, strict_memory=True)
     return eng, plan, log, dm
