@@ -124,6 +124,7 @@ def _pinned_step(device: DeviceInfo, host: HostInfo, model: ModelSpec, settings:
                f"path's host borrow ({_mib(borrow)}), pinned KV and headroom")
     if p.arena_pin_gib is not None and p.arena_pin_gib * GIB < arena:
         arena, src = int(p.arena_pin_gib * GIB), "setting pinning.arena_pin_gib"
+        why = f"the expert arena ({_mib(wanted)}) pins at most pinning.arena_pin_gib ({p.arena_pin_gib:g} GiB)"
     exhausted = arena < wanted
     led.note("pinned.arena_bytes", arena,
              why + ("; it cannot be pinned whole, so the pinned budget counts as exhausted for optional users"

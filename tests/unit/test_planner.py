@@ -94,17 +94,18 @@ def test_gfx12_low_ram_resident_arena_leaves_room_for_the_borrow_and_headroom():
 
 
 @pytest.mark.parametrize("backend", ["cuda", "rocm", "sycl", "opencl", "sim", "cpu"])
+@pytest.mark.parametrize("index", [0, 1])  # WDDM's cap is half of RAM with one GPU or several
 @pytest.mark.parametrize("driver_model,virt,cap", [
     ("wddm", "none", 32 * GIB),                     # half of 64 GiB of RAM
     ("wsl2", "none", 3 * GIB // 4),                 # WSL2's cumulative limit
     ("linux", "wsl2", 3 * GIB // 4),                # a Linux driver inside WSL2
     ("linux", "docker-wsl2", 500 * 1000 * 1000),    # Docker Desktop on WSL2
 ])
-def test_page_locked_caps_are_platform_facts_on_every_backend(backend, driver_model, virt, cap):
+def test_page_locked_caps_are_platform_facts_on_every_backend(backend, driver_model, virt, cap, index):
     host = HostInfo(os="windows" if driver_model == "wddm" else "linux", ram_total_bytes=64 * GIB,
                     ram_available_bytes=60 * GIB, virtualization=virt)
     device = DeviceInfo(backend=backend, name="16 GiB card", vram_total_bytes=16 * GIB, vram_free_bytes=15 * GIB,
-                        driver_model=driver_model)
+                        driver_model=driver_model, index=index)
     plan = _plan_for(load_plugins(), backend, device, host, model_from_name("Qwen3-30B-A3B"), StrataSettings())
     assert plan.pinned.cap_bytes is not None and plan.pinned.cap_bytes <= cap
     assert plan.pinned.arena_bytes + plan.pinned.floor_bytes <= plan.pinned.limit_bytes <= cap
