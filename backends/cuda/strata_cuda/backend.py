@@ -24,12 +24,16 @@ from .rules import nvidia_defaults
 
 PINNED_KIND = "cuda-host"
 
+#: Expert formats moe.cu and moe_quant.cu compute from their own bytes: f16 and Q8_0 pools, and 'gguf' pools of
+#: these GGUF row formats (strata_cuda.quant_ffn; the same sources serve ROCm through hiprtc).
+CUPY_EXPERT_FORMATS = ("f16", "q8_0", "bf16", "q4_k", "q5_k", "q6_k", "mxfp4")
+
 #: What the CUDA session offers: copies on their own non-blocking streams overlap kernels (the copy engines); cupy
-#: captures and replays CUDA graphs; the kernels compute f16 and Q8_0 experts from their own bytes. Host-mapped
+#: captures and replays CUDA graphs; the kernels compute the CUPY_EXPERT_FORMATS from their own bytes. Host-mapped
 #: memory is off because the pinned allocator asks for portable, not mapped, memory (cudaHostAllocMapped is never
 #: requested). `fused_layer_ops` is set by the plugin from whether it has layer ops of its own (`layer_ops`).
 CUDA_CAPS = DeviceCaps(async_copies=True, host_mapped_memory=False, graph_capture=True, peer_copies=False,
-                       fused_layer_ops=False, expert_formats=("f16", "q8_0"))
+                       fused_layer_ops=False, expert_formats=CUPY_EXPERT_FORMATS)
 
 
 @dataclass(frozen=True)
