@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field
+from typing import Annotated
+
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints
+
+#: A path or a fault spec: never empty (`--set sim.profile=` is a mistake, not "no profile").
+NonEmpty = Annotated[str, StringConstraints(min_length=1, strip_whitespace=True)]
 
 
 class SimSettings(BaseModel):
@@ -10,7 +15,7 @@ class SimSettings(BaseModel):
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
-    profile: str | None = Field(None, description="A strata.profile/1 or strata.scenario/1 file the sim device takes "
-                                                  "its facts from (None: built-in 24 GiB card)")
-    inject: list[str] = Field(default_factory=list, description="Fault specs the sim backend injects (see "
-                                                                "`strata simulate --help`)")
+    profile: NonEmpty | None = Field(None, description="A strata.profile/1 or strata.scenario/1 file the sim device "
+                                                       "takes its facts from (None: built-in 24 GiB card)")
+    inject: list[NonEmpty] = Field(default_factory=list, description="Fault specs the sim backend injects (see "
+                                                                     "`strata simulate --help`)")
