@@ -1,8 +1,12 @@
-"""Time the cuda backend's MoE kernels at one Qwen3-30B-A3B layer (128 experts, top-8, hidden 2048, expert FFN 768).
+"""Time the cuda backend's MoE kernels at one Qwen3-30B-A3B layer (128 experts, top-8, hidden 2048, expert FFN 768),
+and check the grouped FFN's output against the float64 reference at the bound of its declared precision path.
 
 A benchmark, never a test: it prints one JSON object (`strata.bench.gpu_kernels/1`) and, with --out, writes it there.
 The targets the kernels are to be optimized for (H200): warm prefill of one layer at chunk 4096 under 1 ms, decode
-of one token under 50 us. Times are the median of --repeat runs after --warmup, measured with CUDA events.
+of one token under 50 us. Times are the median of --repeat runs after --warmup, measured with CUDA events. After the
+timings, the prefill and decode outputs of the first `CHECK_EXPERTS` experts' rows are downloaded and compared with
+`strata_core.testing.reference64` on the same (exactly dequantized) weights; each result carries `check` (relative
+error, bound, precision path, passed) and the script exits 1 when any check fails.
 
     python bench/gpu_kernels_check.py [--chunk 4096] [--dtype f16|q8_0|both] [--out FILE]
 """
@@ -16,6 +20,8 @@ import sys
 import numpy as np
 
 HIDDEN, FFN, EXPERTS, TOP_K = 2048, 768, 128, 8
+#: Experts whose rows the float64 check recomputes (all rows of those groups; the rest of the output is not read).
+CHECK_EXPERTS = 4
 
 
 def _device_pool(cp, dtype: str):
@@ -45,6 +51,23 @@ def _routed(cp, kernels, tokens: int):
     rows = kernels.gather(x, (order // TOP_K).astype(cp.int32))
     counts = cp.bincount(flat, minlength=EXPERTS).get()
     return rows, np.concatenate(([0], np.cumsum(counts))).astype(np.int32), np.arange(EXPERTS, dtype=np.int32)
+
+
+def _check(cp, kernels, x, offsets, slots, pool, out) -> dict:
+    """The first CHECK_EXPERTS groups of `out` against the float64 reference on the same weights, at the path's bound."""
+    from strata_core.testing import reference64 as r64
+    from strata_core.testing.tolerance import bound_of, precision_of
+    groups = [g for g in range(len(slots)) if offsets[g + 1] > offsets[g]][:CHECK_EXPERTS]
+    host_pool = pool.with_arrays({n: cp.asnumpy(a[cp.asarray(slots[groups])]) for n, a in pool.arrays.items()})
+    got, want = [], []
+    for i, g in enumerate(groups):
+        lo, hi = int(offsets[g]), int(offsets[g + 1])
+        got.append(cp.asnumpy(out[lo:hi]))
+        want.append(r64.expert_ffn(host_pool, i, cp.asnumpy(x[lo:hi])))
+    path = precision_of(kernels, "moe_grouped_ffn")
+    err = r64.relative_error(np.concatenate(got), np.concatenate(want))
+    return {"rows": int(sum(len(a) for a in got)), "experts": len(groups), "rel_err": err, "bound": bound_of(path),
+            "precision": path, "passed": bool(err <= bound_of(path))}
 
 
 def _median_ms(cp, fn, warmup: int, repeat: int) -> float:
@@ -79,8 +102,10 @@ def main(argv=None) -> int:
     if not pr.available:
         print(json.dumps({"schema": "strata.bench.gpu_kernels/1", "error": pr.reason}))
         return 1
-    kernels = CupyKernels(0)
-    result = {"schema": "strata.bench.gpu_kernels/1", "device": pr.devices[0].to_json(), "version": pr.version,
+    kernels = CupyKernels(0, fast_grouped_ffn=True)
+    device = pr.devices[0]
+    result = {"schema": "strata.bench.gpu_kernels/1", "device": getattr(device, "info", device).to_json(),
+              "version": pr.version,
               "shape": {"hidden": HIDDEN, "ffn": FFN, "experts": EXPERTS, "top_k": TOP_K, "chunk": args.chunk},
               "targets_ms": {"prefill_layer": 1.0, "decode_token": 0.05}, "results": []}
     prefill_x, prefill_off, prefill_slots = _routed(cp, kernels, args.chunk)
@@ -97,18 +122,23 @@ def main(argv=None) -> int:
         route_ms = _median_ms(cp, lambda: kernels.route_topk(cp.random.standard_normal((args.chunk, EXPERTS),
                                                                                        dtype=cp.float32), TOP_K),
                               args.warmup, args.repeat)
+        checks = {"prefill": _check(cp, kernels, prefill_x, prefill_off, prefill_slots, pool,
+                                    kernels.moe_grouped_ffn(prefill_x, prefill_off, prefill_slots, pool)),
+                  "decode": _check(cp, kernels, decode_x, decode_off, decode_slots, pool,
+                                   kernels.moe_grouped_ffn(decode_x, decode_off, decode_slots, pool))}
         result["results"].append({"dtype": dtype, "prefill_layer_ms": round(prefill_ms, 4),
                                   "prefill_tflops": round(flops / prefill_ms / 1e9, 2),
                                   "decode_token_ms": round(decode_ms, 4),
-                                  "route_topk_chunk_ms_incl_logit_rng": round(route_ms, 4)})
+                                  "route_topk_chunk_ms_incl_logit_rng": round(route_ms, 4), "check": checks})
         del pool
         cp.get_default_memory_pool().free_all_blocks()
+    result["check_passed"] = all(c["passed"] for r in result["results"] for c in r["check"].values())
     text = json.dumps(result, indent=2)
     print(text)
     if args.out:
         with open(args.out, "w") as f:
             f.write(text + "\n")
-    return 0
+    return 0 if result["check_passed"] else 1
 
 
 if __name__ == "__main__":

@@ -185,3 +185,101 @@ class _Mutated:
 def mutated(base: Any, kernel: str, name: str) -> Any:
     """A KernelSet that is `base` except for `kernel`, which carries mutation `name` (fresh state each call)."""
     return _Mutated(base, kernel, MUTATIONS[kernel][name]())
+
+
+# ---- layer ops ----------------------------------------------------------------------------------------------------
+# A layer op's bugs: its output scaled, one token's update lost, two experts' slots swapped, a missed expert's
+# upload skipped (the ring slot still holds what it held: a stale slot read). They act on host (numpy) residuals,
+# through the op's own LayerWork (its observer, slot table and expert source), so the op's output is wrong the way
+# the op would make it wrong. tests/kit/test_layer_op_mutations.py requires `strata run --check` to fail each.
+
+def _observing(mutate: Callable[[np.ndarray, np.ndarray], None]):
+    def apply(work) -> None:
+        observer = work.extras.get("observer")
+        if observer is None:
+            raise AssertionError("a layer-op mutation needs the --check observer in work.extras")
+
+        def spoiled(phase, layer, x_in, x_out):
+            mutate(work.x, x_in)  # the residual itself (host memory on cpu): the rest of the run carries it
+            observer(phase, layer, x_in, np.array(work.x, copy=True))
+        work.extras = {**work.extras, "observer": spoiled}
+    return apply
+
+
+def _update_scaled(x: np.ndarray, x_in: np.ndarray) -> None:
+    x[...] = x_in + (x - x_in) * np.float32(mutation_scale("f32"))
+
+
+def _one_token_lost(x: np.ndarray, x_in: np.ndarray) -> None:
+    x[len(x) // 2] = x_in[len(x) // 2]
+
+
+class _SwappedSlots:
+    """A slot table whose lookups hand two hit experts each other's slots."""
+
+    def __init__(self, table: Any):
+        self._t = table
+
+    def lookup(self, layer, experts, counts):
+        """The table's slots with the first two hits exchanged."""
+        slots = np.array(self._t.lookup(layer, experts, counts))
+        hits = np.flatnonzero(slots >= 0)
+        if len(hits) >= 2:
+            slots[hits[:2]] = slots[hits[:2][::-1]]
+        return slots
+
+    def __getattr__(self, attr):
+        return getattr(self._t, attr)
+
+
+class _SkippedUploads:
+    """An expert source that never copies: the slot keeps the expert it held before."""
+
+    def __init__(self, source: Any):
+        self._s = source
+
+    def upload(self, row, slot, stream):
+        """Nothing is copied."""
+
+    def __getattr__(self, attr):
+        return getattr(self._s, attr)
+
+
+def _swap_slots(work) -> None:
+    work.slots = _SwappedSlots(work.slots)
+
+
+def _skip_uploads(work) -> None:
+    work.source = _SkippedUploads(work.source)
+
+
+#: op -> mutation name -> what it does to one LayerWork before the op runs.
+LAYER_OP_MUTATIONS: dict[str, dict[str, Callable[[Any], None]]] = {
+    op: {"scale": _observing(_update_scaled), "one_row_wrong": _observing(_one_token_lost),
+         "two_experts_swapped": _swap_slots, "stale_slot_read": _skip_uploads}
+    for op in ("prefill_layer", "decode_step")
+}
+
+
+class MutatedLayerOps:
+    """`base` layer ops with one op's LayerWork spoiled by a mutation; everything else is base's."""
+
+    def __init__(self, base: Any, op: str, name: str):
+        self._base, self._op, self._apply = base, op, LAYER_OP_MUTATIONS[op][name]
+        self.name = f"{getattr(base, 'name', type(base).__name__)}+{op}:{name}"
+
+    def prefill_layer(self, work) -> None:
+        """The base op, its work spoiled when it is the mutated op."""
+        if self._op == "prefill_layer":
+            self._apply(work)
+        self._base.prefill_layer(work)
+
+    def decode_step(self, works) -> None:
+        """The base op, its works spoiled when it is the mutated op."""
+        if self._op == "decode_step":
+            for w in works:
+                self._apply(w)
+        self._base.decode_step(works)
+
+    def __getattr__(self, attr):
+        return getattr(self._base, attr)

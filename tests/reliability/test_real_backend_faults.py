@@ -196,8 +196,8 @@ def test_a_cache_pool_shrunk_at_start_keeps_decode_bits_and_prefill_within_round
 
 
 def test_a_tiny_cache_left_by_another_process_still_serves_every_request():
-    """Fails today: with 16 slots left (a device that refuses anything above 1 MiB) the admit path protects every
-    slot it already ran in this layer and raises 'no cache slot can take a missed expert' mid-request."""
+    """With 16 slots left (a device that refuses anything above 1 MiB) every request is still served: the admit path
+    no longer protects every slot it already ran in the layer (it raised 'no cache slot can take a missed expert')."""
     out = run_tiny("sim", ("device-alloc:above=1MiB",))
     assert_served(out)
     assert out.tokens == run_tiny("sim").tokens
@@ -214,8 +214,8 @@ def test_vram_taken_mid_request_halves_the_chunk_and_every_request_completes():
 
 
 def test_vram_all_taken_mid_request_refuses_the_request_rather_than_dying():
-    """Fails today: with no device byte left for any buffer, halving reaches 1 token and serve() re-raises
-    DeviceFull (an engine exit, seed #2090's failure) instead of answering the request with a refusal."""
+    """With no device byte left for any buffer, the request is answered (served or refused), never an engine exit:
+    halving to 1 token once re-raised DeviceFull from serve() (seed #2090's failure)."""
     base = run_tiny("sim")
     assert base.started
     # at the 60th allocation (the first request's buffers) the device keeps the pool and 1 MiB, less than the dense
