@@ -69,7 +69,7 @@ def time_ms(cp, fn, stream, reps: int, warmup: int = 3) -> dict:
 def layer(args, res: dict) -> None:
     """The layer timings."""
     import cupy as cp
-    from strata_cuda.fast import GEMM_MODES, FastMoE
+    from strata_cuda.fast import FastMoE
     from strata_core.reference.kernels import ExpertPool, route_topk
     rng = np.random.default_rng(7)
     w13 = (rng.standard_normal((E, 2 * F, H), dtype=np.float32) / np.sqrt(H)).astype(np.float16)
@@ -118,13 +118,15 @@ def layer(args, res: dict) -> None:
     res["floor_warm_ms"] = max(flops / res["gemm_f16_flops"], res["layer_weight_bytes"] / res["hbm_bytes_per_s"]) * 1e3
     res["floor_cold_ms"] = res["layer_weight_bytes"] / res["link_bytes_per_s"] * 1e3
     res["modes"] = {}
-    for mode in GEMM_MODES:
+    variants = [(m, int(n)) for m, n in (v.split(":") for v in args.variants.split(","))]
+    for vi, (mode, streams) in enumerate(variants):
+        name_v = f"{mode}:{streams}"
         try:
-            moe = FastMoE(E, K, H, F, gemm_mode=mode)
+            moe = FastMoE(E, K, H, F, gemm_mode=mode, gemm_streams=streams)
         except ValueError as e:
-            res["modes"][mode] = {"unavailable": str(e)}
+            res["modes"][name_v] = {"unavailable": str(e)}
             continue
-        r = res["modes"][mode] = {}
+        r = res["modes"][name_v] = {"gemm_mode": mode, "gemm_streams": streams}
         for name, lg in (("uniform", lg_u), ("skewed", lg_s)):
             lg_d = cp.asarray(lg)
             out.fill(np.nan)
@@ -137,14 +139,14 @@ def layer(args, res: dict) -> None:
             t = time_ms(cp, lambda: moe.prefill_layer(x_d, lg_d, pool, warm, out=out), moe.compute_stream, args.reps)
             r[f"warm_{name}"] = {**t, "rel_err": rel_err(y1[:32], refs[name]), "same_bits_twice": same,
                                  "stack_rows": moe.stats.stack_rows}
-            log(f"{mode:8s} warm {name:8s} {t['median_ms']:.3f} ms  err {r[f'warm_{name}']['rel_err']:.1e}  "
+            log(f"{name_v:10s} warm {name:8s} {t['median_ms']:.3f} ms  err {r[f'warm_{name}']['rel_err']:.1e}  "
                 f"same bits {same}  stack rows {moe.stats.stack_rows}")
-            if mode == GEMM_MODES[0] or mode == "classes":
+            if vi == 0:
                 moe.trace = []
                 moe.prefill_layer(x_d, lg_d, pool, warm, out=out)
                 r[f"trace_warm_{name}"] = moe.trace_report()
                 moe.trace = None
-        if mode != "loop":
+        if vi == 0:
             for name, lg in (("uniform", lg_u), ("skewed", lg_s)):
                 lg_d = cp.asarray(lg)
                 out.fill(np.nan)
@@ -154,7 +156,7 @@ def layer(args, res: dict) -> None:
                 t = time_ms(cp, lambda: moe.prefill_layer(x_d, lg_d, pool, cold, host, (E, RING), out=out),
                             moe.compute_stream, max(5, args.reps // 3))
                 r[f"cold_{name}"] = {**t, "rel_err": err, "x_floor": t["median_ms"] / res["floor_cold_ms"]}
-                log(f"{mode:8s} cold {name:8s} {t['median_ms']:.3f} ms  x floor {r[f'cold_{name}']['x_floor']:.3f}"
+                log(f"{name_v:10s} cold {name:8s} {t['median_ms']:.3f} ms  x floor {r[f'cold_{name}']['x_floor']:.3f}"
                     f"  err {err:.1e}")
         # decode, every expert cached, graph replay
         smap = cp.asarray(np.arange(E, dtype=np.int32))
@@ -192,6 +194,8 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--f16-layers", type=int, default=12)
     ap.add_argument("--skip", default="")
+    ap.add_argument("--variants", default="classes:4,classes:8,classes:1,grouped-classes:1,grouped:1",
+                    help="gemm_mode:streams pairs to time (cold runs and the trace for the first only)")
     args = ap.parse_args()
     res: dict = {"schema": "strata.bench.layer/1", "python": platform.python_version(),
                  "shape": {"experts": E, "top_k": K, "hidden": H, "ffn": F, "tokens": T, "ring": RING}}

@@ -160,7 +160,7 @@ def peers(res: dict) -> None:
             flat = i.flatten()
             order = torch.argsort(flat, stable=True)
             offs = torch.bincount(flat, minlength=E).cumsum(0).to(torch.int32)
-            rows = xn.to(dt).expand(K, H)
+            rows = xn.to(dt).expand(K, H).contiguous()
             hh = torch._grouped_mm(rows, g13, offs=offs)
             a = tfn.silu(hh[:, :F]) * hh[:, F:]
             y = torch._grouped_mm(a, g2, offs=offs)

@@ -3,17 +3,16 @@
 - `prefill_layer`: rmsnorm and router through the session's kernels, then FastMoE.prefill_layer: routing counts and
   positions on the device, one host sync for the counts (the GEMM sizes), the hits as size-class batched GEMMs
   over a compact stack, the misses streamed into the loan's ring slots on a copy stream (grouped copies, events),
-  and the weighted sum added to the residual in k order. Without a ring the misses are admitted into the cache
-  first (copies on the executor's copy stream, behind a fence). The cache's slot map is read before routing
-  (`slot_of` of the runtime's ExpertCache) and the hits and misses are counted with `lookup` once the counts are
-  known.
+  and the weighted sum added to the residual in k order. The cache's slot map is read before routing (`slot_of`
+  of the runtime's ExpertCache) and the hits and misses are counted with `lookup` once the counts are known. A chunk
+  without a ring (misses admitted into the cache) runs the composed op.
 - `decode_step`: every layer of the token as one CUDA graph replay (per layer: rmsnorm + router, gate/up, down
   into the residual), no host sync per layer; a missed expert is read by the kernels from mapped page-locked host
   memory. After the replay the routed ids of all layers come back in one copy for the hit and miss counts. Decode
   does not admit misses (admission stays off the critical path: the cache is what prefill and warm-up left).
-Where the fused paths do not apply (expert formats other than f16 and Q8_0, shapes off their grid, Q8_0 or
-unmapped host memory in decode, a --check observer in decode) the core's ComposedLayerOps over the same session
-runs the layer, so every model still runs.
+Where the fused paths do not apply (expert formats other than f16 and Q8_0, shapes off their grid, a prefill chunk
+without a ring, Q8_0 or unmapped host memory in decode) the core's ComposedLayerOps over the same session runs the
+layer, so every model still runs.
 cupy is imported on first use: this module imports without it.
 """
 
@@ -124,7 +123,8 @@ class CudaLayerOps:
     def prefill_layer(self, work: LayerWork) -> None:
         """Run one MoE layer of a prompt chunk in place on work.x."""
         fast = self._fast_for(work)
-        if fast is None:
+        host = self._host_layer(work, fast.experts) if fast is not None else None
+        if fast is None or work.ring is None or len(work.ring) == 0 or host is None:
             self.counts["prefill_composed"] += 1
             self._fallback(work).prefill_layer(work)
             return
@@ -137,22 +137,16 @@ class CudaLayerOps:
         xn = self.kernels.rmsnorm(x, work.norm_w)
         logits = self.kernels.linear(xn, work.router_w)
         slot_map = self._slot_map(work, e_n)
-        ring = np.asarray(work.ring, dtype=np.int64) if work.ring is not None and len(work.ring) else None
-        host = self._host_layer(work, e_n) if ring is not None else None
-        if ring is not None and host is None:
-            ring = None  # no host arrays to copy from directly: misses go through admission and the source
+        ring = np.asarray(work.ring, dtype=np.int64)
 
         def on_counts(counts: np.ndarray) -> np.ndarray:
             used = np.flatnonzero(counts > 0)
             work.slots.lookup(work.layer, used, counts[used])
-            missed = used[slot_map[used] < 0]
-            if ring is not None or missed.size == 0:
-                return slot_map
-            return self._admit(work, slot_map, used, missed)
+            return slot_map
 
         fast.prefill_layer(xn, logits, work.pool, slot_map, host, ring, out=x, accumulate=True, on_counts=on_counts)
         st = fast.stats
-        if ring is not None and st.misses:
+        if st.misses:
             work.stats["experts_streamed"] += int(st.misses)
             work.stats["bytes_streamed"] += int(st.bytes_streamed)
             work.stats["ring_batches"] += int(st.copy_groups)
@@ -160,30 +154,6 @@ class CudaLayerOps:
         work.workspace.reset()
         if observer is not None:
             observer(work.phase, work.layer, x_in, np.asarray(self.memory.download(x)))
-
-    def _admit(self, work: LayerWork, slot_map: np.ndarray, used: np.ndarray, missed: np.ndarray) -> np.ndarray:
-        """Admit every missed expert into the cache (never evicting this layer's hits), copies ordered before the
-        compute stream's next work; the new slot map. Raises when the cache cannot take them all."""
-        import cupy as cp
-        hits = slot_map[used]
-        hits = hits[hits >= 0]
-        got = work.slots.admit(work.layer, missed, keep=hits)
-        if np.any(got < 0):
-            raise StrataError(f"layer {work.layer}: the cache cannot take the {missed.size} missed experts of this "
-                              f"chunk without a ring")
-        cs = work.copy_stream
-        fence = cp.cuda.Event(disable_timing=True)
-        fence.record(cp.cuda.get_current_stream())
-        cs.wait_event(fence)  # earlier layers' kernels may still read the evicted slots
-        for e, slot in zip(missed, got):
-            work.source.upload(int(work.slots.row(work.layer, int(e))), int(slot), cs)
-        landed = cp.cuda.Event(disable_timing=True)
-        landed.record(cs)
-        cp.cuda.get_current_stream().wait_event(landed)
-        work.stats["experts_admitted"] += int(missed.size)
-        out = slot_map.copy()
-        out[missed] = got
-        return out
 
     # --- decode --------------------------------------------------------------------------------------------
 
@@ -209,6 +179,12 @@ class CudaLayerOps:
                 key = (w.layer, id(w.source))
                 if key not in self._host_ptrs:
                     hp = self._host_layer(w, e_n)
+                    store = getattr(w.source, "store", None)
+                    pinned = getattr(store, "pinned_rows", None)
+                    r0 = int(w.slots.row(w.layer, 0))
+                    # the kernels may read only page-locked rows: a layer partly pageable takes the composed path
+                    if hp is not None and pinned is not None and not bool(np.all(pinned[r0:r0 + e_n])):
+                        hp = None
                     self._host_ptrs[key] = fast.host_device_ptrs(hp) if hp is not None else None
                 host = self._host_ptrs[key]
                 if host is None:

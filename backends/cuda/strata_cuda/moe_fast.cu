@@ -17,9 +17,11 @@
 #define STRATA_WARP 64
 #endif
 #define STRATA_SHFL_XOR(v, m) __shfl_xor((v), (m))
+#define STRATA_SHFL_UP(v, d) __shfl_up((v), (d))
 #else
 #define STRATA_WARP 32
 #define STRATA_SHFL_XOR(v, m) __shfl_xor_sync(0xffffffffu, (v), (m))
+#define STRATA_SHFL_UP(v, d) __shfl_up_sync(0xffffffffu, (v), (d))
 #endif
 
 #define STRATA_FAST_THREADS 256
@@ -136,41 +138,55 @@ extern "C" __global__ void strata_fast_route(const float* __restrict__ logits, i
     }
 }
 
-// Group positions: one block per expert e scans the N = T*K routed ids in (t,k) order; pos[i] is the number of
-// earlier i' with ids[i'] == e, counts[e] their total. Each thread counts a contiguous stretch, a block scan gives
-// its start, a second pass writes. Deterministic (no atomics); every counts[e] is written (no zeroing needed).
+// Group positions: one block per expert e scans the N = T*K routed ids in (t,k) order, in tiles of 4 ids a thread;
+// pos[i] is the number of earlier i' with ids[i'] == e, counts[e] their total. A warp scan (shuffles) and the warps'
+// totals in shared memory give each thread its start. Deterministic (no atomics); every counts[e] is written.
 extern "C" __global__ void strata_fast_positions(const int* __restrict__ ids, int N, int* __restrict__ pos,
                                                  int* __restrict__ counts) {
-    __shared__ int s_scan[STRATA_FAST_THREADS];
+    __shared__ int s_warp[STRATA_FAST_WARPS];
     const int e = blockIdx.x, tid = threadIdx.x;
-    const int per = (N + STRATA_FAST_THREADS - 1) / STRATA_FAST_THREADS;
-    const int i0 = min(N, tid * per), i1 = min(N, i0 + per);
-    int c = 0;
-    for (int i = i0; i < i1; ++i) c += ids[i] == e;
-    s_scan[tid] = c;
-    __syncthreads();
-    for (int off = 1; off < STRATA_FAST_THREADS; off <<= 1) {
-        const int v = tid >= off ? s_scan[tid - off] : 0;
+    const int lane = tid % STRATA_WARP, warp = tid / STRATA_WARP;
+    int base = 0;
+    for (int t0 = 0; t0 < N; t0 += 4 * STRATA_FAST_THREADS) {
+        const int i0 = t0 + 4 * tid;
+        int f[4], c = 0;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            f[j] = (i0 + j < N) && ids[i0 + j] == e;
+            c += f[j];
+        }
+        int v = c;  // inclusive scan over the warp's lanes
+        for (int d = 1; d < STRATA_WARP; d <<= 1) {
+            const int u = STRATA_SHFL_UP(v, d);
+            if (lane >= d) v += u;
+        }
+        if (lane == STRATA_WARP - 1) s_warp[warp] = v;
         __syncthreads();
-        s_scan[tid] += v;
-        __syncthreads();
+        int before = 0, total = 0;
+        for (int w = 0; w < STRATA_FAST_WARPS; ++w) {
+            const int sw = s_warp[w];
+            before += w < warp ? sw : 0;
+            total += sw;
+        }
+        int p = base + before + v - c;
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+            if (f[j]) pos[i0 + j] = p++;
+        base += total;
+        __syncthreads();  // s_warp is written again by the next tile
     }
-    int p = s_scan[tid] - c;
-    for (int i = i0; i < i1; ++i)
-        if (ids[i] == e) pos[i] = p++;
-    if (tid == STRATA_FAST_THREADS - 1) counts[e] = s_scan[tid];
+    if (tid == 0) counts[e] = base;
 }
 
-// Rows of a group in the compact stack: its count rounded up to 8, or in size-class mode to its class (8, 16, then
-// 2^k and 1.5 * 2^k); fast.py's StackLayout computes the same on the host.
+// Rows of a group in the compact stack: its count rounded up to 8, or in size-class mode to its class (four classes
+// an octave: c in (p, 2p] rounds up to a multiple of max(8, p/4)); fast.py's class_rows computes the same.
 __device__ __forceinline__ int stack_cap(int c, int classes) {
     if (c <= 0) return 0;
     if (!classes) return (c + 7) / 8 * 8;
     int p = 1;
-    while (p < c) p <<= 1;
-    const int mid = 3 * p / 4;
-    const int r = (mid >= c && mid % 8 == 0) ? mid : p;
-    return r < 8 ? 8 : r;
+    while (2 * p < c) p <<= 1;  // the largest power of two below c (1 for c = 1)
+    const int step = p / 4 > 8 ? p / 4 : 8;
+    return (c + step - 1) / step * step;
 }
 
 // Stack offsets on the device, so the gather need not wait for the host: one block of STRATA_FAST_THREADS >= E
@@ -199,23 +215,28 @@ extern "C" __global__ void strata_fast_offsets(const int* __restrict__ counts, c
     }
 }
 
-// Gather: routed row (t,k) -> row row_of_expert[e] + pos of the compact f16 stack X (each expert's rows contiguous,
-// no padding to a common height); rowidx records where it went. One block per routed row; each thread moves 8
-// floats as one 16-byte store.
+// Gather: token t's row, converted to f16 once, goes to row row_of_expert[e] + pos of the compact stack X for each of
+// its K routed experts (each expert's rows contiguous, no padding to a common height); rowidx records where. One
+// block per token; each thread moves 8 floats as one 16-byte store per destination.
 extern "C" __global__ void strata_fast_gather(const float* __restrict__ x, const int* __restrict__ ids,
                                               const int* __restrict__ pos, const int* __restrict__ row_of_expert,
                                               int T, int K, int H, unsigned short* __restrict__ X,
                                               int* __restrict__ rowidx) {
-    const long long r = blockIdx.x;  // t * K + k
-    if (r >= (long long)T * K) return;
-    const int t = (int)(r / K);
-    const long long dst = (long long)row_of_expert[ids[r]] + pos[r];
-    if (threadIdx.x == 0) rowidx[r] = (int)dst;
+    __shared__ long long s_dst[STRATA_FAST_MAXK];
+    const int t = blockIdx.x;
+    if (t >= T) return;  // the whole block leaves: no barrier is skipped by part of it
+    if (threadIdx.x < K) {
+        const long long r = (long long)t * K + threadIdx.x;
+        const long long d = (long long)row_of_expert[ids[r]] + pos[r];
+        s_dst[threadIdx.x] = d;
+        rowidx[r] = (int)d;
+    }
+    __syncthreads();
     const float4* src = (const float4*)(x + (long long)t * H);
-    uint4* out = (uint4*)(X + dst * H);
     for (int c = threadIdx.x; c < H / 8; c += blockDim.x) {
         const float4 a = src[2 * c], b = src[2 * c + 1];
-        out[c] = make_uint4(pack2(a.x, a.y), pack2(a.z, a.w), pack2(b.x, b.y), pack2(b.z, b.w));
+        const uint4 v = make_uint4(pack2(a.x, a.y), pack2(a.z, a.w), pack2(b.x, b.y), pack2(b.z, b.w));
+        for (int k = 0; k < K; ++k) ((uint4*)(X + s_dst[k] * H))[c] = v;
     }
 }
 
