@@ -13,8 +13,9 @@ from strata_core.config.settings import StrataSettings, settings_from_partial
 
 SCHEMA = "strata.scenario/1"
 
-#: The longest prompt a scenario may list (the same bound as kv.max_context's).
-MAX_REQUEST_TOKENS = 1 << 24
+#: The longest prompt a scenario may list: far beyond any context (a request longer than kv.max_context is the
+#: plan's to refuse, by name), but a number the planner's arithmetic can carry.
+MAX_REQUEST_TOKENS = 1 << 40
 
 
 @dataclass(frozen=True)

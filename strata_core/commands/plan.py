@@ -72,7 +72,7 @@ def merge_scenario_settings(loaded: LoadedSettings, scenario: Scenario) -> Loade
         group, leaf = key.split(".", 1)
         values[group][leaf] = getattr(getattr(scenario.settings, group), leaf)
         origins[key] = Provenance("scenario", f"{scenario.path}: settings.{key}")
-    return replace(loaded, settings=StrataSettings(**values), origins=origins)
+    return replace(loaded, settings=type(loaded.settings)(**values), origins=origins)  # plugin groups kept
 
 
 def default_model() -> ModelSpec:

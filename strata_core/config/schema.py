@@ -196,13 +196,6 @@ class PluginSettings(_Group):
     autoload: bool = Field(True, description="Load plugins from the strata.backends and strata.plugins entry points")
 
 
-class SimSettings(_Group):
-    """The simulated device of the 'sim' backend."""
-
-    profile: Annotated[str, StringConstraints(min_length=1, strip_whitespace=True)] | None = Field(None, description="A strata.profile/1 or strata.scenario/1 file the sim device takes its facts from (None: built-in 24 GiB card)")
-    inject: list[Annotated[str, StringConstraints(min_length=1)]] = Field(default_factory=list, description="Fault specs the sim backend injects (see `strata simulate --help`)")
-
-
 class StrataSettings(BaseSettings):
     """Every setting of Strata Core, in nested groups."""
 
@@ -216,7 +209,7 @@ class StrataSettings(BaseSettings):
     pinning: PinningSettings = Field(default_factory=PinningSettings)
     trace: bool = Field(False, description="Log every loan, fallback and decision as it happens")
     plugins: PluginSettings = Field(default_factory=PluginSettings)
-    sim: SimSettings = Field(default_factory=SimSettings)
+    # Plugin groups (the built-in sim backend's `[sim]` among them) are added by `schema_with_groups`.
 
     @classmethod
     def settings_customise_sources(cls, settings_cls, init_settings, env_settings, dotenv_settings,
@@ -241,7 +234,8 @@ def _schema_cached(groups: tuple[tuple[str, type], ...]) -> type[StrataSettings]
 def schema_with_groups(groups: Mapping[str, type[BaseModel]] | None) -> type[StrataSettings]:
     """StrataSettings extended by plugin groups ({name: pydantic model}); the core schema when there are none.
 
-    A plugin group named like a core group (memory, kv, ...) replaces nothing: it is refused by the caller.
+    The same groups give the same class (cached), so two loads compare equal. A plugin group named like a core
+    group (memory, kv, ...) replaces nothing: `sources.check_plugin_groups` refuses it first.
     """
     extra = tuple(sorted((n, m) for n, m in (groups or {}).items()
                          if n not in StrataSettings.model_fields))
@@ -294,8 +288,6 @@ ALLOWED_TEXT = {
     "prefill.chunk": f"'auto', 'auto:N' or N (N a token count from 1 to {MAX_TOKENS})",
     "memory.expert_cache": f"'auto' or a slot count from 1 to {MAX_SLOTS}",
     "backend.name": "'auto' or an installed backend's name (see `strata backends`)",
-    "sim.profile": "a strata.profile/1 or strata.scenario/1 JSON file, or none",
-    "sim.inject": "a list of fault specs (see `strata simulate --list-faults`)",
 }
 
 

@@ -383,7 +383,7 @@ def _read_text(path: Path, shown: str) -> str:
 
 
 def _toml_entries(path: Path, root: str, shown: str, fields: Mapping[str, SettingField],
-                  groups: frozenset[str], notices: list[str]) -> list[_Entry]:
+                  groups: frozenset[str], notices: list[str], unknown_groups_later: bool = False) -> list[_Entry]:
     """Entries of one TOML file (`root` selects `[tool.strata]` in a pyproject.toml)."""
     try:
         text = _read_text(path, shown)
@@ -426,6 +426,13 @@ def _toml_entries(path: Path, root: str, shown: str, fields: Mapping[str, Settin
                     raise ConfigFileError(str(e)) from None
             elif key in groups and isinstance(v, dict):
                 walk(v, key + ".")
+            elif unknown_groups_later and not prefix and key not in StrataSettings.model_fields:
+                continue  # perhaps a plugin's group: the second pass, with the plugins' groups, decides
+            elif isinstance(v, dict) and not prefix:
+                close = difflib.get_close_matches(key, sorted(groups), n=1)
+                hint = (f"did you mean [{close[0]}]?" if close else
+                        f"groups here: {', '.join(sorted(groups))}; a plugin's group exists once it is installed")
+                raise ConfigFileError(f"{where(key)}: unknown settings group [{key}]; {hint}")
             else:
                 raise ConfigFileError(str(_unknown_key(key, where(key), fields)))
 
@@ -460,20 +467,28 @@ def _nest(flat: Mapping[str, Any]) -> dict:
     return out
 
 
+_GROUP_NAME = re.compile(r"[a-z][a-z0-9_]{0,31}")
+
+
 def check_plugin_groups(groups: Mapping[str, type[BaseModel]] | None) -> dict[str, type[BaseModel]]:
-    """The plugin groups ({name: pydantic model}) a schema may take; BadInput for one that shadows a core group."""
+    """The plugin groups ({name: pydantic model}) a schema may take; BadInput for one that shadows a core name."""
     out: dict[str, type[BaseModel]] = {}
     for name, model in (groups or {}).items():
-        if name in StrataSettings.model_fields and name not in CORE_PLUGIN_GROUPS:
+        if name in StrataSettings.model_fields:
             raise BadInput(f"settings group '{name}': a plugin may not declare a core group's name")
+        if not _GROUP_NAME.fullmatch(name):
+            raise BadInput(f"settings group '{name}': a group name is lower-case letters, digits and '_'")
         if not (isinstance(model, type) and issubclass(model, BaseModel)):
             raise BadInput(f"settings group '{name}': expected a pydantic model, got {type(model).__name__}")
         out[name] = model
     return out
 
 
-#: Core groups a plugin may declare as its own (the sim backend's group, before it leaves the core schema).
-CORE_PLUGIN_GROUPS = frozenset({"sim"})
+def plugin_groups(plugins: Any) -> dict[str, type[BaseModel]]:
+    """{name: model} of the settings groups the plugins that these `plugins` settings load declare (sim's always)."""
+    from strata_core.registry import load_plugins  # the registry reads settings; settings ask it only for groups
+    host = load_plugins(allow=plugins.allow, block=plugins.block, autoload=plugins.autoload)
+    return {g.name: g.model for g in host.settings_groups() if g.name not in StrataSettings.model_fields}
 
 
 def load_settings(flags: Mapping[str, Any] | None = None, config_file: str | None = None,
@@ -482,12 +497,22 @@ def load_settings(flags: Mapping[str, Any] | None = None, config_file: str | Non
                   skip_bad_file: bool = False) -> LoadedSettings:
     """Layer flags > env (new-style over legacy) > TOML > core defaults; every value keeps its provenance.
 
-    `env` defaults to the process environment (read here and nowhere else), `cwd` to the working directory, `groups`
-    adds plugin settings groups to the schema. Raises BadInput, in one line naming the key, the source and what is
-    allowed, on any bad value; with `skip_bad_file`, a bad settings file is a notice and its values are left out.
+    `env` defaults to the process environment (read here and nowhere else), `cwd` to the working directory.
+    `groups` are the plugin settings groups the schema takes besides the core's; None asks the registry for those
+    of the plugins these settings load (`plugins.allow`, `block`, `autoload`: read first, from the same sources).
+    Raises BadInput, in one line naming the key, the source and what is allowed, on any bad value; with
+    `skip_bad_file`, a bad settings file is a notice and its values are left out.
     """
     env = os.environ if env is None else env
     cwd = Path.cwd() if cwd is None else Path(cwd)
+    if groups is None:
+        first = _load(flags, config_file, env, cwd, {}, skip_bad_file, plugin_keys_later=True)
+        groups = plugin_groups(first.settings.plugins)
+    return _load(flags, config_file, env, cwd, groups, skip_bad_file)
+
+
+def _load(flags, config_file, env, cwd, groups, skip_bad_file, plugin_keys_later: bool = False) -> LoadedSettings:
+    """One layering over the schema with `groups`; `plugin_keys_later` leaves keys of unknown groups for the second."""
     schema = schema_with_groups(check_plugin_groups(groups))
     fields = fields_of(schema)
     group_names = groups_of(schema)
@@ -497,7 +522,8 @@ def load_settings(flags: Mapping[str, Any] | None = None, config_file: str | Non
         found = _find_toml(config_file, cwd, notices)
         if found:
             path, root, shown = found
-            layers.append(_toml_entries(path, root, shown, fields, group_names, notices))
+            layers.append(_toml_entries(path, root, shown, fields, group_names, notices,
+                                        unknown_groups_later=plugin_keys_later))
     except ConfigFileError as e:
         if not skip_bad_file:
             raise
@@ -505,7 +531,9 @@ def load_settings(flags: Mapping[str, Any] | None = None, config_file: str | Non
     env_entries, env_notices = _env_entries(env, fields)
     notices += env_notices
     layers.append(env_entries)
-    layers.append(_flag_entries(flags or {}, fields))
+    layers.append(_flag_entries({k: v for k, v in (flags or {}).items()
+                                 if not (plugin_keys_later and k.split(".", 1)[0] not in StrataSettings.model_fields)},
+                                fields))
     values: dict[str, Any] = {}
     origins: dict[str, Provenance] = {k: Provenance("default", "core") for k in fields}
     for layer in layers:
@@ -522,6 +550,8 @@ def load_settings(flags: Mapping[str, Any] | None = None, config_file: str | Non
 def settings_from_partial(d: Mapping[str, Any] | None, where: str = "settings",
                           groups: Mapping[str, type[BaseModel]] | None = None) -> StrataSettings:
     """Settings from a scenario's partial, nested `settings` block over the core defaults (BadInput names the key)."""
+    if groups is None:
+        groups = plugin_groups(StrataSettings().plugins)
     schema = schema_with_groups(check_plugin_groups(groups))
     if d is None:
         return schema()

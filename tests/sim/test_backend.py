@@ -30,7 +30,8 @@ def _reset_sim():
 
 
 def _settings(**sim) -> StrataSettings:
-    s = StrataSettings()
+    from strata_core.config import schema_with_groups
+    s = schema_with_groups({"sim": SimSettings})()  # the core schema with the sim backend's own group
     for k, v in sim.items():
         setattr(s.sim, k, v)
     return s

@@ -15,7 +15,11 @@ import pytest
 
 from strata_core import cli
 from strata_core.api import API_VERSION
-from strata_core.config.settings import FIELDS, LEGACY_VARIABLES, embed_table, settings_table_markdown
+from strata_core.config.settings import LEGACY_VARIABLES, embed_table, fields_of, settings_table_markdown
+from strata_core.config.table import documented_schema
+
+#: Every documented key: the core's and the default plugins' groups (the built-in sim backend's `[sim]`).
+FIELDS = fields_of(documented_schema())
 
 ROOT = Path(__file__).resolve().parents[2]
 IN_TREE = ("cpu", "sim", "cuda", "rocm", "sycl")
@@ -353,3 +357,46 @@ def test_backends_table_prints_install_hints_literally(clean_strata_env, capsys,
     out = capsys.readouterr().out
     assert "no [acme] device" in out and "strata-core[gpuish]" in out
     assert "selected: cpu" in out  # the built-in cpu backend is always there
+
+
+# ------------------------------------------------------------------ a plugin's own settings group, end to end
+
+
+@pytest.fixture
+def acme_group_plugin(monkeypatch):
+    """An entry-point plugin declaring the settings group [acme] (level: 0..9); the values its apply saw."""
+    from types import ModuleType, SimpleNamespace
+
+    from pydantic import BaseModel, Field
+
+    from strata_core import registry as plugins
+    from strata_core.api.hookspecs import hookimpl
+    from strata_core.api.settings import SettingsGroup
+
+    class Acme(BaseModel):
+        level: int = Field(1, ge=0, le=9, description="How hard the acme card works")
+
+    seen: list = []
+    mod = ModuleType("acme_plugin")
+    mod.strata_settings_group = hookimpl(lambda: SettingsGroup(name="acme", model=Acme, apply=seen.append))
+    ep = SimpleNamespace(name="acme", load=lambda: mod)
+    monkeypatch.setattr(plugins, "md", SimpleNamespace(entry_points=lambda group: [ep] if group == "strata.plugins" else []))
+    return seen
+
+
+def test_a_plugin_group_is_shown_tabled_applied_and_refused_in_one_line(clean_strata_env, capsys, monkeypatch,
+                                                                        acme_group_plugin):
+    (clean_strata_env / "strata.toml").write_text("[acme]\nlevel = 2\n")
+    report = run_json(capsys, ["config", "show", "--json"])
+    assert report["values"]["acme.level"] == {"value": 2, "source": "toml", "origin": "strata.toml line 2"}
+    assert "sim.profile" in report["values"], "the sim backend's group is there too"
+    monkeypatch.setenv("STRATA_ACME__LEVEL", "4")
+    assert run_json(capsys, ["config", "show", "--json"])["values"]["acme.level"]["value"] == 4
+    assert [g.level for g in acme_group_plugin][-1] == 4, "the registry applied the validated group"
+    table = run_json(capsys, ["config", "table", "--json"])
+    assert "acme.level" in [r["key"] for r in table["settings"]]
+    capsys.readouterr()
+    assert cli.main(["config", "show", "--set", "acme.level=12"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["strata: error: acme.level: '12' from flag --set acme.level is not allowed; allowed: "
+                   "an integer >= 0 and <= 9"]

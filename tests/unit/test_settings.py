@@ -7,10 +7,12 @@ import json
 from pathlib import Path
 
 import pytest
+from pydantic import Field
 
-from strata_core.errors import BadInput
 from strata_core.api.facts import GIB, MIB, PlatformDefaults
-from strata_core.config.settings import (FIELDS, LEGACY_VARIABLES, FlagValue, Provenance, StrataSettings,
+from strata_core.config import SettingsGroupModel
+from strata_core.errors import BadInput
+from strata_core.config.settings import (FIELDS, fields_of, LEGACY_VARIABLES, FlagValue, Provenance, StrataSettings,
                                   add_settings_arguments, load_settings, settings_from_args, settings_from_partial,
                                   with_backend_defaults)
 
@@ -27,8 +29,9 @@ def load(tmp_path, env=None, flags=None, config_file=None):
 
 def test_core_defaults_with_no_source(tmp_path):
     loaded = load(tmp_path)
-    assert loaded.settings == StrataSettings()
-    assert set(loaded.origins) == set(FIELDS)
+    assert loaded.settings == type(loaded.settings)()
+    assert set(loaded.origins) == set(fields_of(type(loaded.settings)))
+    assert set(FIELDS) < set(loaded.origins) and {"sim.profile", "sim.inject"} < set(loaded.origins)
     assert all(p == Provenance("default", "core") for p in loaded.origins.values())
     assert loaded.notices == []
 
@@ -94,7 +97,7 @@ def test_pyproject_tool_strata(tmp_path):
 
 def test_pyproject_without_tool_strata_is_ignored(tmp_path):
     (tmp_path / "pyproject.toml").write_text('[project]\nname = "x"\n[tool.other]\nchunk = 3\n')
-    assert load(tmp_path).settings == StrataSettings()
+    assert load(tmp_path).settings.model_dump() == type(load(tmp_path).settings)().model_dump()
 
 
 def test_strata_toml_wins_over_pyproject(tmp_path):
@@ -207,7 +210,7 @@ def test_legacy_variable_maps_to_its_key(tmp_path, name, text, key, expected):
 @pytest.mark.parametrize("name", ["STRATA_BRANCH_CHECKPOINT_ALIGN", "STRATA_ISA_FLOOR"])
 def test_retired_legacy_variable_changes_nothing_and_says_why(tmp_path, name):
     loaded = load(tmp_path, env={name: "1"})
-    assert loaded.settings == StrataSettings()
+    assert loaded.settings == type(loaded.settings)()
     assert len(loaded.notices) == 1 and name in loaded.notices[0] and "ignored" in loaded.notices[0]
 
 
@@ -299,7 +302,6 @@ def test_malformed_toml_names_file_and_line(tmp_path):
 
 @pytest.mark.parametrize("text,key,line", [
     ('[prefill]\nchunk = "auto"\nchunck = 4096\n', "prefill.chunck", 3),
-    ('[memroy]\nvram_reserve_mib = 700\n', "memroy", 1),
     ('verbose = true\n', "verbose", 1),
     ('prefill = 4096\n', "prefill", 1),
 ])
@@ -308,6 +310,12 @@ def test_unknown_toml_key_is_named(tmp_path, text, key, line):
     with pytest.raises(BadInput) as e:
         load(tmp_path)
     assert f"strata.toml line {line}: unknown setting '{key}'" in str(e.value)
+
+
+def test_an_unknown_toml_group_is_named_with_the_closest_group(tmp_path):
+    (tmp_path / "strata.toml").write_text('[memroy]\nvram_reserve_mib = 700\n')
+    with pytest.raises(BadInput, match=r"^strata.toml line 1: unknown settings group \[memroy\]; did you mean \[memory\]\?$"):
+        load(tmp_path)
 
 
 def test_unknown_flag_key_is_named(tmp_path):
@@ -413,7 +421,7 @@ def test_an_unknown_variable_is_a_notice_with_the_closest_name(tmp_path, name, c
     loaded = load(tmp_path, env={name: "4096"})
     said = [n for n in loaded.notices if n.startswith(name)]
     assert said == [f"{name} is not a setting and was ignored (did you mean {closest}?)"]
-    assert loaded.settings == StrataSettings(), "an unknown variable changes nothing"
+    assert loaded.settings == type(loaded.settings)(), "an unknown variable changes nothing"
 
 
 def test_an_unknown_variable_far_from_every_name_says_where_the_names_are(tmp_path):
@@ -424,3 +432,52 @@ def test_an_unknown_variable_far_from_every_name_says_where_the_names_are(tmp_pa
 
 def test_variables_outside_the_prefix_are_not_ours(tmp_path):
     assert load(tmp_path, env={"STRATAX_FOO": "1", "PATH": "/bin"}).notices == []
+
+
+# ------------------------------------------------------------------ plugin settings groups
+
+
+class AcmeLevels(SettingsGroupModel):
+    """A plugin's own group: one bounded integer and one name."""
+
+    level: int = Field(1, ge=0, le=9, description="How hard the acme card works")
+    mode: str = Field("calm", description="The acme card's mode")
+
+
+def test_a_plugin_group_is_read_from_every_source_with_its_origin(tmp_path):
+    (tmp_path / "strata.toml").write_text("[acme]\nmode = \"loud\"\n")
+    loaded = load_settings(env={"STRATA_ACME__LEVEL": "3"}, cwd=tmp_path, groups={"acme": AcmeLevels})
+    assert loaded.settings.acme.level == 3 and loaded.settings.acme.mode == "loud"
+    assert loaded.origins["acme.level"] == Provenance("env", "STRATA_ACME__LEVEL")
+    assert loaded.origins["acme.mode"] == Provenance("toml", "strata.toml line 2")
+    flagged = load_settings(flags={"acme.level": "7"}, env={}, cwd=tmp_path, groups={"acme": AcmeLevels})
+    assert flagged.settings.acme.level == 7 and flagged.origins["acme.level"].source == "flag"
+
+
+def test_a_plugin_groups_values_are_validated_by_its_model_in_one_line(tmp_path):
+    with pytest.raises(BadInput) as e:
+        load_settings(flags={"acme.level": "12"}, env={}, cwd=tmp_path, groups={"acme": AcmeLevels})
+    assert str(e.value).startswith("acme.level: '12' from flag --set acme.level is not allowed; allowed: an integer")
+    with pytest.raises(BadInput, match="unknown setting 'acme.levl'; did you mean 'acme.level'"):
+        load_settings(flags={"acme.levl": "1"}, env={}, cwd=tmp_path, groups={"acme": AcmeLevels})
+
+
+def test_an_unknown_group_is_still_refused(tmp_path):
+    (tmp_path / "strata.toml").write_text("[acme]\nlevel = 3\n")
+    with pytest.raises(BadInput, match=r"^strata.toml line 1: unknown settings group \[acme\]; groups here: backend, kv, memory, "):
+        load_settings(env={}, cwd=tmp_path, groups={})
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(BadInput, match="^flag --set nosuch.key: unknown setting 'nosuch.key'"):
+        load_settings(flags={"nosuch.key": "1"}, env={}, cwd=tmp_path / "empty")
+
+
+def test_a_plugin_may_not_take_a_core_groups_name(tmp_path):
+    with pytest.raises(BadInput, match="settings group 'memory': a plugin may not declare a core group's name"):
+        load_settings(env={}, cwd=tmp_path, groups={"memory": AcmeLevels})
+
+
+def test_the_sim_group_is_the_sim_backends_not_the_cores(tmp_path):
+    from strata_core.builtin.sim.settings import SimSettings
+    assert "sim" not in StrataSettings.model_fields
+    loaded = load_settings(flags={"sim.inject": "pinned-alloc:every"}, env={}, cwd=tmp_path)
+    assert isinstance(loaded.settings.sim, SimSettings) and loaded.settings.sim.inject == ["pinned-alloc:every"]
