@@ -39,15 +39,20 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(report, indent=2))
         return 0
     console = Console()
+    # Below 100 columns vendor and version (in --json) give their width to the reason, which folds; names never do.
+    wide = console.width >= 100
     table = Table(title="Strata backends")
-    for col in ("name", "vendor", "version", "available", "score", "devices", "reason"):
-        table.add_column(col, overflow="fold")
+    cols = ["name", "vendor", "version", "available", "score", "devices", "reason"] if wide else \
+        ["name", "available", "score", "devices", "reason"]
+    for col in cols:
+        table.add_column(col, overflow="fold", no_wrap=col == "name", ratio=1 if col == "reason" else None,
+                         max_width=14 if col == "devices" else None)
     for b in report["backends"]:
-        devices = ", ".join(d["name"] for d in b["devices"]) or "-"
-        reason = b["reason"] + install_note(b)
+        cells = {"name": b["name"], "vendor": b["vendor"], "version": b["version"] or "-",
+                 "available": "yes" if b["available"] else "no", "score": b["score"],
+                 "devices": ", ".join(d["name"] for d in b["devices"]) or "-", "reason": b["reason"] + install_note(b)}
         # Text cells, because install hints carry brackets ('strata-core[cuda]') that rich would read as markup.
-        table.add_row(*(Text(str(c)) for c in (b["name"], b["vendor"], b["version"] or "-",
-                                               "yes" if b["available"] else "no", b["score"], devices, reason)))
+        table.add_row(*(Text(str(cells[c])) for c in cols))
     console.print(table)
     if report["selected"]:
         console.print(f"selected: [bold]{report['selected']}[/bold]")

@@ -61,10 +61,11 @@ def run_show(args: argparse.Namespace) -> int:
         print(json.dumps(report, indent=2))
         return 0
     table = Table(title="Strata settings" + (f" (backend defaults: {report['backend']})" if report["backend"] else ""))
-    table.add_column("key")
+    # The key column is never cut or wrapped (a cut key cannot be typed back); the others fold to the width left.
+    table.add_column("key", no_wrap=True, min_width=max(len(k) for k in report["values"]))
     table.add_column("value", overflow="fold")
     if args.origin:
-        table.add_column("source")
+        table.add_column("source", overflow="fold")
         table.add_column("origin", overflow="fold")
     for key, v in report["values"].items():
         row = [key, json.dumps(v["value"])]

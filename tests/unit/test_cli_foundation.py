@@ -400,3 +400,21 @@ def test_a_plugin_group_is_shown_tabled_applied_and_refused_in_one_line(clean_st
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["strata: error: acme.level: '12' from flag --set acme.level is not allowed; allowed: "
                    "an integer >= 0 and <= 9"]
+
+
+# ------------------------------------------------------------------ 80 columns
+
+
+@pytest.mark.parametrize("argv", [["config", "show", "--origin"], ["config", "show"], ["backends"]],
+                         ids=lambda a: " ".join(a))
+def test_tables_fit_80_columns_and_keys_are_never_cut(clean_strata_env, capsys, monkeypatch, argv):
+    monkeypatch.setenv("COLUMNS", "80")
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    assert max(len(ln) for ln in lines) <= 80, max(lines, key=len)
+    if argv[0] == "config":
+        for key in FIELDS:
+            assert any(ln.startswith(f"│ {key} ") for ln in lines), f"{key} cut or wrapped"
+    else:
+        assert all(f"│ {name} " in out for name in IN_TREE), "backend names whole"
