@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import statistics
+import sys
 import time
 from typing import Any, Callable
 
@@ -36,6 +37,16 @@ def register(subparsers) -> None:
     p.add_argument("--json", action="store_true", help=f"print one {SCHEMA} object")
     add_settings_arguments(p)
     p.set_defaults(func=run)
+
+
+#: The kernels `_bench` times, for the progress lines (route, rmsnorm, gather, the FFN twice, scatter).
+KERNELS_TIMED = 6
+
+
+def _progress(args, what: str) -> None:
+    """One progress line on stderr ('strata bench: ...'); none with --json, whose stdout is the object alone."""
+    if not args.json:
+        print(f"strata bench: {what}", file=sys.stderr, flush=True)
 
 
 def _median_s(fn: Callable[[], Any], sync: Callable[[], None], repeat: int) -> float:
@@ -87,6 +98,7 @@ def run(args) -> int:
     loaded = settings_from_args(args)
     plugins = load_from_settings(loaded.settings)
     target = plugins.resolve_target(loaded.settings)
+    _progress(args, f"planning and opening {target.backend.name} device {target.device.info.name}")
     plan = _tiny_plan(plugins, target, loaded.settings)
     # the kernels run in a session of the tiny model's plan, as `strata run` opens one
     session = target.device.open(plan)
@@ -127,6 +139,7 @@ def _bench(args, target: Any, session: Any, plan_ms: float) -> dict:
     results = []
 
     def add(name: str, fn: Callable[[], Any], flops: float, nbytes: float, err: float | None) -> None:
+        _progress(args, f"{name} ({len(results) + 1} of {KERNELS_TIMED}, {args.repeat} timed runs)")
         s = _median_s(fn, sync, args.repeat)
         results.append({"kernel": name, "median_ms": s * 1e3, "gflop_per_s": flops / s / 1e9 if flops else None,
                         "gb_per_s": nbytes / s / 1e9 if nbytes else None, "rel_err": err})

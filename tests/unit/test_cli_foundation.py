@@ -418,3 +418,21 @@ def test_tables_fit_80_columns_and_keys_are_never_cut(clean_strata_env, capsys, 
             assert any(ln.startswith(f"│ {key} ") for ln in lines), f"{key} cut or wrapped"
     else:
         assert all(f"│ {name} " in out for name in IN_TREE), "backend names whole"
+
+
+# ------------------------------------------------------------------ strata bench says what it is doing
+
+
+SMALL_BENCH = ["bench", "--backend", "cpu", "--tokens", "32", "--experts", "4", "--top-k", "2", "--hidden", "32",
+               "--ffn", "32", "--repeat", "1"]
+
+
+def test_bench_reports_progress_on_stderr_and_none_under_json(clean_strata_env, capsys):
+    assert cli.main(SMALL_BENCH) == 0
+    err = capsys.readouterr().err.splitlines()
+    steps = [ln for ln in err if ln.startswith("strata bench: ")]
+    assert steps[0].startswith("strata bench: planning and opening cpu device")
+    assert [ln.split("(")[1].split(",")[0] for ln in steps[1:]] == [f"{i} of 6" for i in range(1, 7)]
+    assert cli.main([*SMALL_BENCH, "--json"]) == 0
+    out, err = capsys.readouterr()
+    assert json.loads(out)["schema"] == "strata.bench/1" and "strata bench:" not in err
