@@ -11,7 +11,7 @@ from rich.console import Console
 from rich.table import Table
 
 from strata_core.errors import BadInput
-from strata_core.api.facts import MIB, DeviceInfo, HostInfo, load_profile
+from strata_core.api.facts import MIB, DeviceInfo, HostInfo, Profile, load_profile
 from strata_core.api.target import Target
 from strata_core.models.resolve import model_from_name, resolve_model
 from strata_core.models.spec import ModelSpec
@@ -44,6 +44,9 @@ def register(subparsers) -> None:
     p.add_argument("--explain", action="store_true", help="print every decision with its reason")
     p.add_argument("--plot", metavar="FILE.png", type=output_path((".png", ".svg", ".pdf")), help="draw the memory budgets and the loans into a PNG "
                                                       f"(needs matplotlib: {PLOT_INSTALL})")
+    p.add_argument("--save-profile", metavar="FILE.json", type=output_path((".json",)),
+                   help="write this machine's facts (backend, device, host) as a strata.profile/1 file, for "
+                        "`strata plan --profile FILE` elsewhere")
     add_settings_arguments(p)
     p.set_defaults(func=run)
 
@@ -143,6 +146,16 @@ def decision_origin(source: str, loaded: LoadedSettings) -> str:
     return source if prov is None else f"{source} ({prov.source}: {prov.origin})"
 
 
+def save_machine_profile(path: Path, inputs: PlanInputs) -> None:
+    """Write the machine the plan was made for as `strata.profile/1` (what `--profile FILE` reads back)."""
+    backend = inputs.target.backend.name if inputs.target is not None else inputs.device.backend
+    text = json.dumps(Profile(backend=backend, device=inputs.device, host=inputs.host).to_json(), indent=2) + "\n"
+    try:
+        path.write_text(text, encoding="utf-8")
+    except OSError as e:
+        raise BadInput(f"--save-profile {path}: cannot write ({e.strerror or e})") from None
+
+
 def plan_report(plan, inputs: PlanInputs) -> dict:
     """The `strata.plan/1` object, with where the inputs came from and the scenario's requests (added fields)."""
     out = plan.to_json()
@@ -161,9 +174,14 @@ def run(args: argparse.Namespace) -> int:
         return list_models(args.json)
     if args.plot:
         _require_matplotlib()
+    if args.save_profile and (args.profile or args.scenario):
+        raise BadInput("--save-profile: saves this machine's facts; leave out --profile and --scenario")
     inputs = gather_inputs(args)
     plan = build_plan(inputs)
     report = plan_report(plan, inputs)
+    if args.save_profile:  # after the plan held, so a refused plan writes nothing
+        save_machine_profile(Path(args.save_profile), inputs)
+        report["profile_saved"] = args.save_profile
     if args.plot:
         plot_plan(plan, inputs.requests, Path(args.plot))
     if args.json:
@@ -175,6 +193,8 @@ def run(args: argparse.Namespace) -> int:
         print_explain(console, plan, inputs.loaded)
     if args.plot:
         console.print(f"plot written to {args.plot}", markup=False)
+    if args.save_profile:
+        console.print(f"profile of this machine written to {args.save_profile}", markup=False)
     return 0
 
 

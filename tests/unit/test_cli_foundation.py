@@ -436,3 +436,16 @@ def test_bench_reports_progress_on_stderr_and_none_under_json(clean_strata_env, 
     assert cli.main([*SMALL_BENCH, "--json"]) == 0
     out, err = capsys.readouterr()
     assert json.loads(out)["schema"] == "strata.bench/1" and "strata bench:" not in err
+
+
+# ------------------------------------------------------------------ strata plan --save-profile
+
+
+def test_plan_save_profile_writes_this_machine_and_plans_from_it(clean_strata_env, capsys):
+    first = run_json(capsys, ["plan", "--backend", "cpu", "--save-profile", "me.json", "--json"])
+    saved = json.loads((clean_strata_env / "me.json").read_text())
+    assert first["profile_saved"] == "me.json" and saved["schema"] == "strata.profile/1"
+    assert saved["backend"] == "cpu" and saved["device"] == first["device"] and saved["host"] == first["host"]
+    again = run_json(capsys, ["plan", "--profile", "me.json", "--json"])
+    assert again["device"] == first["device"] and again["host"] == first["host"]
+    assert again["vram"] == first["vram"], "the same facts give the same plan"
