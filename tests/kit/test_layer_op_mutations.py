@@ -44,7 +44,7 @@ def _run(monkeypatch, op: str | None = None, mutation: str | None = None) -> tup
 def test_every_layer_op_of_the_protocol_has_mutations():
     """Every op LayerOps names has the scale, one-row, swapped-experts and stale-slot mutations."""
     ops = protocol_kernels(LayerOps)
-    assert ops == ["decode_step", "prefill_layer"] or set(ops) <= set(LAYER_OP_MUTATIONS), ops
+    assert len(ops) >= 2, ops
     for op in ops:
         assert {"scale", "one_row_wrong", "two_experts_swapped", "stale_slot_read"} <= set(LAYER_OP_MUTATIONS.get(op, {})), op
 
