@@ -481,3 +481,33 @@ def test_the_sim_group_is_the_sim_backends_not_the_cores(tmp_path):
     assert "sim" not in StrataSettings.model_fields
     loaded = load_settings(flags={"sim.inject": "pinned-alloc:every"}, env={}, cwd=tmp_path)
     assert isinstance(loaded.settings.sim, SimSettings) and loaded.settings.sim.inject == ["pinned-alloc:every"]
+
+
+# ------------------------------------------------------------------ settings files that are not ours
+
+
+def test_an_unrelated_broken_pyproject_is_skipped_with_a_notice(tmp_path):
+    (tmp_path / "pyproject.toml").write_text("[project\nname = 'someone else'\n")
+    loaded = load(tmp_path)
+    assert loaded.settings == type(loaded.settings)()
+    assert len(loaded.notices) == 1 and loaded.notices[0].startswith("./pyproject.toml is not valid TOML")
+    assert "no [tool.strata] table, so it was skipped" in loaded.notices[0]
+
+
+def test_a_pyproject_without_a_strata_table_is_read_silently(tmp_path):
+    (tmp_path / "pyproject.toml").write_text("[project]\nname = 'someone else'\n")
+    loaded = load(tmp_path)
+    assert loaded.notices == [] and loaded.settings == type(loaded.settings)()
+
+
+def test_a_strata_toml_directory_is_named_as_such(tmp_path):
+    (tmp_path / "strata.toml").mkdir()
+    with pytest.raises(BadInput, match=r"^\./strata\.toml: is a directory, not a TOML file"):
+        load(tmp_path)
+
+
+def test_a_report_command_skips_a_bad_settings_file_with_a_notice(tmp_path):
+    (tmp_path / "strata.toml").write_text("[kv\n")
+    loaded = load_settings(env={}, cwd=tmp_path, skip_bad_file=True)
+    assert loaded.notices == [n for n in loaded.notices if n.startswith("settings file skipped: strata.toml: not "
+                                                                         "valid TOML")] and len(loaded.notices) == 1
