@@ -1,10 +1,9 @@
-"""How the kit reaches one backend's device memory, kernels, pinned allocator and layer ops, on either contract.
+"""How the kit reaches one backend's device memory, kernels, pinned allocator and layer ops: as the runtime does.
 
 API 2.0: the probe lists Device objects and everything is asked of the device: `device.open(plan)` returns a
 DeviceSession (memory, kernels, budget, pinned, layer_ops). The kit plans the built-in tiny model for the device
-(core defaults, the backend named) and opens one session per test. Until every backend has moved there, a probe
-that still lists DeviceInfo facts is reached through the per-device hooks (`strata_device_memory`,
-`strata_kernels`, `strata_pinned_allocator`) of the plugin host, exactly as the runtime reaches it then.
+(core defaults, the backend named) and opens one session per test. (The registry wraps a 1.x plugin's bare
+DeviceInfo in a Device answered by the old per-device hooks, so such a plugin is reached the same way.)
 """
 
 from __future__ import annotations
@@ -52,12 +51,10 @@ def kit_plan(plugins: Any, backend: Any, device: Any, host: HostInfo) -> Any:
     info = info_of(device)
     settings = settings_from_partial({"backend": {"name": info.backend, "device": info.index},
                                       "memory": {"expert_cache": tiny_cache_slots(spec)}}, where="the kit")
-    if is_device_object(device):
-        from strata_core.api.target import Target
-        target = Target(backend=backend, device=device, host=host, defaults=device.platform_defaults(host),
-                        origin="the conformance kit")
-        return plan_for_machine(plugins, target, spec, settings)
-    return plan_for_machine(plugins, info, host, spec, settings)
+    from strata_core.api.target import Target
+    target = Target(backend=backend, device=device, host=host, defaults=device.platform_defaults(host),
+                    origin="the conformance kit")
+    return plan_for_machine(plugins, target, spec, settings)
 
 
 @dataclass
@@ -69,7 +66,7 @@ class KitSession:
     layer_ops: Any
     #: (limit_bytes, floor_bytes) -> (PinnedAllocator or None, the PinnedBudget it charges)
     pinned: Callable[[int, int], tuple[Any, PinnedBudget]]
-    contract: str  # "2.0 session" or "1.x hooks"
+    contract: str  # "2.0 session"
     closers: list[Callable[[], None]] = field(default_factory=list)
 
     def close(self) -> None:
@@ -91,30 +88,11 @@ def _pinned_on_session(session: Any) -> Callable[[int, int], tuple[Any, PinnedBu
     return pinned
 
 
-def _pinned_by_hook(hook: Any, device: Any) -> Callable[[int, int], tuple[Any, PinnedBudget]]:
-    """A fresh budget of the test's limits and the allocator the hook gives for it."""
-
-    def pinned(limit_bytes: int, floor_bytes: int = 0) -> tuple[Any, PinnedBudget]:
-        budget = PinnedBudget(limit_bytes, floor_bytes)
-        return hook.strata_pinned_allocator(device=device, budget=budget), budget
-
-    return pinned
-
-
 def open_kit_session(plugins: Any, backend: Any, device: Any, host: HostInfo) -> KitSession:
-    """Open the device the way the runtime does on its contract (2.0: device.open(plan); 1.x: the device hooks)."""
-    if is_device_object(device):
-        session = device.open(kit_plan(plugins, backend, device, host))
-        return KitSession(memory=session.memory, kernels=session.kernels, layer_ops=session.layer_ops,
-                          pinned=_pinned_on_session(session), contract="2.0 session", closers=[session.close])
-    missing = {"strata_device_memory", "strata_kernels", "strata_pinned_allocator"} - declared_hooks(plugins)
-    if missing:
-        raise AssertionError(f"backend '{info_of(device).backend}' lists DeviceInfo facts, not Device objects, and "
-                             f"this core has no {', '.join(sorted(missing))} hook to reach them: open() is the way")
-    hook = plugins.hook
-    mem = hook.strata_device_memory(device=device)
-    kernels = hook.strata_kernels(device=device)
-    assert mem is not None, f"no plugin answered strata_device_memory for a '{device.backend}' device"
-    assert kernels is not None, f"no plugin answered strata_kernels for a '{device.backend}' device"
-    return KitSession(memory=mem, kernels=kernels, layer_ops=None,
-                      pinned=_pinned_by_hook(hook, device), contract="1.x hooks")
+    """Open the device the way the runtime does: `device.open(plan)` for a plan of the tiny model."""
+    if not is_device_object(device):
+        raise AssertionError(f"backend '{info_of(device).backend}' lists a {type(device).__name__}, not a Device with "
+                             f"open(plan): API 2.0 asks every device question of the Device object")
+    session = device.open(kit_plan(plugins, backend, device, host))
+    return KitSession(memory=session.memory, kernels=session.kernels, layer_ops=session.layer_ops,
+                      pinned=_pinned_on_session(session), contract="2.0 session", closers=[session.close])
