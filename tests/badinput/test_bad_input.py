@@ -265,6 +265,11 @@ FILE_CASES = [
     ("run-negative-decode", ["run", "--decode-tokens", "-1"], {}),
     ("run-negative-seed", ["run", "--seed", "-1", "--prompt-tokens", "8"], {}),
     ("run-unknown-backend", ["run", "--backend", "nosuch", "--prompt-tokens", "8"], {}),
+    ("run-backend-unavailable-here", ["run", "--backend", "rocm", "--prompt-tokens", "8"], {}),
+    ("run-device-index-absent", ["run", "--backend", "cpu", "--set", "backend.device=5", "--prompt-tokens", "8"], {}),
+    ("run-autoload-off-entry-point-backend", ["run", "--set", "plugins.autoload=false", "--backend", "sycl",
+                                              "--prompt-tokens", "8"], {}),
+    ("run-blocked-backend", ["run", "--set", "plugins.block=sycl", "--backend", "sycl", "--prompt-tokens", "8"], {}),
     ("run-model-directory", ["run", "--model", "adir.gguf", "--prompt-tokens", "8"], {"adir.gguf/": None}),
     ("run-model-missing", ["run", "--model", "nowhere.gguf", "--prompt-tokens", "8"], {}),
     # bench
