@@ -194,7 +194,7 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--f16-layers", type=int, default=12)
     ap.add_argument("--skip", default="")
-    ap.add_argument("--variants", default="classes:4,classes:8,classes:1,grouped-classes:1,grouped:1",
+    ap.add_argument("--variants", default="classes:4,classes:8,grouped:1",
                     help="gemm_mode:streams pairs to time (cold runs and the trace for the first only)")
     args = ap.parse_args()
     res: dict = {"schema": "strata.bench.layer/1", "python": platform.python_version(),

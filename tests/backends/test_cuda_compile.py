@@ -40,3 +40,47 @@ def test_the_source_needs_no_headers_and_no_warp_intrinsics():
     assert "#include" not in code
     for intrinsic in ("__shfl", "__ballot", "__activemask", "warpSize", "__half", "asm("):
         assert intrinsic not in code, intrinsic
+
+
+@pytest.mark.parametrize("arch", ["compute_80", "compute_90"])
+def test_moe_fast_cu_compiles_to_ptx_with_every_kernel_and_no_atomics(arch):
+    _nvrtc_or_skip()
+    from strata_cuda import fast
+    ptx = fast.compile_to_ptx(arch=arch)
+    entries = set(re.findall(rb"\.entry\s+(\w+)", ptx))
+    assert entries == {n.encode() for n in fast.KERNEL_NAMES}
+    # no atomic anywhere: routing positions, combine and the decode sums are owned by one thread each
+    assert not re.search(rb"\b(atom|red)\.", ptx)
+    code = "\n".join(line.split("//", 1)[0] for line in fast.kernel_source().splitlines())
+    assert "atomic" not in code
+
+
+def test_moe_cu_has_no_atomics_either():
+    _nvrtc_or_skip()
+    ptx = compile_to_ptx(arch="compute_90")
+    assert not re.search(rb"\b(atom|red)\.", ptx)
+
+
+def test_the_size_classes_bound_the_padding():
+    import numpy as np
+    from strata_cuda.fast import ROW_ALIGN, StackLayout, class_rows
+    c = np.arange(1, 20000)
+    r = class_rows(c)
+    assert np.all(r >= c) and np.all(r % ROW_ALIGN == 0)
+    assert np.all(r[c > 16] <= 1.5 * c[c > 16]) and np.all(r[c <= 16] <= 16)
+    assert len(np.unique(class_rows(np.arange(17, 4097)))) == 2 * 8  # two classes an octave: 24, 32, ..., 4096
+    # the device's stack_cap (moe_fast.cu), written out: the same classes
+    def device_cap(v: int) -> int:
+        p = 1
+        while p < v:
+            p <<= 1
+        mid = 3 * p // 4
+        out = mid if (mid >= v and mid % 8 == 0) else p
+        return max(out, 8)
+    assert [device_cap(int(v)) for v in c[:5000]] == r[:5000].tolist()
+    # the compact layout: groups back to back, each starting aligned, no group padded to the largest
+    counts = np.array([3900, 1, 7, 250, 2])
+    lay = StackLayout.of(counts, "grouped")
+    assert list(lay.row0) == [0, 3904, 3912, 3920, 4176] and lay.rows == 4184
+    lay = StackLayout.of(counts, "classes")
+    assert list(lay.cap) == [4096, 8, 8, 256, 8] and lay.rows == int(lay.cap.sum())

@@ -59,6 +59,13 @@ def model(cp, rng):
                            stats=stats, source=source)
 
 
+def margin(m, layer: int, x: np.ndarray) -> float:
+    """The smallest gap between a token's k-th and (k+1)-th router logits: below the path's rounding, the device
+    and the reference may route that token differently (a near-tie, not an error)."""
+    lg = np.sort(ref.linear(ref.rmsnorm(x, m.norms[layer]), m.routers[layer]), axis=1)[:, ::-1]
+    return float((lg[:, K - 1] - lg[:, K]).min())
+
+
 def reference_layer(m, layer: int, x: np.ndarray) -> np.ndarray:
     """float64 x + MoE(rmsnorm(x)) of one layer."""
     xn = ref.rmsnorm(x, m.norms[layer])
@@ -103,13 +110,15 @@ def test_prefill_chunk_through_the_layer_ops(cp, rng, with_ring):
     ring = m.cache.lend(12) if with_ring else np.zeros(0, np.int32)
     assert ring is not None
     x = cp.asarray(x0)
-    want = x0.astype(np.float64)
     for w in works(cp, m, "prefill", x, np.asarray(ring), cp.cuda.Stream(non_blocking=True)):
+        # each layer against the reference of the same input (the device's), so an f16 drift in one layer cannot
+        # move a near-tied token's routing in the next
+        cp.cuda.Device().synchronize()
+        x_in = x.get()
         op.prefill_layer(w)
-        want = reference_layer(m, w.layer, want.astype(np.float32))
-    cp.cuda.Device().synchronize()
-    err = rel(x.get(), want)
-    assert err < BOUND, f"{err:.2e} (seed {rng.seed_value})"
+        cp.cuda.Device().synchronize()
+        err = rel(x.get() - x_in, reference_layer(m, w.layer, x_in) - x_in)
+        assert err < BOUND, f"layer {w.layer}: {err:.2e} (seed {rng.seed_value})"
     assert m.cache.misses > 0 and m.cache.hits > 0
     if with_ring:
         assert op.counts["prefill_fused"] == L and op.counts["prefill_composed"] == 0
@@ -123,17 +132,22 @@ def test_prefill_chunk_through_the_layer_ops(cp, rng, with_ring):
 def test_decode_steps_replay_one_graph_with_mapped_misses(cp, rng):
     m = model(cp, rng)
     op = ops(m)
-    x0 = rng.standard_normal((1, H)).astype(np.float32)
+    for _ in range(50):  # a token without near-ties in any layer (the reference's f32 drift could flip one)
+        x0 = rng.standard_normal((1, H)).astype(np.float32)
+        want, ok = x0.astype(np.float64), True
+        for layer in range(L):
+            ok = ok and margin(m, layer, want.astype(np.float32)) > 1e-2
+            want = reference_layer(m, layer, want.astype(np.float32))
+        if ok:
+            break
+    assert ok, f"no token without near-ties in 50 draws (seed {rng.seed_value})"
     x = cp.empty((1, H), cp.float32)
     for step in range(3):
         x.set(x0)
         lookups = m.cache.lookups
         op.decode_step(works(cp, m, "decode", x, np.zeros(0, np.int32), cp.cuda.Stream(non_blocking=True)))
         cp.cuda.Device().synchronize()
-        want = x0.astype(np.float64)
-        for layer in range(L):
-            want = reference_layer(m, layer, want.astype(np.float32))
-        err = rel(x.get(), want)
+        err = rel(x.get() - x0, want - x0)
         assert err < BOUND, f"step {step}: {err:.2e} (seed {rng.seed_value})"
         assert m.cache.lookups > lookups
     assert op.counts["decode_graph_steps"] == 3, op.counts

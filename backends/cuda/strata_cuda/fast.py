@@ -63,7 +63,7 @@ _MEMCPY_H2D = 1
 #: whatever the widths and cuBLAS sees aligned matrices.
 ROW_ALIGN = 8
 #: How the expert GEMMs of a layer run (FastMoE.gemm_mode): "classes" is one pointer-array batched GEMM per size
-#: class (each group rounded up to the next class, four an octave), the classes spread over
+#: class (each group rounded up to the next class, two an octave), the classes spread over
 #: `gemm_streams` streams so small ones run beside large ones; "grouped-classes" the same classes in one
 #: cublasGemmGroupedBatchedEx (CUDA >= 12.5); "grouped" one grouped call with each expert's exact rows; "loop" one
 #: GEMM per expert. Measured on the H200 (bench/results/layer_h200.json): classes is the fastest, the default.
@@ -90,6 +90,15 @@ def compile_to_ptx(arch: str = "compute_90") -> bytes:
         nvrtc.destroyProgram(prog)
 
 
+def precompile(decode_rows_per_warp: int = DECODE_ROWS_PER_WARP) -> None:
+    """Compile moe_fast.cu now (cupy keeps the module by source and options), so a FastMoE built later, inside a
+    timed region, does not pay for NVRTC."""
+    import cupy
+    mod = cupy.RawModule(code=kernel_source(), options=COMPILE_OPTIONS + (f"-DSTRATA_DEC_ROWS={decode_rows_per_warp}",))
+    for n in KERNEL_NAMES:
+        mod.get_function(n)
+
+
 def slot_runs(slots: Sequence[int]) -> list[tuple[int, int, int]]:
     """Split a list of slots (in the order given) into runs of consecutive slots: (first index, first slot, length)."""
     runs: list[tuple[int, int, int]] = []
@@ -103,15 +112,14 @@ def slot_runs(slots: Sequence[int]) -> list[tuple[int, int, int]]:
 
 
 def class_rows(counts: np.ndarray) -> np.ndarray:
-    """Each count rounded up to its size class, four an octave: c in (p, 2p] (p a power of two) rounds up to a
-    multiple of max(8, p/4), so a class holds at most 1.25x its rows above 32 (moe_fast.cu's stack_cap)."""
-    out = []
-    for c in np.asarray(counts, dtype=np.int64).tolist():
-        c = max(int(c), 1)
-        p = 1 << ((c - 1).bit_length() - 1) if c > 1 else 1
-        step = max(ROW_ALIGN, p // 4)
-        out.append(-(-c // step) * step)
-    return np.asarray(out, dtype=np.int64)
+    """Each count rounded up to its size class, two an octave: 8, 16, then 2^k and 1.5 * 2^k, so a class holds at
+    most 1.5x its rows above 16 (moe_fast.cu's stack_cap). Four an octave (at most 1.25x) measured slower under
+    skewed routing on the H200 (1.55 against 1.15 ms a layer): more classes, smaller batches, more launches."""
+    c = np.maximum(np.asarray(counts, dtype=np.int64), 1)
+    p = np.left_shift(1, np.ceil(np.log2(c)).astype(np.int64))  # the power of two at or above c
+    mid = (3 * p) // 4  # 1.5 * 2^(k-1), between p/2 and p
+    out = np.where((mid >= c) & (mid % ROW_ALIGN == 0), mid, p)
+    return np.maximum(out, ROW_ALIGN)
 
 
 @dataclass
@@ -496,7 +504,7 @@ class FastMoE:
         """The most rows the compact stack of a `tokens`-token chunk can take in this gemm mode (any routing)."""
         routed = tokens * self.top_k
         if self.gemm_mode in CLASS_MODES:
-            return (5 * routed) // 4 + 4 * ROW_ALIGN * self.experts
+            return (3 * routed) // 2 + 2 * ROW_ALIGN * self.experts
         return routed + ROW_ALIGN * self.experts
 
     def _stack_bufs(self, ws: dict, rows: int) -> tuple[int, int, int, int]:

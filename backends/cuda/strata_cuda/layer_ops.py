@@ -8,8 +8,10 @@
   without a ring (misses admitted into the cache) runs the composed op.
 - `decode_step`: every layer of the token as one CUDA graph replay (per layer: rmsnorm + router, gate/up, down
   into the residual), no host sync per layer; a missed expert is read by the kernels from mapped page-locked host
-  memory. After the replay the routed ids of all layers come back in one copy for the hit and miss counts. Decode
-  does not admit misses (admission stays off the critical path: the cache is what prefill and warm-up left).
+  memory (only rows the store has page-locked). After the replay the routed ids of all layers come back in one copy
+  for the hit and miss counts. Decode admits no misses on the critical path; once, when a cache that holds every
+  expert lacks some (a prompt's loan overwrote them) and they cannot be read from host memory, they are copied back
+  before the step (a refill), so later steps replay the graph with every expert cached.
 Where the fused paths do not apply (expert formats other than f16 and Q8_0, shapes off their grid, a prefill chunk
 without a ring, Q8_0 or unmapped host memory in decode) the core's ComposedLayerOps over the same session runs the
 layer, so every model still runs.
@@ -41,6 +43,8 @@ class CudaLayerOps:
     precision = "f16"
 
     def __init__(self, memory: Any, kernels: Any, workspace_bytes: int = 0):
+        from .fast import precompile
+        precompile()  # at session open: NVRTC stays out of the first prefill layer's time
         self.memory = memory
         self.kernels = kernels
         self.workspace_bytes = int(workspace_bytes)
@@ -50,7 +54,6 @@ class CudaLayerOps:
         self._maps_dev: Any = None
         self._ids_dev: Any = None
         self._w_dev: Any = None
-        self._host_ptrs: dict[tuple, Any] = {}
         #: how many layers each path ran (a test and `strata run` can tell which path ran)
         self.counts = {"prefill_fused": 0, "prefill_composed": 0, "decode_graph_steps": 0, "decode_plain_steps": 0,
                        "decode_composed_steps": 0}
@@ -157,13 +160,68 @@ class CudaLayerOps:
 
     # --- decode --------------------------------------------------------------------------------------------
 
+    def _mapped_host(self, w: LayerWork, fast: Any, missed: np.ndarray) -> tuple[int, int] | None:
+        """Addresses the kernels may read the layer's missed experts at (its host f16 arrays, page-locked rows only),
+        or None: some missed row is pageable, or the device cannot use registered memory at its host address."""
+        store = getattr(w.source, "store", None)
+        if store is None or store.pool.dtype != "f16":
+            return None
+        r0 = int(w.slots.row(w.layer, 0))
+        pinned = getattr(store, "pinned_rows", None)
+        if pinned is None or not bool(np.all(pinned[r0 + missed])):
+            return None
+        a13, a2 = store.pool.arrays["w_gate_up"], store.pool.arrays["w_down"]
+        probe = (int(a13[r0 + int(missed[0])].ctypes.data), int(a2[r0 + int(missed[0])].ctypes.data))
+        if "same_address" not in self.__dict__:
+            rep = fast.host_mapping_report(probe)
+            self.same_address = all(r["device_ptr"] == r["host_ptr"] and r["host_ptr"] for r in rep)
+        if not self.same_address:
+            return None
+        return int(a13[r0].ctypes.data), int(a2[r0].ctypes.data)
+
+    def _refill(self, works: list[LayerWork], maps: np.ndarray) -> bool:
+        """Copy every missing expert back into a cache that can hold them all (behind a fence, on the copy stream,
+        the compute stream waiting for it); False when the cache is smaller than the model."""
+        import cupy as cp
+        cache = works[0].slots
+        room = int(getattr(cache, "slots", 0)) - int(getattr(cache, "slots_on_loan", 0))
+        if room < int(getattr(cache, "layers", 0)) * int(getattr(cache, "experts_per_layer", 0)) or room <= 0:
+            return False
+        cs = works[0].copy_stream
+        fence = cp.cuda.Event(disable_timing=True)
+        fence.record(cp.cuda.get_current_stream())
+        cs.wait_event(fence)
+        for w, row in zip(works, maps):
+            missed = np.flatnonzero(row < 0)
+            if not missed.size:
+                continue
+            got = w.slots.admit(w.layer, missed)
+            for e, slot in zip(missed, got):
+                if slot >= 0:
+                    w.source.upload(int(w.slots.row(w.layer, int(e))), int(slot), cs)
+            w.stats["experts_admitted"] += int((got >= 0).sum())
+        landed = cp.cuda.Event(disable_timing=True)
+        landed.record(cs)
+        cp.cuda.get_current_stream().wait_event(landed)
+        return True
+
     def _decode_layers(self, works: list[LayerWork], fast: Any) -> list | None:
         """The DecodeLayer of every work (device slot maps refreshed from the cache), or None when some layer's
-        misses could not be read from mapped host memory."""
+        misses can be neither read from mapped host memory nor refilled."""
         import cupy as cp
         from .fast import DecodeLayer
         n, e_n, k = len(works), fast.experts, fast.top_k
         maps = np.stack([self._slot_map(w, e_n) for w in works]).astype(np.int32)
+        hosts = [self._mapped_host(w, fast, np.flatnonzero(m < 0)) if np.any(m < 0) else None
+                 for w, m in zip(works, maps)]
+        if any(np.any(m < 0) and h is None for m, h in zip(maps, hosts)):
+            if not self._refill(works, maps):
+                return None
+            maps = np.stack([self._slot_map(w, e_n) for w in works]).astype(np.int32)
+            hosts = [self._mapped_host(w, fast, np.flatnonzero(m < 0)) if np.any(m < 0) else None
+                     for w, m in zip(works, maps)]
+            if any(np.any(m < 0) and h is None for m, h in zip(maps, hosts)):
+                return None
         if self._maps_dev is None or self._maps_dev.shape != maps.shape:
             self._maps_dev = cp.empty(maps.shape, dtype=cp.int32)
             self._ids_dev = cp.empty((n, k), dtype=cp.int32)
@@ -172,26 +230,8 @@ class CudaLayerOps:
         if self._maps_host is None or not np.array_equal(self._maps_host, maps):
             self._maps_dev.set(maps, stream=cp.cuda.get_current_stream())
             self._maps_host = maps
-        layers = []
-        for i, w in enumerate(works):
-            host = None
-            if np.any(maps[i] < 0):
-                key = (w.layer, id(w.source))
-                if key not in self._host_ptrs:
-                    hp = self._host_layer(w, e_n)
-                    store = getattr(w.source, "store", None)
-                    pinned = getattr(store, "pinned_rows", None)
-                    r0 = int(w.slots.row(w.layer, 0))
-                    # the kernels may read only page-locked rows: a layer partly pageable takes the composed path
-                    if hp is not None and pinned is not None and not bool(np.all(pinned[r0:r0 + e_n])):
-                        hp = None
-                    self._host_ptrs[key] = fast.host_device_ptrs(hp) if hp is not None else None
-                host = self._host_ptrs[key]
-                if host is None:
-                    return None
-            layers.append(DecodeLayer(norm_w=w.norm_w, router_w=w.router_w, pool=w.pool,
-                                      slot_map=self._maps_dev[i], ids=self._ids_dev[i], w=self._w_dev[i], host=host))
-        return layers
+        return [DecodeLayer(norm_w=w.norm_w, router_w=w.router_w, pool=w.pool, slot_map=self._maps_dev[i],
+                            ids=self._ids_dev[i], w=self._w_dev[i], host=hosts[i]) for i, w in enumerate(works)]
 
     def decode_step(self, works: list[LayerWork]) -> None:
         """Run every MoE layer of one decode token: one graph replay where the fused decode applies."""

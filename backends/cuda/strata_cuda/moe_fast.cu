@@ -178,15 +178,16 @@ extern "C" __global__ void strata_fast_positions(const int* __restrict__ ids, in
     if (tid == 0) counts[e] = base;
 }
 
-// Rows of a group in the compact stack: its count rounded up to 8, or in size-class mode to its class (four classes
-// an octave: c in (p, 2p] rounds up to a multiple of max(8, p/4)); fast.py's class_rows computes the same.
+// Rows of a group in the compact stack: its count rounded up to 8, or in size-class mode to its class (8, 16, then
+// 2^k and 1.5 * 2^k); fast.py's class_rows computes the same.
 __device__ __forceinline__ int stack_cap(int c, int classes) {
     if (c <= 0) return 0;
     if (!classes) return (c + 7) / 8 * 8;
     int p = 1;
-    while (2 * p < c) p <<= 1;  // the largest power of two below c (1 for c = 1)
-    const int step = p / 4 > 8 ? p / 4 : 8;
-    return (c + step - 1) / step * step;
+    while (p < c) p <<= 1;  // the power of two at or above c
+    const int mid = 3 * p / 4;
+    const int r = (mid >= c && mid % 8 == 0) ? mid : p;
+    return r < 8 ? 8 : r;
 }
 
 // Stack offsets on the device, so the gather need not wait for the host: one block of STRATA_FAST_THREADS >= E
