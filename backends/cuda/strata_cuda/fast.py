@@ -50,6 +50,12 @@ MAX_TOPK = 16
 STRIDE_MAX_BLOCKS = 8192
 #: FFN rows per warp of the decode gate/up kernel (STRATA_DEC_ROWS in the source).
 DECODE_ROWS_PER_WARP = 2
+#: A streamed copy group carries at least this many bytes (small experts go many to a group): each group costs the
+#: host a few launches, so tiny experts in groups of 8 were bound by Python, not by the link.
+COPY_GROUP_BYTES = 64 << 20
+#: Size classes are spread over side streams only for calls of at least this many experts (a ring group's few
+#: experts gain nothing from the fork and join).
+SIDE_STREAM_MIN_PROBLEMS = 16
 #: Captured decode graphs kept (one per set of buffers a caller uses; the executor uses a few).
 MAX_DECODE_GRAPHS = 64
 #: cuBLAS / CUDA enums (cublas_api.h, library_types.h): fixed by the ABI.
@@ -357,13 +363,15 @@ class FastMoE:
             return
         order = live[np.argsort(ns[live], kind="stable")]
         sizes, first, per = np.unique(ns[order], return_index=True, return_counts=True)
-        a_d = self._upload_ptrs(np.asarray(a_ptrs, dtype=np.int64)[order])
-        b_d = self._upload_ptrs(np.asarray(b_ptrs, dtype=np.int64)[order])
-        c_d = self._upload_ptrs(np.asarray(c_ptrs, dtype=np.int64)[order])
+        n_p = int(order.size)
+        a_d = self._upload_ptrs(np.concatenate([np.asarray(a_ptrs, dtype=np.int64)[order],
+                                                np.asarray(b_ptrs, dtype=np.int64)[order],
+                                                np.asarray(c_ptrs, dtype=np.int64)[order]]))
+        b_d, c_d = a_d + 8 * n_p, a_d + 16 * n_p
         if self.gemm_mode == "classes":
             main = self._cp.cuda.get_current_stream()
             lanes = [(main, self._handle)]
-            if self._side and sizes.size > 1:
+            if self._side and sizes.size > 1 and live.size >= SIDE_STREAM_MIN_PROBLEMS:
                 fork = self._cp.cuda.Event(disable_timing=True)
                 fork.record(main)
                 for side, _ in self._side:
@@ -696,10 +704,13 @@ class FastMoE:
                 total += n * per
         return total
 
-    def miss_groups(self, n: int, ring_slots: int) -> list[int]:
-        """Sizes of the copy groups that stream n missed experts: as large as the ring allows (4 groups in flight)
-        for most, then 4, 2, 2 at the end, so the compute left after the last byte lands is small."""
-        big = max(1, min(self.group_experts, ring_slots // 4))
+    def miss_groups(self, n: int, ring_slots: int, slot_bytes: int = 0) -> list[int]:
+        """Sizes of the copy groups that stream n missed experts: group_experts each, or more for small experts
+        (at least COPY_GROUP_BYTES a group, so the host's launches per group stay few against the bytes), as the
+        ring allows (4 groups in flight), then 4, 2, 2 at the end, so the compute left after the last byte lands
+        is small."""
+        want = max(self.group_experts, COPY_GROUP_BYTES // slot_bytes if slot_bytes > 0 else 0)
+        big = max(1, min(want, ring_slots // 4))
         tail = [s for s in (4, 2, 2) if s <= big] if n >= 2 * big else []
         head = n - sum(tail)
         groups = -(-head // big) if head > 0 else 0
@@ -711,7 +722,8 @@ class FastMoE:
                        run_hits: Any) -> None:
         cp = self._cp
         ring_n = int(ring.size)
-        sizes = self.miss_groups(len(misses), ring_n)
+        slot_bytes = sum(int(a.strides[0]) for a in host_pool.arrays.values())
+        sizes = self.miss_groups(len(misses), ring_n, slot_bytes)
         if max(sizes) > ring_n:
             raise ValueError(f"prefill_layer: a ring of {ring_n} slots cannot hold a copy group of {max(sizes)}")
         # place the groups on the ring (wrapping where one does not fit) and find, for each, the groups that last
@@ -847,21 +859,24 @@ class FastMoE:
                                             np.int64(h * f), np.int32(h), np.int32(f), np.int32(kk), out,
                                             np.int32(accumulate)))
 
-    def decode_stack(self, x: Any, layers: Sequence["DecodeLayer"], graph: bool = True) -> None:
+    def decode_stack(self, x: Any, layers: Sequence["DecodeLayer"], graph: bool = True, key: tuple | None = None) -> None:
         """One token through every layer, in place on the residual x [1,H] f32: per layer rmsnorm + router,
         gate/up + SwiGLU, then down added to x; no host sync. With `graph` the whole stack is captured once per set
         of buffers and replayed (one launch per step); missed experts (slot -1) are read from each layer's mapped
-        host memory. Runs on `compute_stream`."""
-        for lay in layers:
-            self._check_decode_pool(lay.pool)
+        host memory. Runs on `compute_stream`. `key` (the caller's cached ("stack", x, layer keys...)) saves
+        rebuilding it every step."""
         self.decode_buffers()
         if not graph:
+            for lay in layers:
+                self._check_decode_pool(lay.pool)
             with self.compute_stream:
                 self._decode_stack_body(x, layers)
             return
-        key = ("stack", x.data.ptr) + tuple(lay.key() for lay in layers)
+        key = key or ("stack", x.data.ptr) + tuple(lay.key() for lay in layers)
         g = self._graphs.get(key)
         if g is None:
+            for lay in layers:
+                self._check_decode_pool(lay.pool)
             if len(self._graphs) >= MAX_DECODE_GRAPHS:
                 self._graphs.clear()
             g = self._capture(lambda: self._decode_stack_body(x, layers))

@@ -51,6 +51,10 @@ class CudaLayerOps:
         self._fast: dict[tuple, Any] = {}
         self._composed: Any = None
         self._maps_host: np.ndarray | None = None
+        self._rows_for: tuple = ()
+        self._rows = np.zeros(0, np.int64)
+        self._bases: dict[int, tuple[int, int]] = {}
+        self._layers_cache: tuple | None = None
         self._maps_dev: Any = None
         self._ids_dev: Any = None
         self._w_dev: Any = None
@@ -160,24 +164,35 @@ class CudaLayerOps:
 
     # --- decode --------------------------------------------------------------------------------------------
 
-    def _mapped_host(self, w: LayerWork, fast: Any, missed: np.ndarray) -> tuple[int, int] | None:
-        """Addresses the kernels may read the layer's missed experts at (its host f16 arrays, page-locked rows only),
-        or None: some missed row is pageable, or the device cannot use registered memory at its host address."""
-        store = getattr(w.source, "store", None)
-        if store is None or store.pool.dtype != "f16":
-            return None
-        r0 = int(w.slots.row(w.layer, 0))
+    def _hosts(self, works: list[LayerWork], fast: Any, rows: np.ndarray, missing: np.ndarray) -> list | None:
+        """Per layer, the host addresses the kernels read its missed experts at (None: no miss), or None when some
+        missed row is pageable or the device cannot use registered memory at its host address."""
+        has = missing.any(axis=1)
+        if not has.any():
+            return [None] * len(works)
+        store = getattr(works[0].source, "store", None)
         pinned = getattr(store, "pinned_rows", None)
-        if pinned is None or not bool(np.all(pinned[r0 + missed])):
+        if store is None or pinned is None or store.pool.dtype != "f16":
+            return None
+        if np.any(missing & ~pinned[rows].reshape(missing.shape)):
             return None
         a13, a2 = store.pool.arrays["w_gate_up"], store.pool.arrays["w_down"]
-        probe = (int(a13[r0 + int(missed[0])].ctypes.data), int(a2[r0 + int(missed[0])].ctypes.data))
         if "same_address" not in self.__dict__:
-            rep = fast.host_mapping_report(probe)
-            self.same_address = all(r["device_ptr"] == r["host_ptr"] and r["host_ptr"] for r in rep)
+            r = int(rows.reshape(missing.shape)[missing][0])
+            rep = fast.host_mapping_report((int(a13[r].ctypes.data), int(a2[r].ctypes.data)))
+            self.same_address = all(x["host_ptr"] and x["device_ptr"] == x["host_ptr"] for x in rep)
         if not self.same_address:
             return None
-        return int(a13[r0].ctypes.data), int(a2[r0].ctypes.data)
+        out = []
+        for i, w in enumerate(works):
+            if not has[i]:
+                out.append(None)
+                continue
+            r0 = int(rows[i * missing.shape[1]])
+            if r0 not in self._bases:
+                self._bases[r0] = (int(a13[r0].ctypes.data), int(a2[r0].ctypes.data))
+            out.append(self._bases[r0])
+        return out
 
     def _refill(self, works: list[LayerWork], maps: np.ndarray) -> bool:
         """Copy every missing expert back into a cache that can hold them all (behind a fence, on the copy stream,
@@ -205,33 +220,46 @@ class CudaLayerOps:
         cp.cuda.get_current_stream().wait_event(landed)
         return True
 
-    def _decode_layers(self, works: list[LayerWork], fast: Any) -> list | None:
-        """The DecodeLayer of every work (device slot maps refreshed from the cache), or None when some layer's
-        misses can be neither read from mapped host memory nor refilled."""
+    def _decode_layers(self, works: list[LayerWork], fast: Any) -> tuple | None:
+        """(DecodeLayer of every work, the graph's key) with the device slot maps refreshed from the cache, or None
+        when some layer's misses can be neither read from mapped host memory nor refilled."""
         import cupy as cp
         from .fast import DecodeLayer
         n, e_n, k = len(works), fast.experts, fast.top_k
-        maps = np.stack([self._slot_map(w, e_n) for w in works]).astype(np.int32)
-        hosts = [self._mapped_host(w, fast, np.flatnonzero(m < 0)) if np.any(m < 0) else None
-                 for w, m in zip(works, maps)]
-        if any(np.any(m < 0) and h is None for m, h in zip(maps, hosts)):
+        layer_ids = tuple(w.layer for w in works)
+        if self._rows_for != layer_ids:
+            self._rows = np.concatenate([np.asarray(w.slots.row(w.layer, np.arange(e_n)), dtype=np.int64)
+                                         for w in works])
+            self._rows_for = layer_ids
+        table = getattr(works[0].slots, "slot_of", None)
+        if table is None:
+            raise StrataError("cuda layer ops need the runtime's expert cache (its slot_of table)")
+        maps = table[self._rows].reshape(n, e_n).astype(np.int32)
+        hosts = self._hosts(works, fast, self._rows, maps < 0)
+        if hosts is None:
             if not self._refill(works, maps):
                 return None
-            maps = np.stack([self._slot_map(w, e_n) for w in works]).astype(np.int32)
-            hosts = [self._mapped_host(w, fast, np.flatnonzero(m < 0)) if np.any(m < 0) else None
-                     for w, m in zip(works, maps)]
-            if any(np.any(m < 0) and h is None for m, h in zip(maps, hosts)):
+            maps = table[self._rows].reshape(n, e_n).astype(np.int32)
+            hosts = self._hosts(works, fast, self._rows, maps < 0)
+            if hosts is None:
                 return None
         if self._maps_dev is None or self._maps_dev.shape != maps.shape:
             self._maps_dev = cp.empty(maps.shape, dtype=cp.int32)
             self._ids_dev = cp.empty((n, k), dtype=cp.int32)
             self._w_dev = cp.empty((n, k), dtype=cp.float32)
             self._maps_host = None
+            self._layers_cache = None
         if self._maps_host is None or not np.array_equal(self._maps_host, maps):
             self._maps_dev.set(maps, stream=cp.cuda.get_current_stream())
             self._maps_host = maps
-        return [DecodeLayer(norm_w=w.norm_w, router_w=w.router_w, pool=w.pool, slot_map=self._maps_dev[i],
-                            ids=self._ids_dev[i], w=self._w_dev[i], host=hosts[i]) for i, w in enumerate(works)]
+        sig = (int(works[0].x.data.ptr), tuple(hosts),
+               tuple((id(w.norm_w), id(w.router_w), id(w.pool)) for w in works))
+        if self._layers_cache is None or self._layers_cache[0] != sig:
+            layers = [DecodeLayer(norm_w=w.norm_w, router_w=w.router_w, pool=w.pool, slot_map=self._maps_dev[i],
+                                  ids=self._ids_dev[i], w=self._w_dev[i], host=hosts[i]) for i, w in enumerate(works)]
+            key = ("stack", int(works[0].x.data.ptr)) + tuple(lay.key() for lay in layers)
+            self._layers_cache = (sig, layers, key)
+        return self._layers_cache[1], self._layers_cache[2]
 
     def decode_step(self, works: list[LayerWork]) -> None:
         """Run every MoE layer of one decode token: one graph replay where the fused decode applies."""
@@ -245,15 +273,16 @@ class CudaLayerOps:
             self._fallback(works[0]).decode_step(works)
             return
         import cupy as cp
-        layers = self._decode_layers(works, fast)
-        if layers is None:
+        got = self._decode_layers(works, fast)
+        if got is None:
             self.counts["decode_composed_steps"] += 1
             self._fallback(works[0]).decode_step(works)
             return
+        layers, key = got
         fast.compute_stream = cp.cuda.get_current_stream()
         x = works[0].x
         if observer is None:
-            fast.decode_stack(x, layers, graph=True)
+            fast.decode_stack(x, layers, graph=True, key=key)
             self.counts["decode_graph_steps"] += 1
         else:
             # --check: layer by layer, each layer's residual handed to the observer
@@ -263,8 +292,11 @@ class CudaLayerOps:
                 observer(w.phase, w.layer, x_in, np.asarray(self.memory.download(x)))
             self.counts["decode_plain_steps"] += 1
         ids = self._ids_dev.get(stream=cp.cuda.get_current_stream())
-        for w, row in zip(works, ids):
-            used, cnt = np.unique(row, return_counts=True)
-            w.slots.lookup(w.layer, used.astype(np.int64), cnt)
+        e_n = fast.experts
+        cnt = np.bincount((ids + (np.arange(len(works)) * e_n)[:, None]).ravel(),
+                          minlength=len(works) * e_n).reshape(len(works), e_n)
+        for w, c in zip(works, cnt):
+            used = np.flatnonzero(c)
+            w.slots.lookup(w.layer, used, c[used])
         for w in works:
             w.workspace.reset()
