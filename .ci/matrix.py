@@ -184,7 +184,7 @@ def run_lane(name: str, module: str) -> dict:
         lane["reason"] = "; ".join(failures[:3]) + more if failures else f"pytest exited {p.returncode}"
     elif any(s["status"] == "reference" for s in lane["suites"].values()):
         lane.update(status="reference", reason="its kernels are the numpy reference the other lanes are compared "
-                                               "with (checked here against float64)")
+                                               "with; checked here against float64")
     else:
         lane["status"] = "passed"
     return lane
