@@ -120,13 +120,13 @@ def test_prefill_chunk_through_the_layer_ops(cp, rng, with_ring):
         err = rel(x.get() - x_in, reference_layer(m, w.layer, x_in) - x_in)
         assert err < BOUND, f"layer {w.layer}: {err:.2e} (seed {rng.seed_value})"
     assert m.cache.misses > 0 and m.cache.hits > 0
+    assert op.counts["prefill_fused"] == L and op.counts["prefill_composed"] == 0
     if with_ring:
-        assert op.counts["prefill_fused"] == L and op.counts["prefill_composed"] == 0
         assert m.stats["experts_streamed"] > 0 and m.stats["ring_batches"] > 0
         m.cache.give_back(ring)
     else:
-        # without a ring the misses are admitted: the composed op over the same session runs the chunk
-        assert op.counts["prefill_composed"] == L and m.stats["experts_admitted"] > 0
+        # without a ring the misses are admitted into the cache (it can take a layer's uncached experts)
+        assert m.stats["experts_admitted"] > 0
 
 
 def test_decode_steps_replay_one_graph_with_mapped_misses(cp, rng):

@@ -5,15 +5,17 @@
   over a compact stack, the misses streamed into the loan's ring slots on a copy stream (grouped copies, events),
   and the weighted sum added to the residual in k order. The cache's slot map is read before routing (`slot_of`
   of the runtime's ExpertCache) and the hits and misses are counted with `lookup` once the counts are known. A chunk
-  without a ring (misses admitted into the cache) runs the composed op.
+  without a ring admits its misses into the cache (copies on the executor's copy stream behind a fence, the compute
+  stream waiting for them) when the cache could take every uncached expert of the layer without evicting one of its
+  cached ones; otherwise the composed op runs it.
 - `decode_step`: every layer of the token as one CUDA graph replay (per layer: rmsnorm + router, gate/up, down
   into the residual), no host sync per layer; a missed expert is read by the kernels from mapped page-locked host
   memory (only rows the store has page-locked). After the replay the routed ids of all layers come back in one copy
   for the hit and miss counts. Decode admits no misses on the critical path; once, when a cache that holds every
   expert lacks some (a prompt's loan overwrote them) and they cannot be read from host memory, they are copied back
   before the step (a refill), so later steps replay the graph with every expert cached.
-Where the fused paths do not apply (expert formats other than f16 and Q8_0, shapes off their grid, a prefill chunk
-without a ring, Q8_0 or unmapped host memory in decode) the core's ComposedLayerOps over the same session runs the
+Where the fused paths do not apply (expert formats other than f16 and Q8_0, shapes off their grid, a chunk without a
+ring in a cache too small to admit its misses, Q8_0 or unmapped host memory in decode) the core's ComposedLayerOps over the same session runs the
 layer, so every model still runs.
 cupy is imported on first use: this module imports without it.
 """
@@ -130,30 +132,33 @@ class CudaLayerOps:
     def prefill_layer(self, work: LayerWork) -> None:
         """Run one MoE layer of a prompt chunk in place on work.x."""
         fast = self._fast_for(work)
-        host = self._host_layer(work, fast.experts) if fast is not None else None
-        if fast is None or work.ring is None or len(work.ring) == 0 or host is None:
+        with_ring = work.ring is not None and len(work.ring) > 0
+        host = self._host_layer(work, fast.experts) if fast is not None and with_ring else None
+        slot_map = self._slot_map(work, fast.experts) if fast is not None else None
+        if fast is None or (with_ring and host is None) or (not with_ring and not self._can_admit(work, slot_map)):
             self.counts["prefill_composed"] += 1
             self._fallback(work).prefill_layer(work)
             return
         import cupy as cp
-        e_n = fast.experts
         observer = work.extras.get("observer")
         x = work.x
         x_in = np.asarray(self.memory.download(x)) if observer is not None else None
         fast.compute_stream = cp.cuda.get_current_stream()
         xn = self.kernels.rmsnorm(x, work.norm_w)
         logits = self.kernels.linear(xn, work.router_w)
-        slot_map = self._slot_map(work, e_n)
-        ring = np.asarray(work.ring, dtype=np.int64)
+        ring = np.asarray(work.ring, dtype=np.int64) if with_ring else None
 
         def on_counts(counts: np.ndarray) -> np.ndarray:
             used = np.flatnonzero(counts > 0)
             work.slots.lookup(work.layer, used, counts[used])
-            return slot_map
+            missed = used[slot_map[used] < 0]
+            if with_ring or missed.size == 0:
+                return slot_map
+            return self._admit(work, slot_map, used, missed)
 
         fast.prefill_layer(xn, logits, work.pool, slot_map, host, ring, out=x, accumulate=True, on_counts=on_counts)
         st = fast.stats
-        if st.misses:
+        if with_ring and st.misses:
             work.stats["experts_streamed"] += int(st.misses)
             work.stats["bytes_streamed"] += int(st.bytes_streamed)
             work.stats["ring_batches"] += int(st.copy_groups)
@@ -161,6 +166,40 @@ class CudaLayerOps:
         work.workspace.reset()
         if observer is not None:
             observer(work.phase, work.layer, x_in, np.asarray(self.memory.download(x)))
+
+    @staticmethod
+    def _can_admit(work: LayerWork, slot_map: np.ndarray) -> bool:
+        """Could every uncached expert of this layer be admitted without evicting one of its cached experts? Then a
+        chunk without a ring admits its misses (known only after routing) on the fused path."""
+        usable = getattr(work.slots, "usable", None)
+        if usable is None:
+            return False
+        return int(np.count_nonzero(usable())) - int(np.count_nonzero(slot_map >= 0)) >= \
+            int(np.count_nonzero(slot_map < 0))
+
+    def _admit(self, work: LayerWork, slot_map: np.ndarray, used: np.ndarray, missed: np.ndarray) -> np.ndarray:
+        """Admit every missed expert into the cache (never evicting this layer's hits), copies ordered before the
+        compute stream's next work; the new slot map. Raises when the cache cannot take them all."""
+        import cupy as cp
+        hits = slot_map[used]
+        hits = hits[hits >= 0]
+        got = work.slots.admit(work.layer, missed, keep=hits)
+        if np.any(got < 0):
+            raise StrataError(f"layer {work.layer}: the cache cannot take the {missed.size} missed experts of this "
+                              f"chunk without a ring")
+        cs = work.copy_stream
+        fence = cp.cuda.Event(disable_timing=True)
+        fence.record(cp.cuda.get_current_stream())
+        cs.wait_event(fence)  # earlier layers' kernels may still read the evicted slots
+        for e, slot in zip(missed, got):
+            work.source.upload(int(work.slots.row(work.layer, int(e))), int(slot), cs)
+        landed = cp.cuda.Event(disable_timing=True)
+        landed.record(cs)
+        cp.cuda.get_current_stream().wait_event(landed)
+        work.stats["experts_admitted"] += int(missed.size)
+        out = slot_map.copy()
+        out[missed] = got
+        return out
 
     # --- decode --------------------------------------------------------------------------------------------
 
