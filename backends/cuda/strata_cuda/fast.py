@@ -105,6 +105,42 @@ def precompile(decode_rows_per_warp: int = DECODE_ROWS_PER_WARP) -> None:
         mod.get_function(n)
 
 
+_SIDE_LANES: dict[int, list] = {}
+
+
+def side_lanes(n: int) -> list:
+    """n (stream, cuBLAS handle) pairs of the current device, made once per process: cublasCreate is slow the first
+    times, and a FastMoE built inside a timed region should not pay for it."""
+    import cupy
+    from cupy_backends.cuda.libs import cublas
+    dev = cupy.cuda.Device().id
+    lanes = _SIDE_LANES.setdefault(dev, [])
+    while len(lanes) < n:
+        hnd = cublas.create()
+        cublas.setPointerMode(hnd, _CUBLAS_POINTER_MODE_HOST)
+        lanes.append((cupy.cuda.Stream(non_blocking=True), hnd))
+    return lanes[:n]
+
+
+def warm_up() -> None:
+    """Compile the module, start cuBLAS and make the side lanes, then run one tiny prefill and decode layer, so the
+    first real layer of a run pays for none of it (called when a cuda session's layer ops are made)."""
+    import cupy
+    precompile()
+    side_lanes(3)
+    e, k, h, f, t = 8, 2, 256, 256, 64
+    moe = FastMoE(e, k, h, f)
+    rng = np.random.default_rng(0)
+    pool = ExpertPool("f16", {"w_gate_up": cupy.asarray(rng.standard_normal((1, 2 * f, h)).astype(np.float16)),
+                              "w_down": cupy.asarray(rng.standard_normal((1, h, f)).astype(np.float16))})
+    x = cupy.asarray(rng.standard_normal((t, h)).astype(np.float32))
+    logits = cupy.asarray(rng.standard_normal((t, e)).astype(np.float32))
+    moe.prefill_layer(x, logits, pool, np.zeros(e, dtype=np.int64))
+    moe.decode_graphs = False
+    moe.decode_layer(x[:1], logits[:1], pool, cupy.zeros(e, dtype=cupy.int32))
+    cupy.cuda.Device().synchronize()
+
+
 def slot_runs(slots: Sequence[int]) -> list[tuple[int, int, int]]:
     """Split a list of slots (in the order given) into runs of consecutive slots: (first index, first slot, length)."""
     runs: list[tuple[int, int, int]] = []
@@ -281,12 +317,7 @@ class FastMoE:
             raise ValueError(f"FastMoE: gemm_mode {self.gemm_mode!r} is not available here")
         # side streams for the size classes, each with its own cuBLAS handle (a handle's workspace is not shared
         # between streams that run at once)
-        self._side = []
-        if self.gemm_mode == "classes":
-            for _ in range(max(0, int(gemm_streams) - 1)):
-                hnd = cublas.create()
-                cublas.setPointerMode(hnd, _CUBLAS_POINTER_MODE_HOST)
-                self._side.append((cupy.cuda.Stream(non_blocking=True), hnd))
+        self._side = side_lanes(max(0, int(gemm_streams) - 1)) if self.gemm_mode == "classes" else []
         # page-locked staging of the GEMMs' device pointer arrays, used from a cursor that restarts once the last
         # upload from it has run (an event), so the host never overwrites a table a queued copy still reads
         n_ptr = 16 * max(experts, 64)

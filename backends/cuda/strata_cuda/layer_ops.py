@@ -45,8 +45,11 @@ class CudaLayerOps:
     precision = "f16"
 
     def __init__(self, memory: Any, kernels: Any, workspace_bytes: int = 0):
-        from .fast import precompile
-        precompile()  # at session open: NVRTC stays out of the first prefill layer's time
+        from .fast import precompile, warm_up
+        try:
+            warm_up()  # at session open: NVRTC, cuBLAS start-up and handles stay out of the first layer's time
+        except Exception:  # a failed warm-up costs only time: the first layer pays it, or reports what is wrong
+            precompile()
         self.memory = memory
         self.kernels = kernels
         self.workspace_bytes = int(workspace_bytes)
