@@ -2,7 +2,7 @@
 
 At 3d3ac83 the kit's and --check's 2e-3 bound let this through on the sycl and opencl backends. Each backend that
 runs moe.cl is driven in a subprocess whose OpenCL C source has every down-projection store scaled by 1.001
-(`y[...] = acc` -> `y[...] = 1.001f * acc`, and the Q8_0 dot likewise); the kit's grouped-FFN checks must raise
+(`y[n * H + h] = EXPR;` -> `y[n * H + h] = 1.001f * (EXPR);`, zero fills left alone); the kit's grouped-FFN checks must raise
 for both expert formats and `strata run --check` must exit 1 with the check failed. The same subprocess without
 the scaling passes both (the control), so a failure is the scaling's, not the device's.
 A backend that is not available here is skipped with its probe's reason.
@@ -23,12 +23,14 @@ import contextlib, io, json, re, sys
 import numpy as np
 import strata_core.kits.opencl.driver as driver
 name, factor = sys.argv[1], sys.argv[2]
+replaced = {"stores": 0}
 if factor != "1":
     original = driver.kernel_source
     def scaled(source_name="moe.cl"):
-        src, n1 = re.subn(r"(y\[\(size_t\)n \* H \+ h\] = )acc;", r"\g<1>" + factor + "f * acc;", original(source_name))
-        src, n2 = re.subn(r"(y\[\(size_t\)n \* H \+ h\] = )dot_q8_0\(", r"\g<1>" + factor + "f * dot_q8_0(", src)
-        assert n1 >= 3 and n2 >= 1, (n1, n2)
+        # every store of a down-projection result (not its zero fill): y[n, h] = EXPR;  ->  y[n, h] = F * (EXPR);
+        src, n = re.subn(r"(y\[\(size_t\)n \* H \+ h\] = )(?!0\.0f;)([^;]+);", r"\g<1>" + factor + "f * (\g<2>);",
+                         original(source_name))
+        replaced["stores"] += n
         return src
     driver.kernel_source = scaled
 from strata_core.registry import load_plugins
@@ -36,6 +38,7 @@ from strata_core.testing.checks import CHECKS
 from strata_core.testing.session import open_kit_session
 host = load_plugins()
 session = open_kit_session(host, host.backends[name], host.probe(name).devices[0], host.host_info())
+assert factor == "1" or replaced["stores"] >= 4, replaced
 kit = {}
 for check in CHECKS["moe_grouped_ffn"]:
     try:
