@@ -760,11 +760,17 @@ class OpenClKernels:
         return y
 
     def _moe_grouped_ffn_gguf(self, xd, od, sd, pool: ExpertPool, keep: tuple):
-        """The grouped FFN over a 'gguf' pool: weights read from the slots' GGUF bytes by quants.cl, per tile."""
+        """The grouped FFN over a 'gguf' pool: weights read from the slots' GGUF bytes by quants.cl, a tile at a time.
+
+        The host lists one tile per LINEAR_TILE rows of each group (the offsets are read back: a small copy), so a
+        work-group's rows share one slot and every weight tile it dequantizes serves all of them.
+        """
         fmt = pool.fmt
+        if not self._tiled:
+            raise ValueError(f"{self.label}: GGUF expert pools need work-groups of {LINEAR_TILE * LINEAR_TILE} "
+                             "work-items; this device's are smaller")
         blob, kb = self._input(pool.arrays["blob"], np.uint8, "gguf expert blob")
         n, h = xd.shape
-        g = sd.size
         s_slots, slot_b = blob.shape
         f = fmt.ffn
         if fmt.hidden != h or fmt.nbytes > slot_b:
@@ -774,23 +780,27 @@ class OpenClKernels:
         if n == 0 or h == 0:
             return y
         self._check_sizes(n * f, n * h, s_slots * slot_b)
+        off = np.asarray(self.memory.download(od), dtype=np.int64).reshape(-1)
+        t = LINEAR_TILE
+        starts = [np.arange(off[g], off[g + 1], t) for g in range(len(off) - 1)]
+        tile_group = np.concatenate([np.full(len(a), g) for g, a in enumerate(starts)] or [[]]).astype(np.int32)
+        tile_row0 = np.concatenate(starts or [[]]).astype(np.int32)
+        if off[0] != 0 or off[-1] < n or len(tile_group) == 0:
+            # rows in no group: zero, as in the reference (the kernels write only grouped rows); f32 0 is int 0
+            self._launch("fill_i32", (n * h,), None, [y, np.int32(n * h), np.int32(0)])
+        if len(tile_group) == 0:
+            return y
+        tg, k4 = self._input(tile_group, np.int32, "gguf tile groups")
+        tr, k5 = self._input(tile_row0, np.int32, "gguf tile rows")
         act = self._empty((n, f), np.float32)
-        sizes = [np.int32(g), np.int32(s_slots), np.int32(n), np.int32(h), np.int32(f)]
         bias_off = np.int32(fmt.bias_offset if fmt.bias else -1)
-        gu = [blob, np.int32(slot_b), np.int32(0), np.int32(2 * f), np.int32(fmt.gate_up_row_bytes),
-              np.int32(GGML_TYPE_IDS[fmt.gate_up]), bias_off]
-        dn = [blob, np.int32(slot_b), np.int32(fmt.down_offset), np.int32(h), np.int32(fmt.down_row_bytes),
-              np.int32(GGML_TYPE_IDS[fmt.down]), bias_off]
-        keep = keep + kb + (act,)
-        if self._tiled:
-            t = LINEAR_TILE
-            self._launch("ffn_gate_up_gguf_tiled", (round_up(f, t), round_up(n, t)), (t, t),
-                         [xd, od, sd, *sizes, *gu, act])
-            self._launch("ffn_down_gguf_tiled", (round_up(h, t), round_up(n, t)), (t, t),
-                         [act, od, sd, *sizes, *dn, y], keep)
-        else:
-            self._launch("ffn_gate_up_gguf", (f, n), None, [xd, od, sd, *sizes, *gu, act])
-            self._launch("ffn_down_gguf", (h, n), None, [act, od, sd, *sizes, *dn, y], keep)
+        common = [od, sd, tg, tr, np.int32(s_slots), np.int32(h), np.int32(f), blob, np.int32(slot_b)]
+        gu = [np.int32(0), np.int32(fmt.gate_up_row_bytes), np.int32(GGML_TYPE_IDS[fmt.gate_up]), bias_off]
+        dn = [np.int32(fmt.down_offset), np.int32(fmt.down_row_bytes), np.int32(GGML_TYPE_IDS[fmt.down]), bias_off]
+        keep = keep + kb + k4 + k5 + (act,)
+        tiles = len(tile_group)
+        self._launch("ffn_gate_up_gguf", (round_up(f, t), tiles * t), (t, t), [xd, *common, *gu, act])
+        self._launch("ffn_down_gguf", (round_up(h, t), tiles * t), (t, t), [act, *common, *dn, y], keep)
         return y
 
     def dequantize_q8_0(self, qs, d):

@@ -428,7 +428,7 @@ inline int tile_slot(__global const int* offsets, __global const int* slots, con
     return (s >= 0 && s < S) ? s : -1;
 }
 
-#define DEFINE_FFN_GATE_UP_TILED(NAME, WLOAD, HAS_BIAS, BIAS, ...)                                                   \
+#define DEFINE_FFN_GATE_UP_TILED(NAME, WLOAD, ...)                                                                   \
     __kernel __attribute__((reqd_work_group_size(FFN_TILE, FFN_TILE, 1)))                                           \
     void NAME(__global const float* x, __global const int* offsets, __global const int* slots,                      \
               const int G, const int S, const int N, const int H, const int F, __VA_ARGS__, __global float* act)    \
@@ -458,13 +458,8 @@ inline int tile_slot(__global const int* offsets, __global const int* slots, con
                 }                                                                                                   \
                 barrier(CLK_LOCAL_MEM_FENCE);                                                                       \
             }                                                                                                       \
-            if (f < F && n < N) {                                                                                   \
-                if (HAS_BIAS) {                                                                                     \
-                    a += BIAS(st, f);                                                                               \
-                    b += BIAS(st, F + f);                                                                           \
-                }                                                                                                   \
+            if (f < F && n < N)                                                                                     \
                 act[(size_t)n * F + f] = silu_f32(a) * b;                                                           \
-            }                                                                                                       \
             return;                                                                                                 \
         }                                                                                                           \
         if (f >= F || n >= N)                                                                                       \
@@ -481,14 +476,10 @@ inline int tile_slot(__global const int* offsets, __global const int* slots, con
             a += xr[h] * WLOAD(gate_row, h, H);                                                                     \
             b += xr[h] * WLOAD(up_row, h, H);                                                                       \
         }                                                                                                           \
-        if (HAS_BIAS) {                                                                                             \
-            a += BIAS(sl, f);                                                                                       \
-            b += BIAS(sl, F + f);                                                                                   \
-        }                                                                                                           \
         act[(size_t)n * F + f] = silu_f32(a) * b;                                                                   \
     }
 
-#define DEFINE_FFN_DOWN_TILED(NAME, WLOAD, HAS_BIAS, BIAS, ...)                                                      \
+#define DEFINE_FFN_DOWN_TILED(NAME, WLOAD, ...)                                                                      \
     __kernel __attribute__((reqd_work_group_size(FFN_TILE, FFN_TILE, 1)))                                           \
     void NAME(__global const float* act, __global const int* offsets, __global const int* slots,                    \
               const int G, const int S, const int N, const int H, const int F, __VA_ARGS__, __global float* y)      \
@@ -515,7 +506,7 @@ inline int tile_slot(__global const int* offsets, __global const int* slots, con
                 barrier(CLK_LOCAL_MEM_FENCE);                                                                       \
             }                                                                                                       \
             if (h < H && n < N)                                                                                     \
-                y[(size_t)n * H + h] = HAS_BIAS ? acc + BIAS(st, 2 * F + h) : acc;                                  \
+                y[(size_t)n * H + h] = acc;                                                                         \
             return;                                                                                                 \
         }                                                                                                           \
         if (h >= H || n >= N)                                                                                       \
@@ -530,71 +521,94 @@ inline int tile_slot(__global const int* offsets, __global const int* slots, con
         float acc = 0.0f;                                                                                           \
         for (int c = 0; c < F; ++c)                                                                                 \
             acc += ar[c] * WLOAD(down_row, c, F);                                                                   \
-        y[(size_t)n * H + h] = HAS_BIAS ? acc + BIAS(sl, 2 * F + h) : acc;                                          \
+        y[(size_t)n * H + h] = acc;                                                                                 \
     }
 
 /* The weight parameters come last (variadic) because the Q8_0 kernels take two: quants and scales. */
-#define NO_BIAS(slot, i) 0.0f
-DEFINE_FFN_GATE_UP_TILED(ffn_gate_up_f16_tiled, W_F16, 0, NO_BIAS, __global const half* w)
-DEFINE_FFN_DOWN_TILED(ffn_down_f16_tiled, W_F16, 0, NO_BIAS, __global const half* w)
-DEFINE_FFN_GATE_UP_TILED(ffn_gate_up_q8_0_tiled, W_Q8_0, 0, NO_BIAS, __global const char* wq, __global const half* wd)
-DEFINE_FFN_DOWN_TILED(ffn_down_q8_0_tiled, W_Q8_0, 0, NO_BIAS, __global const char* wq, __global const half* wd)
+DEFINE_FFN_GATE_UP_TILED(ffn_gate_up_f16_tiled, W_F16, __global const half* w)
+DEFINE_FFN_DOWN_TILED(ffn_down_f16_tiled, W_F16, __global const half* w)
+DEFINE_FFN_GATE_UP_TILED(ffn_gate_up_q8_0_tiled, W_Q8_0, __global const char* wq, __global const half* wd)
+DEFINE_FFN_DOWN_TILED(ffn_down_q8_0_tiled, W_Q8_0, __global const char* wq, __global const half* wd)
 
-/* GGUF experts: weight (row, col) of the gate_up ([2F] rows per slot, wr = 2F) or down ([H] rows, wr = H) matrix
- * is weight col of that row's bytes, w_off bytes into its slot, rb bytes a row, ggml type fmt; the tiled kernels
- * thus dequantize one FFN_TILE x FFN_TILE tile of weights into local memory per step, never a whole expert. The
- * f32 biases (gate [F], up [F], down [H]) start bias_off bytes into the slot; bias_off < 0: none. */
-#define W_GGUF(row, col, C) \
-    dq_weight(w + (size_t)((row) / wr) * (size_t)slot_bytes + w_off + (size_t)((row) % wr) * rb, (col), fmt)
-#define B_GGUF(slot, i) dq_f32(w + (size_t)(slot) * (size_t)slot_bytes + bias_off, (i))
-#define GGUF_ARGS __global const uchar* w, const int slot_bytes, const int w_off, const int wr, const int rb, \
-                  const int fmt, const int bias_off
-DEFINE_FFN_GATE_UP_TILED(ffn_gate_up_gguf_tiled, W_GGUF, (bias_off >= 0), B_GGUF, GGUF_ARGS)
-DEFINE_FFN_DOWN_TILED(ffn_down_gguf_tiled, W_GGUF, (bias_off >= 0), B_GGUF, GGUF_ARGS)
+/* GGUF experts ('gguf' pools): a slot holds its expert's rows as the file stores them; weight k of a row of rb bytes
+ * and ggml type fmt is dq_weight(row, k, fmt) (quants.cl). The host lists one tile per FFN_TILE rows of each group
+ * (tile_group, tile_row0), so every work-group's rows share one slot: each step dequantizes one FFN_TILE x FFN_TILE
+ * tile of weights into local memory (never a whole expert) and every row of the tile uses it. The f32 biases
+ * (gate [F], up [F], down [H]) start bias_off bytes into the slot; bias_off < 0: none. Rows of no group are the
+ * host's to zero. */
+#define GGUF_ARGS __global const uchar* w, const int slot_bytes, const int w_off, const int rb, const int fmt, \
+                  const int bias_off
+#define GGUF_BIAS(slot, i) dq_f32(w + (size_t)(slot) * (size_t)slot_bytes + bias_off, (i))
 
-/* The same without local memory, for devices whose work-groups are smaller than FFN_TILE^2. */
-__kernel void ffn_gate_up_gguf(__global const float* x, __global const int* offsets, __global const int* slots,
-                               const int G, const int S, const int N, const int H, const int F, GGUF_ARGS,
-                               __global float* act)
+__kernel __attribute__((reqd_work_group_size(FFN_TILE, FFN_TILE, 1)))
+void ffn_gate_up_gguf(__global const float* x, __global const int* offsets, __global const int* slots,
+                      __global const int* tile_group, __global const int* tile_row0, const int S, const int H,
+                      const int F, GGUF_ARGS, __global float* act)
 {
-    const int f = get_global_id(0), n = get_global_id(1);
-    if (f >= F || n >= N)
-        return;
-    const int sl = slot_of_row(offsets, slots, G, S, n);
-    if (sl < 0) {
-        act[(size_t)n * F + f] = 0.0f;
+    __local float xs[FFN_TILE][FFN_TILE + 1];
+    __local float gs[FFN_TILE][FFN_TILE + 1];
+    __local float us[FFN_TILE][FFN_TILE + 1];
+    const int lo = get_local_id(0), lt = get_local_id(1), t = get_group_id(1);
+    const int g = tile_group[t], n0 = tile_row0[t], n1 = min(offsets[g + 1], n0 + FFN_TILE), st = slots[g];
+    const int f0 = get_group_id(0) * FFN_TILE, f = f0 + lo, n = n0 + lt;
+    if (st < 0 || st >= S) {  /* the same for the whole work-group: no barrier is skipped by some items only */
+        if (f < F && n < n1)
+            act[(size_t)n * F + f] = 0.0f;
         return;
     }
-    const size_t gate_row = (size_t)sl * 2 * F + f, up_row = gate_row + F;
-    __global const float* xr = x + (size_t)n * H;
+    __global const uchar* ws = w + (size_t)st * (size_t)slot_bytes + w_off;
+    const bool row_ok = f0 + lt < F;
+    __global const uchar* gate = ws + (size_t)(f0 + lt) * rb;
+    __global const uchar* up = ws + (size_t)(F + f0 + lt) * rb;
     float a = 0.0f, b = 0.0f;
-    for (int h = 0; h < H; ++h) {
-        a += xr[h] * W_GGUF(gate_row, h, H);
-        b += xr[h] * W_GGUF(up_row, h, H);
+    for (int h0 = 0; h0 < H; h0 += FFN_TILE) {
+        const int h = h0 + lo;
+        xs[lt][lo] = (n < n1 && h < H) ? x[(size_t)n * H + h] : 0.0f;
+        gs[lt][lo] = (row_ok && h < H) ? dq_weight(gate, h, fmt) : 0.0f;
+        us[lt][lo] = (row_ok && h < H) ? dq_weight(up, h, fmt) : 0.0f;
+        barrier(CLK_LOCAL_MEM_FENCE);
+        for (int k = 0; k < FFN_TILE; ++k) {
+            a += xs[lt][k] * gs[lo][k];
+            b += xs[lt][k] * us[lo][k];
+        }
+        barrier(CLK_LOCAL_MEM_FENCE);
     }
-    if (bias_off >= 0) {
-        a += B_GGUF(sl, f);
-        b += B_GGUF(sl, F + f);
+    if (f < F && n < n1) {
+        if (bias_off >= 0) {
+            a += GGUF_BIAS(st, f);
+            b += GGUF_BIAS(st, F + f);
+        }
+        act[(size_t)n * F + f] = silu_f32(a) * b;
     }
-    act[(size_t)n * F + f] = silu_f32(a) * b;
 }
 
-__kernel void ffn_down_gguf(__global const float* act, __global const int* offsets, __global const int* slots,
-                            const int G, const int S, const int N, const int H, const int F, GGUF_ARGS,
-                            __global float* y)
+__kernel __attribute__((reqd_work_group_size(FFN_TILE, FFN_TILE, 1)))
+void ffn_down_gguf(__global const float* act, __global const int* offsets, __global const int* slots,
+                   __global const int* tile_group, __global const int* tile_row0, const int S, const int H,
+                   const int F, GGUF_ARGS, __global float* y)
 {
-    const int h = get_global_id(0), n = get_global_id(1);
-    if (h >= H || n >= N)
-        return;
-    const int sl = slot_of_row(offsets, slots, G, S, n);
-    if (sl < 0) {
-        y[(size_t)n * H + h] = 0.0f;
+    __local float as[FFN_TILE][FFN_TILE + 1];
+    __local float wts[FFN_TILE][FFN_TILE + 1];
+    const int lo = get_local_id(0), lt = get_local_id(1), t = get_group_id(1);
+    const int g = tile_group[t], n0 = tile_row0[t], n1 = min(offsets[g + 1], n0 + FFN_TILE), st = slots[g];
+    const int h0 = get_group_id(0) * FFN_TILE, h = h0 + lo, n = n0 + lt;
+    if (st < 0 || st >= S) {
+        if (h < H && n < n1)
+            y[(size_t)n * H + h] = 0.0f;
         return;
     }
-    const size_t down_row = (size_t)sl * H + h;
-    __global const float* ar = act + (size_t)n * F;
+    __global const uchar* down = w + (size_t)st * (size_t)slot_bytes + w_off + (size_t)(h0 + lt) * rb;
+    const bool row_ok = h0 + lt < H;
     float acc = 0.0f;
-    for (int c = 0; c < F; ++c)
-        acc += ar[c] * W_GGUF(down_row, c, F);
-    y[(size_t)n * H + h] = (bias_off >= 0) ? acc + B_GGUF(sl, 2 * F + h) : acc;
+    for (int c0 = 0; c0 < F; c0 += FFN_TILE) {
+        const int c = c0 + lo;
+        as[lt][lo] = (n < n1 && c < F) ? act[(size_t)n * F + c] : 0.0f;
+        wts[lt][lo] = (row_ok && c < F) ? dq_weight(down, c, fmt) : 0.0f;
+        barrier(CLK_LOCAL_MEM_FENCE);
+        for (int k = 0; k < FFN_TILE; ++k)
+            acc += as[lt][k] * wts[lo][k];
+        barrier(CLK_LOCAL_MEM_FENCE);
+    }
+    if (h < H && n < n1)
+        y[(size_t)n * H + h] = (bias_off >= 0) ? acc + GGUF_BIAS(st, 2 * F + h) : acc;
 }
