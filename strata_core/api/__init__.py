@@ -15,14 +15,14 @@ from strata_core.api.facts import (  # noqa: E402
 )
 from strata_core.api.hookspecs import hookimpl, hookspec  # noqa: E402
 from strata_core.api.kernels import (  # noqa: E402
-    QK8_0, ExpertPool, ExpertSource, KernelSet, LayerOps, LayerWork, SlotTable, Workspace,
+    EXPERT_FORMATS, QK8_0, ExpertPool, ExpertSource, KernelSet, LayerOps, LayerWork, SlotTable, Workspace,
 )
 from strata_core.api.plan_draft import PlanDraft  # noqa: E402
 from strata_core.api.settings import SettingsGroup  # noqa: E402
 from strata_core.api.target import Target  # noqa: E402
 
 __all__ = [
-    "API_VERSION", "Backend", "CpuInfo", "Device", "DeviceCaps", "DeviceInfo", "DeviceMemory", "DeviceSession",
+    "API_VERSION", "EXPERT_FORMATS", "Backend", "CpuInfo", "Device", "DeviceCaps", "DeviceInfo", "DeviceMemory", "DeviceSession",
     "DeviceType", "ExpertPool", "ExpertSource", "FactsOnlyDevice", "HostInfo", "KernelSet", "LayerOps", "LayerWork",
     "PinnedAllocator", "PinnedBudget", "PinnedBuffer", "PlanDraft", "PlatformDefaults", "ProbeResult", "Profile",
     "QK8_0", "SettingsGroup", "SlotTable", "Target", "Workspace", "hookimpl", "hookspec",

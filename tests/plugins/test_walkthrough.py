@@ -135,7 +135,8 @@ def test_strata_backends_sees_the_new_backend(installed, project):
     assert mine[0]["api_version"] == "2.0"
     (device,) = mine[0]["devices"]
     assert device["backend"] == BACKEND and device["device_type"] == "cpu"
-    assert device["caps"]["async_copies"] is False and device["caps"]["expert_formats"] == ["f16", "q8_0"]
+    assert device["caps"]["async_copies"] is False
+    assert device["caps"]["expert_formats"] == ["f16", "q8_0", "bf16", "q4_k", "q5_k", "q6_k", "mxfp4"]
 
 
 def test_strata_plan_plans_for_the_new_backend(installed, project):
