@@ -17,8 +17,9 @@ from strata_core.testing import reference64 as r64
 
 pytestmark = [pytest.mark.gpu, pytest.mark.requires_cuda]
 
-#: f32 accumulation of exactly dequantized weights
+#: f32 accumulation of exactly dequantized weights (SIMT kernels); f16 inputs to tensor cores (the mma variant)
 F32_BOUND = 1e-5
+F16_BOUND = 1e-3
 #: (write_moe_gguf arguments, MoE layer to take): every expert type, biases, rows of more than one tile
 CASES = {
     "q4_k-q6_k": (dict(arch="qwen3moe", layers=3, gate_up="q4_k", down=q4_k_m_down_types(3)), 2),
@@ -29,11 +30,15 @@ CASES = {
 }
 
 
-@pytest.fixture(scope="module")
-def cuda_kernels():
-    """The cuda KernelSet on device 0 (cupy imported only here, where a GPU is present)."""
+@pytest.fixture(scope="module", params=[False, True], ids=["simt", "mma"])
+def cuda_kernels(request):
+    """The cuda KernelSet on device 0 with moe_quant.cu's SIMT or tensor-core kernels (cupy imported only here)."""
+    import cupy
     from strata_cuda.kernels import CupyKernels
-    return CupyKernels()
+    from strata_cuda.quant_ffn import QuantGroupedFFN
+    k = CupyKernels()
+    k._quant = QuantGroupedFFN(cupy, mma=request.param)
+    return k
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -54,7 +59,7 @@ def test_the_cuda_quant_grouped_ffn_matches_the_float64_reference(tmp_path, cuda
     slots = np.array([base + 5, base + 1, base + 7, base + 2, 10_000], np.int32)
     y = cp.asnumpy(cuda_kernels.moe_grouped_ffn(cp.asarray(x), offsets, slots, dev))
     want = r64.moe_grouped_ffn(x[:149], offsets[:5], slots[:4], lp)
-    assert r64.relative_error(y[:149], want) <= F32_BOUND, case
+    assert r64.relative_error(y[:149], want) <= (F16_BOUND if cuda_kernels._quant.mma else F32_BOUND), case
     assert not y[149].any()
 
 

@@ -41,6 +41,20 @@ static inline float __fsub_rn(float a, float b) { volatile float r = a - b; retu
 #define __global__
 #define __forceinline__ inline
 #define __shared__ static
+// mma.sync m16n8k16 (f16 x f16 + f32) emulated over the warp's fragments, laid out as the PTX ISA gives them:
+// a0 (g, 2t..2t+1), a1 (g+8, 2t..), a2 (g, 2t+8..), a3 (g+8, 2t+8..); b0 (k 2t..2t+1, n g), b1 (k 2t+8.., n g);
+// c0/c1 (g, 2t / 2t+1), c2/c3 (g+8, 2t / 2t+1); g = lane / 4, t = lane % 4; the lower half of a pair is first.
+#define QT_HOST_MMA 1
+static unsigned int qt_frag_a[1024][4], qt_frag_b[1024][2];
+static float qt_h2f(unsigned int h) {
+    const unsigned int sign = (h & 0x8000u) << 16, e = (h >> 10) & 0x1fu, m = h & 0x3ffu;
+    unsigned int bits;
+    if (e == 0u) { float v = (float)m * 5.9604644775390625e-8f; return sign ? -v : v; }
+    bits = e == 31u ? (sign | 0x7f800000u | (m << 13)) : (sign | ((e + 112u) << 23) | (m << 13));
+    float f; std::memcpy(&f, &bits, 4); return f;
+}
+static void __syncthreads();
+static void qt_mma_host(float c[4], const unsigned int a[4], const unsigned int b[2]);
 static void qt_launch(unsigned gx, unsigned gy, unsigned block, const std::function<void()>& body) {
     for (unsigned by = 0; by < gy; ++by)
         for (unsigned bx = 0; bx < gx; ++bx) {
@@ -55,7 +69,45 @@ static void qt_launch(unsigned gx, unsigned gy, unsigned block, const std::funct
 """
 
 WRAPPERS = r"""
+static void qt_mma_host(float c[4], const unsigned int a[4], const unsigned int b[2]) {
+    const unsigned int tid = threadIdx.x, lane = tid % 32, w0 = tid - lane;
+    for (int i = 0; i < 4; ++i) qt_frag_a[tid][i] = a[i];
+    for (int i = 0; i < 2; ++i) qt_frag_b[tid][i] = b[i];
+    __syncthreads();
+    float A[16][16], B[16][8];
+    for (unsigned int l = 0; l < 32; ++l) {
+        const unsigned int g = l / 4, t = l % 4, *fa = qt_frag_a[w0 + l], *fb = qt_frag_b[w0 + l];
+        for (unsigned int j = 0; j < 2; ++j) {
+            A[g][2 * t + j] = qt_h2f((fa[0] >> (16 * j)) & 0xffffu);
+            A[g + 8][2 * t + j] = qt_h2f((fa[1] >> (16 * j)) & 0xffffu);
+            A[g][2 * t + 8 + j] = qt_h2f((fa[2] >> (16 * j)) & 0xffffu);
+            A[g + 8][2 * t + 8 + j] = qt_h2f((fa[3] >> (16 * j)) & 0xffffu);
+            B[2 * t + j][g] = qt_h2f((fb[0] >> (16 * j)) & 0xffffu);
+            B[2 * t + 8 + j][g] = qt_h2f((fb[1] >> (16 * j)) & 0xffffu);
+        }
+    }
+    const unsigned int g = lane / 4, t = lane % 4;
+    for (int i = 0; i < 4; ++i) {
+        const unsigned int row = g + (i >= 2 ? 8 : 0), col = 2 * t + (i & 1);
+        float s = 0.0f;
+        for (int k = 0; k < 16; ++k) s += A[row][k] * B[k][col];
+        c[i] += s;
+    }
+    __syncthreads();
+}
 extern "C" {
+void host_gate_up_mma(unsigned gx, unsigned gy, const float* x, const int* off, const int* slots, const int* tg,
+                      const int* tr, int S, int H, int F, const unsigned char* blob, long long sb, long long rb,
+                      int fmt, long long bias, float* act) {
+    qt_launch(gx, gy, 128, [&] { strata_quant_gate_up_mma(x, off, slots, tg, tr, S, H, F, blob, sb, rb, fmt, bias,
+                                                          act); });
+}
+void host_down_mma(unsigned gx, unsigned gy, const float* act, const int* off, const int* slots, const int* tg,
+                   const int* tr, int S, int H, int F, const unsigned char* blob, long long sb, long long doff,
+                   long long rb, int fmt, long long bias, float* y) {
+    qt_launch(gx, gy, 128, [&] { strata_quant_down_mma(act, off, slots, tg, tr, S, H, F, blob, sb, doff, rb, fmt,
+                                                       bias, y); });
+}
 void host_gate_up(unsigned gx, unsigned gy, const float* x, const int* off, const int* slots, const int* tg,
                   const int* tr, int S, int H, int F, const unsigned char* blob, long long sb, long long rb, int fmt,
                   long long bias, float* act) {
@@ -88,7 +140,7 @@ def _p(a: np.ndarray):
     return a.ctypes.data_as(ctypes.c_void_p)
 
 
-def host_grouped_ffn(lib, x, offsets, slots, pool) -> np.ndarray:
+def host_grouped_ffn(lib, x, offsets, slots, pool, mma: bool = False) -> np.ndarray:
     """moe_grouped_ffn over a 'gguf' pool through the host build, launched as strata_cuda.quant_ffn launches it."""
     from strata_cuda.quant_ffn import TILE_OUTPUTS, tile_list
     fmt = pool.fmt
@@ -102,26 +154,35 @@ def host_grouped_ffn(lib, x, offsets, slots, pool) -> np.ndarray:
     y = np.zeros((n, h), np.float32)
     bias = ctypes.c_longlong(fmt.bias_offset if fmt.bias else -1)
     ll, i32 = ctypes.c_longlong, ctypes.c_int
-    lib.host_gate_up(ctypes.c_uint(-(-f // TILE_OUTPUTS)), ctypes.c_uint(len(tg)), _p(x), _p(off), _p(sl), _p(tg),
+    gate_up, down = (lib.host_gate_up_mma, lib.host_down_mma) if mma else (lib.host_gate_up, lib.host_down)
+    gate_up(ctypes.c_uint(-(-f // TILE_OUTPUTS)), ctypes.c_uint(len(tg)), _p(x), _p(off), _p(sl), _p(tg),
                      _p(tr), i32(blob.shape[0]), i32(h), i32(f), _p(blob), ll(blob.shape[1]),
                      ll(fmt.gate_up_row_bytes), i32(GGML_TYPES[fmt.gate_up]), bias, _p(act))
-    lib.host_down(ctypes.c_uint(-(-h // TILE_OUTPUTS)), ctypes.c_uint(len(tg)), _p(act), _p(off), _p(sl), _p(tg),
+    down(ctypes.c_uint(-(-h // TILE_OUTPUTS)), ctypes.c_uint(len(tg)), _p(act), _p(off), _p(sl), _p(tg),
                   _p(tr), i32(blob.shape[0]), i32(h), i32(f), _p(blob), ll(blob.shape[1]), ll(fmt.down_offset),
                   ll(fmt.down_row_bytes), i32(GGML_TYPES[fmt.down]), bias, _p(y))
     return y
 
 
+#: the tensor-core variant rounds activations and weights to f16: the f16 path's bound
+F16_BOUND = 1e-3
+
+
+@pytest.mark.parametrize("mma", [False, True], ids=["simt", "mma"])
 @pytest.mark.parametrize("arch,layer", [("qwen3moe", 2), ("gpt-oss", 1)])
-def test_moe_quant_cu_on_the_host_matches_the_float64_reference(lib, gguf_files, arch, layer):
+def test_moe_quant_cu_on_the_host_matches_the_float64_reference(lib, gguf_files, arch, layer, mma):
     pool = read_moe_tensors(gguf_files[arch]).experts.for_layer(layer)
     rng = np.random.default_rng(4)
     x = rng.standard_normal((90, 256)).astype(np.float32)
     # a group of 70 rows (two row tiles), an empty group, one of 19, and a slot outside the pool (zero rows)
     offsets = np.array([0, 70, 70, 89, 90])
     slots = np.array([layer * 8 + 5, layer * 8 + 1, layer * 8 + 7, 10_000])
-    y = host_grouped_ffn(lib, x, offsets, slots, pool)
+    y = host_grouped_ffn(lib, x, offsets, slots, pool, mma)
     want = r64.moe_grouped_ffn(x[:89], offsets[:4], slots[:3], pool)
-    assert r64.relative_error(y[:89], want) <= F32_BOUND
+    err = r64.relative_error(y[:89], want)
+    assert err <= (F16_BOUND if mma else F32_BOUND), err
+    if mma:  # f16 inputs: not the f32 kernel's result, so the emulated instruction did run on rounded data
+        assert err > 1e-6
     assert not y[89].any()
 
 
@@ -133,6 +194,7 @@ def test_moe_quant_cu_compiles_with_nvrtc():
         pytest.skip(f"NVRTC is not available here ({type(e).__name__}: {e})")
     import re
 
-    from strata_cuda.quant_ffn import KERNEL_NAMES, compile_to_ptx
+    from strata_cuda.quant_ffn import KERNEL_NAMES, MMA_KERNEL_NAMES, compile_to_ptx
     ptx = compile_to_ptx("compute_90").decode()
-    assert sorted(re.findall(r"\.entry\s+(\w+)", ptx)) == sorted(KERNEL_NAMES)
+    assert sorted(re.findall(r"\.entry\s+(\w+)", ptx)) == sorted(KERNEL_NAMES + MMA_KERNEL_NAMES)
+    assert "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32" in ptx

@@ -121,3 +121,145 @@ extern "C" __global__ void strata_quant_down(const float* act, const int* offset
             y[(long long)r * H + h] = bias_off >= 0 ? v + dq_f32(w + bias_off, 2 * F + h) : v;
         }
 }
+
+// ---------------------------------------------------------------------------------------------------------------
+// Tensor-core variant (CUDA only, sm_80 and later): the same tiles, but the staged activations and dequantized
+// weights are rounded to f16 in shared memory and multiplied by mma.sync m16n8k16 (f16 inputs, f32 accumulation),
+// the f16 precision path. 128 threads: four warps, each a 32 x 32 corner of the 64 x 64 block tile. A host build
+// (tests/quant/test_quant_cuda_host.py) defines QT_HOST_MMA and supplies qt_mma_host, an emulation of the
+// instruction over the warp's fragments as the PTX ISA lays them out.
+// ---------------------------------------------------------------------------------------------------------------
+#if !defined(__HIPCC_RTC__) && !defined(__HIP_PLATFORM_AMD__)
+
+#define QM_THREADS 128
+#define QM_KP (QT_K + 8)  // the k stride of the shared f16 tiles: conflict-free fragment reads
+
+// f32 -> binary16 bits, round to nearest even (as moe.cu's strata_f2h)
+__device__ __forceinline__ unsigned short qt_f2h(float f) {
+    const unsigned int x = __float_as_uint(f);
+    const unsigned int sign = (x >> 16) & 0x8000u;
+    const unsigned int ax = x & 0x7fffffffu;
+    if (ax >= 0x7f800000u) return (unsigned short)(sign | (ax > 0x7f800000u ? 0x7e00u : 0x7c00u));
+    if (ax >= 0x477ff000u) return (unsigned short)(sign | 0x7c00u);
+    if (ax < 0x38800000u) return (unsigned short)(sign | (unsigned int)rintf(__uint_as_float(ax) * 16777216.0f));
+    const unsigned int rounded = ax + 0x0fffu + ((ax >> 13) & 1u);
+    return (unsigned short)(sign | ((rounded - 0x38000000u) >> 13));
+}
+
+// c += A (16x16, row-major fragments a) x B (16x8, column-major fragments b)
+__device__ __forceinline__ void qt_mma(float c[4], const unsigned int a[4], const unsigned int b[2]) {
+#if defined(QT_HOST_MMA)
+    qt_mma_host(c, a, b);
+#else
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+                 "{%0,%1,%2,%3};"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+#endif
+}
+
+// acc[v][mt][nt][i]: matrix v, the warp's m16 tile mt and n8 tile nt; element i at row g (+8 for i >= 2) and
+// column 2t + (i & 1) of that tile, g = lane / 4, t = lane % 4.
+template <int NW>
+__device__ __forceinline__ void qt_tile_mma(const float* a, int lda, int r0, int r1, int K, const unsigned char* w,
+                                            long long rb, int fmt, int o0, int O, int second,
+                                            float acc[NW][2][4][4]) {
+    __shared__ unsigned short as[QT_M][QM_KP];
+    __shared__ unsigned short ws[NW][QT_N][QM_KP];
+    const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+    const int g = lane / 4, t = lane % 4, wm = (warp % 2) * 32, wn = (warp / 2) * 32;
+    for (int v = 0; v < NW; ++v)
+        for (int mt = 0; mt < 2; ++mt)
+            for (int nt = 0; nt < 4; ++nt)
+                for (int i = 0; i < 4; ++i) acc[v][mt][nt][i] = 0.0f;
+    for (int k0 = 0; k0 < K; k0 += QT_K) {
+        for (int e = tid; e < QT_M * QT_K; e += QM_THREADS) {
+            const int m = e / QT_K, k = e % QT_K, r = r0 + m;
+            as[m][k] = qt_f2h((r < r1 && k0 + k < K) ? a[(long long)r * lda + k0 + k] : 0.0f);
+        }
+        for (int e = tid; e < QT_N * QT_K; e += QM_THREADS) {
+            const int n = e / QT_K, k = e % QT_K, o = o0 + n;
+            const bool ok = o < O && k0 + k < K;
+            for (int v = 0; v < NW; ++v)
+                ws[v][n][k] = qt_f2h(ok ? dq_weight(w + (long long)(o + v * second) * rb, k0 + k, fmt) : 0.0f);
+        }
+        __syncthreads();
+        for (int kk = 0; kk < QT_K; kk += 16) {
+            unsigned int fa[2][4];
+            for (int mt = 0; mt < 2; ++mt) {
+                const int row = wm + mt * 16 + g;
+                fa[mt][0] = *(const unsigned int*)&as[row][kk + 2 * t];
+                fa[mt][1] = *(const unsigned int*)&as[row + 8][kk + 2 * t];
+                fa[mt][2] = *(const unsigned int*)&as[row][kk + 2 * t + 8];
+                fa[mt][3] = *(const unsigned int*)&as[row + 8][kk + 2 * t + 8];
+            }
+            for (int v = 0; v < NW; ++v)
+                for (int nt = 0; nt < 4; ++nt) {
+                    const int col = wn + nt * 8 + g;
+                    const unsigned int fb[2] = {*(const unsigned int*)&ws[v][col][kk + 2 * t],
+                                                *(const unsigned int*)&ws[v][col][kk + 2 * t + 8]};
+                    for (int mt = 0; mt < 2; ++mt) qt_mma(acc[v][mt][nt], fa[mt], fb);
+                }
+        }
+        __syncthreads();
+    }
+}
+
+extern "C" __global__ void strata_quant_gate_up_mma(const float* x, const int* offsets, const int* slots,
+                                                    const int* tile_group, const int* tile_row0, int n_slots, int H,
+                                                    int F, const unsigned char* blob, long long slot_bytes,
+                                                    long long rb, int fmt, long long bias_off, float* act) {
+    const int tb = blockIdx.y, grp = tile_group[tb], r0 = tile_row0[tb];
+    const int r1 = min(offsets[grp + 1], r0 + QT_M), f0 = blockIdx.x * QT_N, s = slots[grp];
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    const int g = lane / 4, t = lane % 4, wm = (warp % 2) * 32, wn = (warp / 2) * 32;
+    const bool valid = s >= 0 && s < n_slots;  // the same for the whole block
+    const unsigned char* w = blob + (long long)(valid ? s : 0) * slot_bytes;
+    float acc[2][2][4][4];
+    if (valid) qt_tile_mma<2>(x, H, r0, r1, H, w, rb, fmt, f0, F, F, acc);
+    for (int mt = 0; mt < 2; ++mt)
+        for (int nt = 0; nt < 4; ++nt)
+            for (int i = 0; i < 4; ++i) {
+                const int r = r0 + wm + mt * 16 + g + (i >= 2 ? 8 : 0), f = f0 + wn + nt * 8 + 2 * t + (i & 1);
+                if (r >= r1 || f >= F) continue;
+                if (!valid) {
+                    act[(long long)r * F + f] = 0.0f;
+                    continue;
+                }
+                float av = acc[0][mt][nt][i], bv = acc[1][mt][nt][i];
+                if (bias_off >= 0) {
+                    av += dq_f32(w + bias_off, f);
+                    bv += dq_f32(w + bias_off, F + f);
+                }
+                act[(long long)r * F + f] = qt_silu(av) * bv;
+            }
+}
+
+extern "C" __global__ void strata_quant_down_mma(const float* act, const int* offsets, const int* slots,
+                                                 const int* tile_group, const int* tile_row0, int n_slots, int H,
+                                                 int F, const unsigned char* blob, long long slot_bytes,
+                                                 long long down_off, long long rb, int fmt, long long bias_off,
+                                                 float* y) {
+    const int tb = blockIdx.y, grp = tile_group[tb], r0 = tile_row0[tb];
+    const int r1 = min(offsets[grp + 1], r0 + QT_M), h0 = blockIdx.x * QT_N, s = slots[grp];
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    const int g = lane / 4, t = lane % 4, wm = (warp % 2) * 32, wn = (warp / 2) * 32;
+    const bool valid = s >= 0 && s < n_slots;
+    const unsigned char* w = blob + (long long)(valid ? s : 0) * slot_bytes;
+    float acc[1][2][4][4];
+    if (valid) qt_tile_mma<1>(act, F, r0, r1, F, w + down_off, rb, fmt, h0, H, 0, acc);
+    for (int mt = 0; mt < 2; ++mt)
+        for (int nt = 0; nt < 4; ++nt)
+            for (int i = 0; i < 4; ++i) {
+                const int r = r0 + wm + mt * 16 + g + (i >= 2 ? 8 : 0), h = h0 + wn + nt * 8 + 2 * t + (i & 1);
+                if (r >= r1 || h >= H) continue;
+                if (!valid) {
+                    y[(long long)r * H + h] = 0.0f;
+                    continue;
+                }
+                const float v = acc[0][mt][nt][i];
+                y[(long long)r * H + h] = bias_off >= 0 ? v + dq_f32(w + bias_off, 2 * F + h) : v;
+            }
+}
+
+#endif

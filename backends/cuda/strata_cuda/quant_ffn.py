@@ -17,10 +17,16 @@ from strata_core.reference.quants import GGML_TYPES
 
 SOURCE_NAME = "moe_quant.cu"
 KERNEL_NAMES = ("strata_quant_gate_up", "strata_quant_down")
-#: QT_M, QT_N and QT_THREADS of moe_quant.cu.
+#: The tensor-core variant (mma.sync, f16 inputs, f32 accumulation; CUDA only).
+MMA_KERNEL_NAMES = ("strata_quant_gate_up_mma", "strata_quant_down_mma")
+#: QT_M, QT_N, QT_THREADS and QM_THREADS of moe_quant.cu.
 TILE_ROWS = 64
 TILE_OUTPUTS = 64
 THREADS = 256
+MMA_THREADS = 128
+#: Whether the cuda KernelSet takes the tensor-core variant. Off until tests/gpu/test_quant_cuda.py has passed
+#: for it on a GPU (its fragment layout is checked here only by an emulation of the instruction on the host).
+MMA_BY_DEFAULT = False
 
 
 def source_dir() -> str:
@@ -69,11 +75,15 @@ def tile_list(offsets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 class QuantGroupedFFN:
     """moe_grouped_ffn over a 'gguf' pool on the current cupy device (see the module docstring)."""
 
-    def __init__(self, cupy: Any):
+    def __init__(self, cupy: Any, mma: bool | None = None):
         self._cp = cupy
+        #: tensor cores (mma.sync, f16 inputs) or the f32 SIMT kernels
+        self.mma = MMA_BY_DEFAULT if mma is None else bool(mma)
         self._module = cupy.RawModule(code=kernel_source(), options=compile_options())
         # compile now, so a broken toolchain fails at start-up and not in the middle of a request
-        self._k = {n: self._module.get_function(n) for n in KERNEL_NAMES}
+        names = MMA_KERNEL_NAMES if self.mma else KERNEL_NAMES
+        self._gate_up, self._down = (self._module.get_function(n) for n in names)
+        self._threads = MMA_THREADS if self.mma else THREADS
 
     def __call__(self, x: Any, offsets: Any, slots: Any, pool: ExpertPool) -> Any:
         """x [N,H] f32 (cupy); rows offsets[g]:offsets[g+1] run the expert in slot slots[g] -> y [N,H] f32."""
@@ -97,12 +107,12 @@ class QuantGroupedFFN:
         act = cp.empty((n, f), dtype=cp.float32)
         bias_off = np.int64(fmt.bias_offset if fmt.bias else -1)
         t = len(groups)
-        self._k["strata_quant_gate_up"](
-            ((f + TILE_OUTPUTS - 1) // TILE_OUTPUTS, t), (THREADS,),
+        self._gate_up(
+            ((f + TILE_OUTPUTS - 1) // TILE_OUTPUTS, t), (self._threads,),
             (x, off_d, slots_d, grp_d, row_d, np.int32(s_slots), np.int32(h), np.int32(f), blob, np.int64(slot_b),
              np.int64(fmt.gate_up_row_bytes), np.int32(GGML_TYPES[fmt.gate_up]), bias_off, act))
-        self._k["strata_quant_down"](
-            ((h + TILE_OUTPUTS - 1) // TILE_OUTPUTS, t), (THREADS,),
+        self._down(
+            ((h + TILE_OUTPUTS - 1) // TILE_OUTPUTS, t), (self._threads,),
             (act, off_d, slots_d, grp_d, row_d, np.int32(s_slots), np.int32(h), np.int32(f), blob, np.int64(slot_b),
              np.int64(fmt.down_offset), np.int64(fmt.down_row_bytes), np.int32(GGML_TYPES[fmt.down]), bias_off, y))
         return y
