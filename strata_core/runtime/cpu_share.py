@@ -81,7 +81,7 @@ class CpuShare:
         return out
 
     def start(self, x: np.ndarray, groups: list[tuple[dict, np.ndarray]], out: np.ndarray,
-              pool_dtype: str) -> "ShareJob":
+              pool_dtype: "str | ref.ExpertPool") -> "ShareJob":
         """Run SwiGLU experts on the host in a thread: each group's rows of x through its expert, into out in turn."""
         job = ShareJob(self._work, x, groups, out, pool_dtype)
         self.runs += 1
@@ -93,7 +93,9 @@ class CpuShare:
     def _work(x: np.ndarray, groups: list, out: np.ndarray, pool_dtype: str) -> None:
         at = 0
         for arrays, rows in groups:
-            pool = ref.ExpertPool(pool_dtype, {k: v[None] for k, v in arrays.items()})
+            # the host pool of the layer (its formats: a 'gguf' pool's slots are raw file rows), or its dtype name
+            one = {k: v[None] for k, v in arrays.items()}
+            pool = pool_dtype.with_arrays(one) if hasattr(pool_dtype, "with_arrays") else ref.ExpertPool(pool_dtype, one)
             n = len(rows)
             out[at:at + n] = ref.moe_grouped_ffn(x[rows], np.array([0, n]), np.array([0]), pool)
             at += n
