@@ -93,9 +93,25 @@ def _quiet_stdout() -> None:
         pass
 
 
+def _rich_pipe_closed(console) -> None:
+    """rich's hook for a closed stdout, made to raise BrokenPipeError, so a table ends like JSON does (quietly, 0)."""
+    console.quiet = True
+    raise BrokenPipeError
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point: exit 0 on success, 2 on bad input, 1 on a failure the engine reports; never a traceback for those."""
-    argv = list(sys.argv[1:] if argv is None else argv)
+    from rich.console import Console
+    default_hook = Console.on_broken_pipe
+    Console.on_broken_pipe = _rich_pipe_closed  # rich's own exits 1; one rule for every output here
+    try:
+        return _main(list(sys.argv[1:] if argv is None else argv))
+    finally:
+        Console.on_broken_pipe = default_hook
+
+
+def _main(argv: list[str]) -> int:
+    """main, inside the boundary."""
     as_json = "--json" in argv
     try:
         parser = build_parser()
