@@ -100,3 +100,12 @@ def test_run_help_lists_the_expert_formats(capsys):
     text = " ".join(capsys.readouterr().out.split())
     for fmt in ("F16", "BF16", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "MXFP4", "Q4_K_M"):
         assert fmt in text, fmt
+
+
+def test_the_cpu_share_runs_gguf_experts_on_host_bytes(gguf_files):
+    # the share computes some misses on the host store's own rows (biases included) while the device runs the rest
+    rc, r, err = run_json("--model", str(gguf_files["gpt-oss"]), "--backend", "sim", "--check", "--prompt-tokens",
+                          "300", "--decode-tokens", "1", "--set", f"memory.expert_cache={CACHE_SLOTS}", "--set",
+                          "prefill.cpu_share=on")
+    assert rc == 0, err[-3000:]
+    assert r["check"] == "passed" and r["cpu_share"]["experts"] > 0, r["cpu_share"]
