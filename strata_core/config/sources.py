@@ -484,11 +484,26 @@ def check_plugin_groups(groups: Mapping[str, type[BaseModel]] | None) -> dict[st
     return out
 
 
+#: plugin_groups' answers by (allow, block, autoload, id of the entry-point source): loading the plugins costs tens
+#: of milliseconds and a scenario or a test may ask hundreds of times. The source object is kept with its answer,
+#: so its id cannot be reused by another while cached (tests swap the source to add plugins).
+_GROUPS_CACHE: dict[tuple, tuple[Any, dict[str, type[BaseModel]]]] = {}
+
+
 def plugin_groups(plugins: Any) -> dict[str, type[BaseModel]]:
     """{name: model} of the settings groups the plugins that these `plugins` settings load declare (sim's always)."""
-    from strata_core.registry import load_plugins  # the registry reads settings; settings ask it only for groups
-    host = load_plugins(allow=plugins.allow, block=plugins.block, autoload=plugins.autoload)
-    return {g.name: g.model for g in host.settings_groups() if g.name not in StrataSettings.model_fields}
+    from strata_core import registry  # the registry reads settings; settings ask it only for groups
+    source = registry.md
+    key = (tuple(plugins.allow), tuple(plugins.block), bool(plugins.autoload), id(source))
+    hit = _GROUPS_CACHE.get(key)
+    if hit is not None and hit[0] is source:
+        return dict(hit[1])
+    host = registry.load_plugins(allow=plugins.allow, block=plugins.block, autoload=plugins.autoload)
+    groups = {g.name: g.model for g in host.settings_groups() if g.name not in StrataSettings.model_fields}
+    if len(_GROUPS_CACHE) >= 16:
+        _GROUPS_CACHE.clear()
+    _GROUPS_CACHE[key] = (source, groups)
+    return dict(groups)
 
 
 def load_settings(flags: Mapping[str, Any] | None = None, config_file: str | None = None,
