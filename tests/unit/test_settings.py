@@ -359,10 +359,9 @@ def test_set_without_equals_is_bad_input(clean_strata_env):
 # ------------------------------------------------------------------ partial settings (scenarios)
 
 
-def test_every_shared_scenario_settings_block_loads():
+def test_every_seed_scenario_settings_block_loads():
     paths = sorted(SCENARIOS.glob("*.json"))
-    if not paths:
-        pytest.skip(f"the shared scenarios are not at {SCENARIOS} (they live beside the repository, not in it)")
+    assert paths, f"the project's scenario copies are missing from {SCENARIOS}"  # they ship with the tests
     for path in paths:
         block = json.loads(path.read_text())["settings"]
         s = settings_from_partial(block, where=path.name)
