@@ -22,9 +22,9 @@ Architectures are read by `general.architecture` as llama.cpp's converter writes
 blocks with expert tensors, in block order. Shared experts and dense FFN blocks are not computed (this engine runs
 the MoE layers only, as it runs no attention): `moe_file_notes` says so in one line.
 
-Expert tensors stay in their file's bytes: all-Q8_0 experts make a 'q8_0' pool, all-F16/BF16/F32 ones an 'f16' pool,
-anything else (Q4_K, Q5_K, Q6_K, MXFP4, mixes such as Q4_K_M's) a 'gguf' pool whose slots hold the GGUF rows as
-they are (strata_core.api.kernels.ExpertFormat). A tensor the engine reads in a type outside SUPPORTED_TYPES (the
+Expert tensors stay in their file's bytes: all-Q8_0 experts make a 'q8_0' pool, all-F16 ones an 'f16' pool,
+anything else (Q4_K, Q5_K, Q6_K, MXFP4, BF16, F32, mixes such as Q4_K_M's) a 'gguf' pool whose slots hold the GGUF
+rows as they are (strata_core.api.kernels.ExpertFormat), so a BF16 or F32 file is no longer rounded to f16. A tensor the engine reads in a type outside SUPPORTED_TYPES (the
 IQ formats, ...) is refused when the file is read, before anything is allocated.
 """
 
@@ -172,7 +172,7 @@ def expert_layout(path: Path, tensors: dict[str, Any], blocks: list[int],
     if not any(f.bias for f in formats):
         if types == {"q8_0"}:
             return "q8_0", ()
-        if types <= {"f16", "bf16", "f32"}:
+        if types == {"f16"}:
             return "f16", ()
     return "gguf", tuple(formats)
 
