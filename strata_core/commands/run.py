@@ -279,6 +279,8 @@ def _execute(args: argparse.Namespace, target, plan, spec: ModelSpec, load_weigh
         "prefill_s": result.prefill_s,
         "decode_s": result.decode_s,
         "check_s": engine.executor.observer_s,
+        "prefill_cpu_s": result.prefill_cpu_s,
+        "decode_cpu_s": result.decode_cpu_s,
         "time_per_layer_us": {
             "prefill": 1e6 * result.prefill_s / (stats.chunks * layers) if stats.chunks else None,
             "decode": 1e6 * result.decode_s / (result.decode_steps * layers) if result.decode_steps else None},

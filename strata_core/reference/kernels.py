@@ -78,7 +78,7 @@ def scatter_add(out: np.ndarray, rows: np.ndarray, y: np.ndarray, scale: np.ndar
     # np.add.at is unbuffered and slow; sum each row's contributions in one sorted pass instead.
     order = np.argsort(rows, kind="stable")
     sorted_rows = rows[order]
-    starts = np.flatnonzero(np.r_[True, sorted_rows[1:] != sorted_rows[:-1]])
+    starts = np.flatnonzero(np.concatenate(([True], sorted_rows[1:] != sorted_rows[:-1])))
     contrib = (np.asarray(y, dtype=np.float32)[order] * np.asarray(scale, dtype=np.float32)[order, None])
     out[sorted_rows[starts]] += np.add.reduceat(contrib, starts, axis=0)
 

@@ -63,6 +63,10 @@ class ExpertCache:
 
     # --- placement -----------------------------------------------------------------------------------------
 
+    def usable_slots(self) -> int:
+        """How many slots may hold an expert now."""
+        return self.slots - int(np.count_nonzero(self.on_loan | self.trimmed))
+
     def usable(self) -> np.ndarray:
         """Mask of slots that may hold an expert now (not on loan, not trimmed)."""
         return ~(self.on_loan | self.trimmed)
@@ -74,6 +78,19 @@ class ExpertCache:
         heat = np.where(held == EMPTY, -1.0, self.freq[np.maximum(held, 0)])
         heat = np.where(self.trimmed[idx], -2.0, heat)
         return idx[np.lexsort((idx, heat))]
+
+    def _coldest(self, mask: np.ndarray, n: int) -> np.ndarray:
+        """The first n slots of `_coldness_order(mask)`, without sorting every slot (decode admits a few)."""
+        idx = np.flatnonzero(mask)
+        if n <= 0 or n >= len(idx):
+            return self._coldness_order(mask)[: max(n, 0)]
+        held = self.expert_in[idx]
+        heat = np.where(held == EMPTY, -1.0, self.freq[np.maximum(held, 0)])
+        heat = np.where(self.trimmed[idx], -2.0, heat)
+        kth = np.partition(heat, n - 1)[n - 1]
+        cand = heat <= kth  # the n coldest are among these, ties broken by slot number as the full order does
+        ci, ch = idx[cand], heat[cand]
+        return ci[np.lexsort((ci, ch))][:n]
 
     def place(self, rows: np.ndarray) -> np.ndarray:
         """Put experts (store rows) into slots without evicting: fills empty usable slots in order (warm-up)."""
@@ -95,7 +112,7 @@ class ExpertCache:
         if keep is not None and len(keep):
             mask[np.asarray(keep, dtype=np.int64)] = False
         mask[out[out != EMPTY]] = False
-        order = self._coldness_order(mask)
+        order = self._coldest(mask, len(rows))
         taken = 0
         for i in range(len(rows)):
             if out[i] != EMPTY:

@@ -37,7 +37,10 @@ def _align(n: int) -> int:
 
 def nbytes_of(shape: tuple[int, ...], dtype: Any) -> int:
     """Bytes of an array of this shape and dtype."""
-    return int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+    n = np.dtype(dtype).itemsize
+    for d in shape:
+        n *= int(d)
+    return n
 
 
 def byte_view(dm: Any, arr: Any) -> Any | None:
@@ -52,13 +55,16 @@ def byte_view(dm: Any, arr: Any) -> Any | None:
         return None
 
 
-def typed_view(dm: Any, base: Any, offset_bytes: int, shape: tuple[int, ...], dtype: Any) -> Any:
-    """A [shape] dtype view of bytes [offset, offset + size) of a flat uint8 device array."""
-    f = getattr(dm, "view", None)
+def typed_view(dm: Any, base: Any, offset_bytes: int, shape: tuple[int, ...], dtype: Any, view: Any = False) -> Any:
+    """A [shape] dtype view of bytes [offset, offset + size) of a flat uint8 device array.
+
+    `view`: the backend's DeviceMemory.view (None: it has none), when the caller looked it up already.
+    """
+    f = getattr(dm, "view", None) if view is False else view
     if f is not None:
         return f(base, offset_bytes, shape, dtype)
     n = nbytes_of(shape, dtype)
-    return base[offset_bytes:offset_bytes + n].view(np.dtype(dtype)).reshape(shape)
+    return base[offset_bytes:offset_bytes + n].view(dtype).reshape(shape)
 
 
 class Arena:
@@ -74,6 +80,7 @@ class Arena:
         self.used = [0] * len(self.sizes)
         self._base: tuple[int, ...] = tuple(self.used)
         self.high_water_bytes = 0
+        self._view = getattr(dm, "view", None) if dm is not None else None
 
     @property
     def capacity_bytes(self) -> int:
@@ -93,7 +100,6 @@ class Arena:
 
     def carve(self, shape: tuple[int, ...], dtype: Any) -> Any:
         """A device view of this shape from the first extent with room; DeviceFull when none has."""
-        shape = tuple(int(s) for s in shape)
         n = nbytes_of(shape, dtype)
         at = self._place(n)
         if at is None:
@@ -101,10 +107,10 @@ class Arena:
                              f"{self.capacity_bytes - sum(self.used)} of {self.capacity_bytes} bytes left, fragmented)")
         i, off = at
         self.used[i] = off + n
-        self.high_water_bytes = max(self.high_water_bytes, sum(self.used))
         if not self.extents:
+            self.high_water_bytes = max(self.high_water_bytes, sum(self.used))
             return None
-        return typed_view(self.dm, self.extents[i], off, shape, dtype)
+        return typed_view(self.dm, self.extents[i], off, shape, dtype, self._view)
 
     def mark(self) -> tuple[int, ...]:
         """Where every extent stands now (release to it later)."""
@@ -200,6 +206,12 @@ class PlanMemory:
         self._region = "unnamed"
         self._used0 = self._device_used()
         self._sampled_peak = 0
+        self._samples = True  # until the seal decides whether the backend's own figure makes sampling moot
+        # the calls of every layer go straight to the backend (no __getattr__ on the hot path)
+        for name in ("download", "new_stream", "new_event", "record", "wait", "synchronize"):
+            f = getattr(inner, name, None)
+            if f is not None:
+                setattr(self, name, f)
 
     # --- regions -------------------------------------------------------------------------------------------
 
@@ -218,6 +230,7 @@ class PlanMemory:
         """Start-up is over: from now on every buffer is carved from a region."""
         self.sealed = True
         self.sample()
+        self._samples = self._measure_kind() == "sampled"
 
     def allow_outside(self, why: str) -> None:
         """Let allocations after the seal through (a backend that cannot carve views), said once as a fallback."""
@@ -286,18 +299,30 @@ class PlanMemory:
 
     def sample(self) -> None:
         """Read the driver's used-memory figure now (between chunks and steps) and keep its high-water."""
+        if not self._samples:
+            return
         used = self._device_used()
         if used is not None and self._used0 is not None:
             self._sampled_peak = max(self._sampled_peak, used - self._used0)
 
-    def peak_measured(self) -> tuple[int, str]:
-        """(peak device bytes, where the figure comes from), from the backend itself where it can say."""
+    def _measure_kind(self) -> str:
         f = getattr(self.inner, "peak_bytes", None)
         if callable(f):
-            return int(f()), "the backend's own peak_bytes()"
+            return "method"
         if isinstance(f, (int, np.integer)):
-            return int(f), "the backend's ledger (peak_bytes)"
-        if _host_arrays(self.inner):
+            return "ledger"
+        if not hasattr(self, "_host"):
+            self._host = _host_arrays(self.inner)
+        return "host" if self._host else "sampled"
+
+    def peak_measured(self) -> tuple[int, str]:
+        """(peak device bytes, where the figure comes from), from the backend itself where it can say."""
+        kind = self._measure_kind()
+        if kind == "method":
+            return int(self.inner.peak_bytes()), "the backend's own peak_bytes()"
+        if kind == "ledger":
+            return int(self.inner.peak_bytes), "the backend's ledger (peak_bytes)"
+        if kind == "host":
             return self.peak_bytes, "host memory: high-water of the numpy arrays allocated through DeviceMemory"
         self.sample()
         return self._sampled_peak, "the driver's used memory (mem_info), sampled between chunks and steps"

@@ -48,6 +48,9 @@ class RequestResult:
     decode_s: float = 0.0
     decode_steps: int = 0
     #: cache hits and lookups during this request's prefill and its decode
+    #: process CPU seconds of the prefill and of the decode (steadier than wall time on a shared machine)
+    prefill_cpu_s: float = 0.0
+    decode_cpu_s: float = 0.0
     prefill_hits: int = 0
     prefill_lookups: int = 0
     decode_hits: int = 0
@@ -84,12 +87,13 @@ class Engine:
         self.store = ExpertStore(host_pool, model.moe_layers, model.experts_per_layer)
         self.store.pin(allocator, budget, plan.pinned.arena_bytes, log, plan.pinned.registration_slice_bytes)
         self.arena_pinned_bytes = self.store.pinned_bytes
+        # the fixed lines first: the cache pool is the one that can shrink when the device is short at start
+        self.regions = self._take_regions()
         self.dm.region("expert_cache")
         self.device_pool = self._alloc_pool(plan.expert_cache.slots)
         self.cache = ExpertCache(self._pool_slots, model.moe_layers, model.experts_per_layer)
         self.dm.region("dense")
         self.dense_dev = self._upload_dense()
-        self.regions = self._take_regions()
         self.dense_device_bytes = sum(int(a.nbytes) for a in self.dense_dev.values())
         self._warm()
         self.share_pool = PinnedPool(allocator, budget, log, from_floor=True, name="CPU share")
@@ -108,12 +112,15 @@ class Engine:
         if not accounting_only:
             self.loans.buffer_need = self.executor.buffer_slots_needed
         self.dm.seal()
+        if accounting_only and getattr(self, "_regions_refused", None):
+            log.fallback("device memory (regions)", self._regions_refused)
         if not self.executor.carves:
             # the regions cannot be viewed: give them back, buffers are allocated per use as before API 2.0
             for name in [n for n in self.regions if n != "kv"]:
                 self.dm.free(self.regions.pop(name))
             self.executor.regions = self.regions
-            self.dm.allow_outside(f"{type(dm).__name__} has no DeviceMemory.view: buffers are allocated per use, "
+            self.dm.allow_outside(getattr(self, "_regions_refused", None) or
+                                  f"{type(dm).__name__} has no DeviceMemory.view: buffers are allocated per use, "
                                   "outside the plan's regions")
         self.engine_exits = 0
 
@@ -199,8 +206,12 @@ class Engine:
                 continue
             region = self.dm.take(name, int(nbytes))
             if region is None:
-                raise StrataError(f"the device refused the plan's {name} region ({int(nbytes)} bytes); free VRAM "
-                                  "changed since planning: raise memory.vram_reserve_mib")
+                # the device will not give the line as one block: buffers come per use instead (a fallback, said)
+                self._regions_refused = (f"the device refused the plan's {name} region ({int(nbytes)} bytes) as one "
+                                         "block: buffers are allocated per use, outside the plan's regions")
+                for r in out.values():
+                    self.dm.free(r)
+                return {}
             out[name] = region
         return out
 
@@ -250,7 +261,7 @@ class Engine:
         if res.refused_reason:
             return res
         before = len(self.log.fallbacks)
-        t0, obs0 = time.perf_counter(), self.executor.observer_s
+        t0, obs0, c0 = time.perf_counter(), self.executor.observer_s, time.process_time()
         h0, l0 = self.cache.hits, self.cache.lookups
         max_chunk: int | None = None
         extra_halvings = 0
@@ -283,7 +294,8 @@ class Engine:
         # --check's downloads and comparisons happen inside the layers: their time is taken out of the timings
         res.prefill_s = time.perf_counter() - t0 - (self.executor.observer_s - obs0)
         res.prefill_hits, res.prefill_lookups = self.cache.hits - h0, self.cache.lookups - l0
-        t0, obs0 = time.perf_counter(), self.executor.observer_s
+        res.prefill_cpu_s = time.process_time() - c0 - (self.executor.observer_s - obs0)
+        t0, obs0, c0 = time.perf_counter(), self.executor.observer_s, time.process_time()
         h0, l0 = self.cache.hits, self.cache.lookups
         try:
             if logits is not None:
@@ -307,6 +319,7 @@ class Engine:
         self.dm.synchronize()
         res.decode_s = time.perf_counter() - t0 - (self.executor.observer_s - obs0)
         res.decode_hits, res.decode_lookups = self.cache.hits - h0, self.cache.lookups - l0
+        res.decode_cpu_s = time.process_time() - c0 - (self.executor.observer_s - obs0)
         self._trim_when_quiet()
         res.completed = True
         res.fallbacks = list(self.log.fallbacks[before:])

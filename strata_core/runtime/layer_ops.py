@@ -113,6 +113,8 @@ class ComposedLayerOps:
         self._takes_out = {name: _takes_out(getattr(kernels, name, None))
                            for name in ("rmsnorm", "linear", "route_topk", "gather", "moe_grouped_ffn")}
         self._zeros_host = np.zeros(0, np.float32)
+        #: (tokens, top_k, rows, groups) -> does one ordered call fit the workspace (sizes only: computed once)
+        self._direct_fits: dict[tuple, bool] = {}
 
     # --- the contract --------------------------------------------------------------------------------------
 
@@ -170,8 +172,14 @@ class ComposedLayerOps:
         ids = np.asarray(self.dm.download(ids_d)).reshape(-1)
         wts = np.asarray(self.dm.download(w_d), dtype=np.float32).reshape(-1)
         order = np.argsort(ids, kind="stable")
-        experts, starts, counts = np.unique(ids[order], return_index=True, return_counts=True)
-        return Routing(experts.astype(np.int64), counts, starts, (order // k).astype(np.int32), wts[order])
+        srt = ids[order]
+        # np.unique's groups (starts, counts) without its extra passes: decode pays this every layer
+        first = np.empty(len(srt), dtype=bool)
+        first[:1] = True
+        np.not_equal(srt[1:], srt[:-1], out=first[1:])
+        starts = np.flatnonzero(first)
+        counts = np.diff(np.append(starts, len(srt)))
+        return Routing(srt[starts].astype(np.int64), counts, starts, (order // k).astype(np.int32), wts[order])
 
     # --- sizes ---------------------------------------------------------------------------------------------
 
@@ -391,6 +399,56 @@ class ComposedLayerOps:
         self.dm.record(fence, None)
         self.dm.wait(w.copy_stream, fence)
 
+    def _direct(self, w: LayerWork, r: Routing, slots: np.ndarray, hits: np.ndarray, misses: np.ndarray,
+                xn: Any) -> bool:
+        """Decode and short chunks in one grouped call: misses admitted in one pass, then every group in routing order.
+
+        Taken only where the general path would keep routing order and fit one call (no ring, no CPU share, one
+        admission pass, the call within the workspace budget); its rows then add to the residual in the same order,
+        to the same bits, with a fifth of the host's calls. False: nothing was done, the general path runs.
+        """
+        if self.accounting_only or len(w.ring) or self.share.armed_for(w.tokens):
+            return False
+        usable = getattr(w.slots, "usable_slots", None)
+        if usable is None or (len(misses) and usable() - len(hits) < len(misses)):
+            return False
+        n, g = len(r.rows), len(r.experts)
+        key = (w.tokens, w.top_k, n, g)
+        ok = self._direct_fits.get(key)
+        if ok is None:
+            self._ordered = True
+            ok = self._ordered_fits(w) and (n * KERNEL_SCRATCH_FACTOR * self._row_bytes() + g * KERNEL_SCRATCH_FACTOR
+                                            * self._staged_slot_bytes() <= self._call_budget(w))
+            self._direct_fits[key] = ok
+        if not ok:
+            return False
+        self._ordered = True
+        layer = w.layer
+        if len(misses):
+            got = w.slots.admit(layer, r.experts[misses], keep=slots[hits])
+            slots = slots.copy()
+            slots[misses] = got
+            for e, slot in zip(r.experts[misses].tolist(), got.tolist()):
+                w.source.upload(int(w.slots.row(layer, e)), slot, w.copy_stream)
+            w.stats["experts_admitted"] += len(misses)
+            copied = self.dm.new_event()
+            self.dm.record(copied, w.copy_stream)
+            self.dm.wait(None, copied)
+        ints = np.empty(n + 2 * g + 1, np.int32)
+        ints[:n] = r.rows
+        ints[n] = 0
+        np.cumsum(r.counts, out=ints[n + 1:n + g + 1])
+        ints[n + g + 1:] = slots
+        ints_d = self._put(w, ints)
+        rows_d, offs_d, slots_d = ints_d[:n], ints_d[n:n + g + 1], ints_d[n + g + 1:]
+        xg = self._k("gather", xn, rows_d, out=self._out(w, "gather", (n, self.hidden), np.float32))
+        y = self._k("moe_grouped_ffn", xg, offs_d, slots_d, w.pool,
+                    out=self._out(w, "moe_grouped_ffn", (n, self.hidden), np.float32))
+        self.k.scatter_add(w.x, rows_d, y, self._put(w, r.scales))
+        w.stats["workspace_peak_bytes"] = max(w.stats["workspace_peak_bytes"], self._token_part_bytes(w)
+                                              + n * self._row_bytes() + g * self._staged_slot_bytes())
+        return True
+
     def _share_split(self, r: Routing, misses: np.ndarray, tokens: int) -> np.ndarray:
         """The misses the CPU takes: the half with the fewest tokens (cheap on the CPU, costly to stream), as many
         as its buffer's rows hold."""
@@ -426,8 +484,13 @@ class ComposedLayerOps:
         # this layer's own hits never sit in them, so their compute still overlaps the copies
         self._fence_copies(w)
         slots = w.slots.lookup(layer, r.experts, r.counts)
-        hits = np.flatnonzero(slots != EMPTY)
-        misses = np.flatnonzero(slots == EMPTY)
+        hit = slots != EMPTY
+        hits = np.flatnonzero(hit)
+        misses = np.flatnonzero(~hit)
+        if self._direct(w, r, slots, hits, misses, xn):
+            if x_in is not None:
+                observer(w.phase, layer, x_in, np.asarray(self.dm.download(x)))
+            return
         cpu = self._share_split(r, misses, tokens)
         job = out = None
         cpu_rows = int(r.counts[cpu].sum()) if len(cpu) else 0

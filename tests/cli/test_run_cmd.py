@@ -39,6 +39,22 @@ def test_default_run_on_the_cpu_backend_passes_its_check_and_streams_through_loa
     assert r["device_bytes_peak_estimate"] <= r["device_bytes_planned"]
     assert r["check_report"]["layers_checked"] > 0 and r["check_report"]["worst_rel_err"] <= 2e-3
     assert any("attention" in n for n in r["notes"])
+    # measured beside planned (cpu: the high-water of the plan's regions; nothing else is allocated while serving)
+    assert r["device_bytes_peak_source"].startswith("host memory")
+    assert 0.98 * r["device_bytes_planned"] <= r["device_bytes_peak_measured"] <= r["device_bytes_planned"]
+    assert sum(r["device_regions"].values()) == r["device_bytes_peak_measured"]
+    assert r["host_rss_peak_bytes"] > 0 and r["host_bytes_planned"] > 0
+    assert r["pinned_bytes_peak"] > 0
+    # timings: --check's own time is outside prefill_s/decode_s, and the rates are those timings
+    assert r["check_s"] > 0 and r["prefill_s"] > 0 and r["decode_s"] > 0
+    assert r["prefill_tokens_per_s"] == pytest.approx(r["prompt_tokens"] / r["prefill_s"])
+    assert r["decode_tokens_per_s"] == pytest.approx(r["decode_tokens"] / r["decode_s"])
+    layers = r["model"]["moe_layers"]
+    assert r["time_per_layer_us"]["decode"] == pytest.approx(1e6 * r["decode_s"] / (64 * layers))
+    assert r["link_gb_per_s"] > 0
+    assert 0 < r["cache_hit_rate_prefill"] < 1 and 0 < r["cache_hit_rate_decode"] <= 1
+    # the idle part of the loan caches experts: the tiny model's prefill hit 8% when the whole loan was evicted
+    assert r["cache_hit_rate_prefill"] > 0.2
 
 
 @pytest.mark.parametrize("dtype", ["F16", "BF16", "Q8_0"])
