@@ -235,6 +235,10 @@ class PlanMemory:
     def allow_outside(self, why: str) -> None:
         """Let allocations after the seal through (a backend that cannot carve views), said once as a fallback."""
         self.sealed = False
+        self.region("outside_plan_total")  # every per-use allocation from here on, summed (not a live figure)
+        # the regions taken at the seal were given back: the peak is what is held from here on
+        self._sampled_peak = 0
+        self.sample()
         if self.on_outside is not None:
             self.on_outside("device memory (regions)", why)
 
