@@ -98,3 +98,34 @@ def test_random_traffic_keeps_the_tables_consistent(ops):
             c.tick()
         c.check()
     assert c.slots_on_loan == sum(len(x) for x in loans)
+
+
+def test_admit_picks_the_same_coldest_slots_as_the_full_order():
+    rng = np.random.default_rng(3)
+    for trial in range(200):
+        c = ExpertCache(slots=64, layers=2, experts_per_layer=64)
+        c.place(rng.permutation(128)[: rng.integers(0, 64)])
+        c.freq[:] = rng.integers(0, 4, 128).astype(float)  # many ties: the slot number must break them
+        c.trimmed[rng.integers(0, 64, 3)] = True
+        c.on_loan[rng.integers(0, 64, 3)] = True
+        c.expert_in[c.on_loan | c.trimmed] = -1
+        c.slot_of[:] = -1
+        held = np.flatnonzero(c.expert_in != -1)
+        c.slot_of[c.expert_in[held]] = held
+        mask = c.usable()
+        n = int(rng.integers(1, 12))
+        assert np.array_equal(c._coldest(mask, n), c._coldness_order(mask)[:n]), trial
+
+
+def test_a_loans_buffer_slots_are_one_run_of_the_coldest_adjacent_slots():
+    c = ExpertCache(slots=10, layers=1, experts_per_layer=10)
+    c.place(np.arange(10))
+    c.freq[:] = [5, 5, 1, 0, 9, 5, 5, 5, 0, 5]
+    c.on_loan[3] = True  # slot 3 is lent already: a run may not cross it
+    c.expert_in[3] = -1
+    c.slot_of[3] = -1
+    run = c.lend_run(2)
+    # pairs not crossing slot 3: (1,2) 6, (7,8) 5, (8,9) 5, others more: the first coldest run
+    assert run.tolist() == [7, 8]
+    assert c.on_loan[[7, 8]].all() and (c.expert_in[[7, 8]] == -1).all(), "lent slots hold no expert"
+    c.check()
