@@ -199,7 +199,6 @@ class PlanMemory:
         self.sealed = False
         self.live_bytes = 0
         self.peak_bytes = 0
-        self.bytes_uploaded = 0
         self.regions: dict[str, int] = {}
         self.refused: dict[str, int] = {}
         self._sizes: dict[int, int] = {}
@@ -208,7 +207,7 @@ class PlanMemory:
         self._sampled_peak = 0
         self._samples = True  # until the seal decides whether the backend's own figure makes sampling moot
         # the calls of every layer go straight to the backend (no __getattr__ on the hot path)
-        for name in ("download", "new_stream", "new_event", "record", "wait", "synchronize"):
+        for name in ("upload", "download", "new_stream", "new_event", "record", "wait", "synchronize"):
             f = getattr(inner, name, None)
             if f is not None:
                 setattr(self, name, f)
@@ -274,7 +273,6 @@ class PlanMemory:
         if self.sealed:
             self._outside(int(src.nbytes), "a host array's copy")
             return None
-        self.bytes_uploaded += int(src.nbytes)
         return self._count(self.inner.to_device(src))
 
     def free(self, arr):
@@ -283,11 +281,6 @@ class PlanMemory:
         if n is not None:
             self.live_bytes -= n
             self.inner.free(arr)
-
-    def upload(self, dst, src, stream=None):
-        """Copy host -> device."""
-        self.bytes_uploaded += int(dst.nbytes)
-        self.inner.upload(dst, src, stream)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)

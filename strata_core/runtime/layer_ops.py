@@ -115,6 +115,7 @@ class ComposedLayerOps:
         self._zeros_host = np.zeros(0, np.float32)
         #: (tokens, top_k, rows, groups) -> does one ordered call fit the workspace (sizes only: computed once)
         self._direct_fits: dict[tuple, bool] = {}
+        self._direct_peak: dict[tuple, int] = {}
 
     # --- the contract --------------------------------------------------------------------------------------
 
@@ -445,8 +446,12 @@ class ComposedLayerOps:
         y = self._k("moe_grouped_ffn", xg, offs_d, slots_d, w.pool,
                     out=self._out(w, "moe_grouped_ffn", (n, self.hidden), np.float32))
         self.k.scatter_add(w.x, rows_d, y, self._put(w, r.scales))
-        w.stats["workspace_peak_bytes"] = max(w.stats["workspace_peak_bytes"], self._token_part_bytes(w)
-                                              + n * self._row_bytes() + g * self._staged_slot_bytes())
+        peak = self._direct_peak.get(key)
+        if peak is None:
+            peak = self._direct_peak[key] = (self._token_part_bytes(w) + n * self._row_bytes()
+                                             + g * self._staged_slot_bytes())
+        if peak > w.stats["workspace_peak_bytes"]:
+            w.stats["workspace_peak_bytes"] = peak
         return True
 
     def _share_split(self, r: Routing, misses: np.ndarray, tokens: int) -> np.ndarray:
