@@ -262,6 +262,7 @@ class Engine:
             return res
         before = len(self.log.fallbacks)
         t0, obs0, c0 = time.perf_counter(), self.executor.observer_s, time.process_time()
+        oc0 = self.executor.observer_cpu_s
         h0, l0 = self.cache.hits, self.cache.lookups
         max_chunk: int | None = None
         extra_halvings = 0
@@ -294,8 +295,9 @@ class Engine:
         # --check's downloads and comparisons happen inside the layers: their time is taken out of the timings
         res.prefill_s = time.perf_counter() - t0 - (self.executor.observer_s - obs0)
         res.prefill_hits, res.prefill_lookups = self.cache.hits - h0, self.cache.lookups - l0
-        res.prefill_cpu_s = time.process_time() - c0 - (self.executor.observer_s - obs0)
+        res.prefill_cpu_s = time.process_time() - c0 - (self.executor.observer_cpu_s - oc0)
         t0, obs0, c0 = time.perf_counter(), self.executor.observer_s, time.process_time()
+        oc0 = self.executor.observer_cpu_s
         h0, l0 = self.cache.hits, self.cache.lookups
         try:
             if logits is not None:
@@ -319,7 +321,7 @@ class Engine:
         self.dm.synchronize()
         res.decode_s = time.perf_counter() - t0 - (self.executor.observer_s - obs0)
         res.decode_hits, res.decode_lookups = self.cache.hits - h0, self.cache.lookups - l0
-        res.decode_cpu_s = time.process_time() - c0 - (self.executor.observer_s - obs0)
+        res.decode_cpu_s = time.process_time() - c0 - (self.executor.observer_cpu_s - oc0)
         self._trim_when_quiet()
         res.completed = True
         res.fallbacks = list(self.log.fallbacks[before:])

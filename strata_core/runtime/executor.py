@@ -115,6 +115,7 @@ class Executor:
         self.observer = self._timed(observer) if observer is not None else None
         #: Seconds spent in the observer (--check): excluded from the request's timings.
         self.observer_s = 0.0
+        self.observer_cpu_s = 0.0
         self.stats = ExecStats()
         self.counters = self.stats.layer
         #: Page-locked staging for experts the arena could not pin (None: copies from pageable memory).
@@ -147,11 +148,12 @@ class Executor:
     def _timed(self, observer: LayerObserver) -> LayerObserver:
         """The observer, its time (downloads and comparisons) added to observer_s."""
         def call(phase: str, layer: int, x_in: np.ndarray, x_out: np.ndarray) -> None:
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             try:
                 observer(phase, layer, x_in, x_out)
             finally:
                 self.observer_s += time.perf_counter() - t0
+                self.observer_cpu_s += time.process_time() - c0
         return call
 
     # --- buffers: arenas over the plan's regions ------------------------------------------------------------

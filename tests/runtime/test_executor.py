@@ -136,3 +136,25 @@ def test_without_staging_memory_misses_copy_from_pageable_memory_after_one_line(
     res = eng.serve(np.arange(1100) % eng.weights.vocab, decode_tokens=2)
     assert res.completed
     eng.close()
+
+
+def test_the_checks_time_is_outside_the_prefill_and_decode_timings():
+    import time
+
+    calls = []
+
+    def slow_observer(phase, layer, x_in, x_out):
+        calls.append(phase)
+        time.sleep(0.05)
+
+    eng, plan, _, _ = tiny_engine(observer=slow_observer)
+    t0 = time.perf_counter()
+    res = eng.serve(np.arange(200) % eng.weights.vocab, decode_tokens=3)
+    wall = time.perf_counter() - t0
+    assert res.completed and len(calls) == plan.model.moe_layers * 4 + 4  # layers of 1 chunk + 3 steps, 4 heads
+    slept = 0.05 * len(calls)
+    assert eng.executor.observer_s >= slept
+    # the observer's sleeps are in the wall time and out of the request's own timings
+    assert res.prefill_s + res.decode_s <= wall - slept
+    assert res.prefill_cpu_s >= 0 and res.decode_cpu_s >= 0
+    eng.close()
