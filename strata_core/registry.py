@@ -298,7 +298,9 @@ def new_plugin_manager() -> pluggy.PluginManager:
 
 def _removed_hooks_of(pm: pluggy.PluginManager, plugin: Any) -> list[str]:
     """The API 1.x hooks a plugin implements (marked as hook implementations), in name order."""
-    return sorted(h for h in REMOVED_HOOKS if pm.parse_hookimpl_opts(plugin, h) is not None)
+    # older pluggy reads the attribute without a default: ask only for names the plugin has
+    return sorted(h for h in REMOVED_HOOKS
+                  if hasattr(plugin, h) and pm.parse_hookimpl_opts(plugin, h) is not None)
 
 
 def load_plugins(allow: Iterable[str] = (), block: Iterable[str] = (), autoload: bool = True,
