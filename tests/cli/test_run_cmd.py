@@ -37,7 +37,10 @@ def test_default_run_on_the_cpu_backend_passes_its_check_and_streams_through_loa
     assert r["cache_pool_bytes"] == r["plan"]["vram"]["expert_cache_bytes"]
     assert r["device_bytes_allocated"] <= r["device_bytes_planned"]
     assert r["device_bytes_peak_estimate"] <= r["device_bytes_planned"]
-    assert r["check_report"]["layers_checked"] > 0 and r["check_report"]["worst_rel_err"] <= 2e-3
+    assert r["check_report"]["layers_checked"] > 0
+    # numpy accumulates in f32: the bound applied is the f32 path's, and the real error sits well inside it
+    assert r["check_report"]["precision"] == "f32" and r["check_report"]["tolerance"] == 1e-5
+    assert r["check_report"]["worst_rel_err"] <= r["check_report"]["tolerance"]
     assert any("attention" in n for n in r["notes"])
     # measured beside planned (cpu: the high-water of the plan's regions; nothing else is allocated while serving)
     assert r["device_bytes_peak_source"].startswith("host memory")
