@@ -19,8 +19,11 @@ Architectures are read by `general.architecture` as llama.cpp's converter writes
 (mixtral: a llama with expert tensors), qwen2moe (a shared expert, `ffn_*_shexp`), deepseek2 (shared experts and
 `leading_dense_block_count` dense FFN blocks before the MoE ones), gpt-oss (MXFP4 experts with f32 biases
 `ffn_*_exps.bias`; its FFN norm is `post_attention_norm`). Attention tensors are read past. The MoE layers are the
-blocks with expert tensors, in block order. Shared experts and dense FFN blocks are not computed (this engine runs
-the MoE layers only, as it runs no attention): `moe_file_notes` says so in one line.
+blocks with expert tensors, in block order. Shared experts (`ffn_{gate,up,down}_shexp`, qwen2moe's sigmoid gate
+`ffn_gate_inp_shexp`) and dense FFN blocks (`ffn_{gate,up,down}` of a block without experts) are read as one-slot
+pools of the file's own rows (`DenseFfn`) and computed by strata_core.runtime.dense_ffn; a router bias
+(`ffn_gate_inp.bias`, gpt-oss) is added to the router's logits before the top k. What the engine reads but does not
+compute (deepseek's `exp_probs_b` selection bias) `moe_file_notes` names in one line.
 
 Expert tensors stay in their file's bytes: all-Q8_0 experts make a 'q8_0' pool, all-F16 ones an 'f16' pool,
 anything else (Q4_K, Q5_K, Q6_K, MXFP4, BF16, F32, mixes such as Q4_K_M's) a 'gguf' pool whose slots hold the GGUF
@@ -43,6 +46,7 @@ from strata_core.errors import BadInput
 from strata_core.reference import quants
 from strata_core.reference.kernels import QK8_0, quantize_q8_0
 from strata_core.models.spec import ModelSpec, prompt_bytes_for
+from strata_core.models.weights import DenseFfn
 
 GGUF_MAGIC = b"GGUF"
 TINY_ARCH = "strata-moe"
@@ -50,6 +54,8 @@ TINY_DTYPES = ("F16", "BF16", "Q8_0")
 
 #: A tensor belongs to the experts when its name has an `_exps` part (gate, up, down, fused gate_up, their biases).
 _EXPERT_TENSOR = re.compile(r"^blk\.(\d+)\.ffn_[a-z_]+_exps\.")
+#: Tensors of a shared expert or a dense FFN block (computed as dense weights: strata_core.runtime.dense_ffn).
+_DENSE_FFN_TENSOR = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down)(_shexp)?\.weight$|^blk\.(\d+)\.ffn_gate_inp_shexp\.weight$")
 #: GGUF tensor types the engine computes (expert tensors and the dense tensors it reads); others are refused.
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "MXFP4")
 #: Architectures this module reads (general.architecture as llama.cpp's converter writes it; mixtral is 'llama').
@@ -130,6 +136,7 @@ def _read_tensor_names(tensors: dict[str, Any], blocks: list[int]) -> list[str]:
         for t in (_block_tensor(tensors, b, _NORM_NAMES), tensors.get(f"blk.{b}.ffn_gate_inp.weight")):
             if t is not None:
                 names.append(t.name)
+    names += [n for n in tensors if _DENSE_FFN_TENSOR.match(n)]
     return names
 
 
@@ -360,12 +367,13 @@ def q4_k_m_down_types(layers: int) -> list[str]:
 def write_moe_gguf(path: str | Path, *, arch: str = "qwen3moe", layers: int = 2, experts: int = 8, top_k: int = 2,
                    hidden: int = 256, ffn: int = 256, vocab: int = 64, gate_up: str = "q4_k",
                    down: str | list[str] = "q6_k", embed_type: str = "q4_k", head_type: str = "q6_k",
-                   seed: int = 0) -> Path:
+                   seed: int = 0, zero_ffns: bool = False) -> Path:
     """Write a real MoE GGUF of architecture `arch` as llama.cpp's converter names it, quantized by
     strata_core.reference.quants into raw GGUF tensors (Q4_K_M-style by default: gate/up Q4_K, down Q6_K).
 
     `down` may be one type per MoE layer. Attention tensors (small, to be read past), the architecture's shared
-    experts, leading dense FFN blocks and biases (ARCH_EXTRAS) are written too. Returns the path.
+    experts, leading dense FFN blocks and biases (ARCH_EXTRAS) are written too. `zero_ffns`: the shared experts' and
+    dense blocks' down rows are zero (they add nothing; every other tensor is the same draw). Returns the path.
     """
     gguf = _gguf()
     if arch not in ARCH_EXTRAS:
@@ -417,7 +425,7 @@ def write_moe_gguf(path: str | Path, *, arch: str = "qwen3moe", layers: int = 2,
         if b < lead:
             add(f"blk.{b}.ffn_gate.weight", matrix(2 * ffn, hidden), gate_up)
             add(f"blk.{b}.ffn_up.weight", matrix(2 * ffn, hidden), gate_up)
-            add(f"blk.{b}.ffn_down.weight", matrix(hidden, 2 * ffn), "q6_k")
+            add(f"blk.{b}.ffn_down.weight", matrix(hidden, 2 * ffn) * (0 if zero_ffns else 1), "q6_k")
             continue
         i = b - lead
         add(f"blk.{b}.ffn_gate_inp.weight", matrix(experts, hidden))
@@ -433,7 +441,7 @@ def write_moe_gguf(path: str | Path, *, arch: str = "qwen3moe", layers: int = 2,
         if extra.get("shared"):
             add(f"blk.{b}.ffn_gate_shexp.weight", matrix(ffn, hidden), gate_up)
             add(f"blk.{b}.ffn_up_shexp.weight", matrix(ffn, hidden), gate_up)
-            add(f"blk.{b}.ffn_down_shexp.weight", matrix(hidden, ffn), "q6_k")
+            add(f"blk.{b}.ffn_down_shexp.weight", matrix(hidden, ffn) * (0 if zero_ffns else 1), "q6_k")
             if arch == "qwen2moe":
                 add(f"blk.{b}.ffn_gate_inp_shexp.weight", matrix(1, hidden))
     add("output_norm.weight", np.ones(hidden, np.float32))
@@ -497,6 +505,10 @@ class MoeTensors:
     routers: list[np.ndarray]
     blocks: list[int]
     notes: list[str] = field(default_factory=list)
+    #: shared experts and dense FFN blocks, in the order they run
+    ffns: list[DenseFfn] = field(default_factory=list)
+    #: per MoE layer, the router's f32 bias [E] (gpt-oss's ffn_gate_inp.bias), or None
+    router_biases: list[np.ndarray | None] = field(default_factory=list)
 
 
 def _expert_pool(path: Path, tensors: dict[str, Any], blocks: list[int], experts: int, kind: str,
@@ -531,25 +543,73 @@ def _expert_pool(path: Path, tensors: dict[str, Any], blocks: list[int], experts
     return ExpertPool("gguf", {"blob": blob}, formats)
 
 
+def _raw_bytes(t) -> np.ndarray:
+    """A tensor's bytes as the file stores them, flat."""
+    return np.ascontiguousarray(np.asarray(t.data)).view(np.uint8).reshape(-1)
+
+
+def _ffn_pool(path: Path, where: str, g, u, d) -> ExpertPool:
+    """One FFN's gate [F,H], up [F,H] and down [H,F] tensors as a one-slot 'gguf' pool of the file's own rows
+    (the routed experts' slot layout); gate and up of different types become f32 rows, as the slot has one type."""
+    ffn, hidden = _numpy_shape(g)
+    if _numpy_shape(u) != (ffn, hidden) or _numpy_shape(d) != (hidden, ffn):
+        raise BadInput(f"{path}: {where}: gate/up/down shapes {_numpy_shape(g)}, {_numpy_shape(u)}, "
+                       f"{_numpy_shape(d)} do not make one FFN of [ffn, hidden] / [hidden, ffn]")
+    tg, tu, td = (_type_name(t).lower() for t in (g, u, d))
+    if tg == tu:
+        gu = np.concatenate([_raw_bytes(g), _raw_bytes(u)])
+    else:
+        tg = "f32"
+        gu = np.concatenate([tensor_f32(g), tensor_f32(u)]).astype("<f4").view(np.uint8).reshape(-1)
+    try:
+        fmt = ExpertFormat(tg, td, hidden, ffn)
+        blob = np.zeros((1, fmt.nbytes), dtype=np.uint8)
+    except ValueError as err:
+        raise BadInput(f"{path}: {where}: {err}") from None
+    blob[0, :fmt.down_offset] = gu
+    blob[0, fmt.down_offset:] = _raw_bytes(d)
+    return ExpertPool("gguf", {"blob": blob}, (fmt,))
+
+
+def read_dense_ffns(path: Path, tensors: dict[str, Any], blocks: list[int]) -> list[DenseFfn]:
+    """The file's shared experts and dense FFN blocks as DenseFfn, in the order they run."""
+    moe = {b: i for i, b in enumerate(blocks)}
+    ids = sorted({int(m.group(1) or m.group(4)) for n in tensors if (m := _DENSE_FFN_TENSOR.match(n))})
+    out = []
+    for b in ids:
+        shared = b in moe
+        suffix = "_shexp" if shared else ""
+        g, u, d = (tensors.get(f"blk.{b}.ffn_{k}{suffix}.weight") for k in ("gate", "up", "down"))
+        if g is None or u is None or d is None:
+            if not shared and g is None and u is None and d is None:
+                continue
+            raise BadInput(f"{path}: block {b} has some of ffn_gate{suffix}, ffn_up{suffix}, ffn_down{suffix} only")
+        where = f"block {b} {'shared expert' if shared else 'dense FFN'}"
+        pool = _ffn_pool(path, where, g, u, d)
+        hidden = pool.formats[0].hidden
+        if shared:
+            gate_t = tensors.get(f"blk.{b}.ffn_gate_inp_shexp.weight")
+            gate = None if gate_t is None else tensor_f32(gate_t).reshape(1, hidden)
+            out.append(DenseFfn("shared", moe[b], b, pool, gate=gate))
+        else:
+            norm = _block_tensor(tensors, b, _NORM_NAMES)
+            if norm is None:
+                raise BadInput(f"{path}: {where} lacks its FFN norm ({' or '.join(_NORM_NAMES)})")
+            layer = sum(1 for m in blocks if m < b)
+            out.append(DenseFfn("dense", layer, b, pool, norm=tensor_f32(norm).reshape(-1)))
+    # a dense block runs before the shared expert of the MoE layer it precedes; blocks in file order otherwise
+    out.sort(key=lambda f: (f.layer, f.kind != "dense", f.block))
+    return out
+
+
 def moe_file_notes(path: Path, arch: str, tensors: dict[str, Any], blocks: list[int]) -> list[str]:
-    """One line naming what of the file this engine reads but does not compute (shared experts, dense FFN blocks,
-    router biases), or no line."""
-    left = []
-    shared = sorted({int(m.group(1)) for n in tensors if (m := re.match(r"^blk\.(\d+)\.ffn_\w+_shexp\.", n))})
-    if shared:
-        left.append(f"shared experts in {len(shared)} blocks")
-    moe = set(blocks)
-    dense = sorted({int(m.group(1)) for n in tensors if (m := re.match(r"^blk\.(\d+)\.ffn_(gate|up|down)\.weight$", n))
-                    and int(m.group(1)) not in moe})
-    if dense:
-        left.append(f"dense FFN blocks {', '.join(map(str, dense))}")
-    biases = [n for n in ("ffn_gate_inp.bias", "exp_probs_b.bias") if any(t.endswith(n) for t in tensors)]
-    if biases:
-        left.append(f"router biases ({', '.join(biases)})")
+    """One line naming what of the file's FFN tensors this engine reads but does not compute (deepseek's
+    `exp_probs_b` expert-selection bias, shared-expert biases), or no line. Shared experts, dense FFN blocks and
+    gpt-oss's router bias are computed."""
+    left = [n for n in ("exp_probs_b.bias", "_shexp.bias") if any(t.endswith(n) for t in tensors)]
     if not left:
         return []
-    return [f"{path.name} ({arch}): planned and run are its {len(blocks)} MoE layers only; not computed: "
-            f"{'; '.join(left)} (like attention, outside this engine)"]
+    return [f"{path.name} ({arch}): not computed: {', '.join(left)} (run as if zero)"]
 
 
 def read_moe_tensors(path: str | Path, spec: ModelSpec | None = None) -> MoeTensors:
@@ -571,7 +631,7 @@ def read_moe_tensors(path: str | Path, spec: ModelSpec | None = None) -> MoeTens
             raise BadInput(f"{path}: missing tensor {n}")
     kind, formats = expert_layout(path, tensors, blocks, experts)
     pool = _expert_pool(path, tensors, blocks, experts, kind, formats)
-    norms, routers = [], []
+    norms, routers, router_biases = [], [], []
     for b in blocks:
         norm, router = _block_tensor(tensors, b, _NORM_NAMES), tensors.get(f"blk.{b}.ffn_gate_inp.weight")
         if norm is None or router is None:
@@ -579,9 +639,12 @@ def read_moe_tensors(path: str | Path, spec: ModelSpec | None = None) -> MoeTens
                            "(ffn_gate_inp)")
         norms.append(tensor_f32(norm).reshape(-1))
         routers.append(tensor_f32(router))
+        bias = tensors.get(f"blk.{b}.ffn_gate_inp.bias")
+        router_biases.append(None if bias is None else tensor_f32(bias).reshape(-1))
     embed = tensor_f32(tensors["token_embd.weight"])
     head = tensor_f32(tensors["output.weight"]) if "output.weight" in tensors else embed  # tied embeddings
     ffn = _numpy_shape(tensors[f"blk.{blocks[0]}.ffn_gate_exps.weight"])[1]
     return MoeTensors(experts=pool, expert_ffn=int(ffn), embed=embed.astype(np.float16),
                       lm_head=head.astype(np.float16), final_norm=tensor_f32(tensors["output_norm.weight"]).reshape(-1),
-                      norms=norms, routers=routers, blocks=blocks, notes=moe_file_notes(path, arch, tensors, blocks))
+                      norms=norms, routers=routers, blocks=blocks, notes=moe_file_notes(path, arch, tensors, blocks),
+                      ffns=read_dense_ffns(path, tensors, blocks), router_biases=router_biases)

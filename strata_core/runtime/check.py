@@ -11,6 +11,12 @@ run's own last hidden state: its logits within the bound, and the greedy token t
 tokens it shares with the run is reported; it is not a failure when they part, since a near tie anywhere may route
 either way.
 
+A model's other FFNs (`strata_core.runtime.dense_ffn`) are checked the same way: a dense FFN block's update
+(phase 'prefill.dense' / 'decode.dense') against the reference's ffn(rmsnorm(x)), and a MoE layer with its shared
+expert ('prefill.shared' / 'decode.shared', from the layer's input to its output) against the reference's routed
+plus shared update; the router's logits carry the file's router bias where it has one. The reference trajectory
+runs them all.
+
 `outputs_sha256` is a SHA-256 over every observed layer output and LM-head logits (phase, layer, shape, dtype and
 bytes, in the order the run produced them) and the run's tokens: two runs with the same inputs on the same device
 give the same hash exactly when they give the same bits. The executor times the observer and leaves its time out
@@ -96,6 +102,17 @@ class ReferenceCheck:
         self.k = weights.spec.top_k
         self.E = weights.spec.experts_per_layer
         self._tokens_absorbed = False
+        ffns = list(getattr(weights.dense, "ffns", ()) or ()) if weights.dense is not None else []
+        #: MoE layer -> its shared expert; MoE layer -> the dense blocks before it; block id -> dense block
+        self.shared = {f.layer: f for f in ffns if f.kind == "shared"}
+        self.before: dict[int, list] = {}
+        for f in ffns:
+            if f.kind == "dense":
+                self.before.setdefault(f.layer, []).append(f)
+        self.dense_blocks = {f.block: f for f in ffns if f.kind == "dense"}
+        self._last_moe: tuple | None = None  # (layer, x_in, update, clear) of the last routed check
+        #: (part, layer) -> observations: '' a routed layer, 'shared' with its shared expert, 'dense' a dense block
+        self._seen: dict[tuple[str, int], int] = {}
         self.bind(kernels, layer_ops)
 
     def bind(self, kernels: Any, layer_ops: Any = None) -> None:
@@ -118,6 +135,9 @@ class ReferenceCheck:
         d = self.w.dense
         xn = r64.rmsnorm(x, d.norms[layer])
         logits = r64.linear(xn, d.routers[layer])
+        biases = getattr(d, "router_biases", None) or []
+        if layer < len(biases) and biases[layer] is not None:
+            logits = logits + np.asarray(biases[layer], dtype=np.float64)
         ids, wts = r64.route_topk(logits, self.k)
         top = np.sort(logits, axis=1)[:, ::-1]
         clear = (top[:, self.k - 1] - top[:, self.k]) > TIE_GAP if self.E > self.k else np.ones(len(x), bool)
@@ -129,13 +149,49 @@ class ReferenceCheck:
             out[tok] += wts[tok, pos][:, None] * r64.expert_ffn(pool, base + int(e), xn[tok])
         return out, clear
 
+    def shared_update(self, layer: int, x: np.ndarray) -> np.ndarray:
+        """The float64 reference's shared-expert term of one MoE layer for x [T,H]: s * ffn(rmsnorm(x)), s the
+        sigmoid of its gate (1 where the file has none)."""
+        f = self.shared[layer]
+        xn = r64.rmsnorm(x, self.w.dense.norms[layer])
+        y = r64.expert_ffn(f.pool, 0, xn)
+        if f.gate is None:
+            return y
+        return y / (1.0 + np.exp(-r64.linear(xn, f.gate)))
+
+    @staticmethod
+    def dense_update(f: Any, x: np.ndarray) -> np.ndarray:
+        """The float64 reference's update of a dense FFN block: ffn(rmsnorm(x, its norm))."""
+        return r64.expert_ffn(f.pool, 0, r64.rmsnorm(x, f.norm))
+
+    def _routed(self, layer: int, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """layer_update, reused when the same layer input was just checked (the routed part of a shared check)."""
+        last = self._last_moe
+        if last is not None and last[0] == layer and last[1].shape == x.shape and np.array_equal(last[1], x):
+            return last[2], last[3]
+        want, clear = self.layer_update(layer, x)
+        self._last_moe = (layer, np.array(x, copy=True), want, clear)
+        return want, clear
+
+    def _want(self, phase: str, layer: int, x_in: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The reference update of one observed step and the tokens it compares."""
+        part = phase.partition(".")[2]
+        if part == "dense":
+            return self.dense_update(self.dense_blocks[layer], x_in), np.ones(len(x_in), bool)
+        want, clear = self._routed(layer, x_in)
+        if part == "shared":
+            want = want + self.shared_update(layer, x_in)
+        return want, clear
+
     def __call__(self, phase: str, layer: int, x_in: np.ndarray, x_out: np.ndarray) -> None:
         """Hash one layer output (or the LM head's logits) of the run and compare it with the reference."""
         self.digest.add(phase, layer, x_out)
         if phase == "head":
             self._check_head(x_in, x_out[0])
             return
-        want, clear = self.layer_update(layer, x_in)
+        key = (phase.partition(".")[2], int(layer))
+        self._seen[key] = self._seen.get(key, 0) + 1
+        want, clear = self._want(phase, layer, x_in)
         got = np.asarray(x_out, dtype=np.float64) - np.asarray(x_in, dtype=np.float64)
         self.report.near_ties += int((~clear).sum())
         err = r64.relative_error(got[clear], want[clear]) if clear.any() else 0.0
@@ -149,9 +205,16 @@ class ReferenceCheck:
         """The float64 reference's logits of one token through every layer."""
         d = self.w.dense
         x = d.embed[[token]].astype(np.float64)
-        for layer in range(self.w.spec.moe_layers):
+        layers = self.w.spec.moe_layers
+        for layer in range(layers):
+            for f in self.before.get(layer, ()):
+                x = x + self.dense_update(f, x)
             upd, _ = self.layer_update(layer, x)
+            if layer in self.shared:
+                upd = upd + self.shared_update(layer, x)
             x = x + upd
+        for f in self.before.get(layers, ()):
+            x = x + self.dense_update(f, x)
         return r64.linear(r64.rmsnorm(x, d.final_norm), d.lm_head)[0]
 
     def _check_head(self, x_last: np.ndarray, logits: np.ndarray) -> None:
@@ -169,11 +232,24 @@ class ReferenceCheck:
             self.report.failures.append(f"LM head {self.report.tokens_checked}: the run's greedy token {tok}, the "
                                         f"reference's {best} (logits {want[tok]:.4f} vs {want[best]:.4f})")
 
+    def check_coverage(self) -> None:
+        """A failure for every shared expert or dense block the run did not report once per pass over the layers
+        (a run that skipped one would pass every layer it did report)."""
+        passes = max(self._seen.values(), default=0)
+        wanted = [("shared", layer, "the shared expert of MoE layer") for layer in self.shared]
+        wanted += [("dense", block, "the dense FFN block") for block in self.dense_blocks]
+        for part, n, what in wanted:
+            got = self._seen.get((part, n), 0)
+            if got != passes:
+                self.report.failures.append(f"{what} {n}: observed {got} times in {passes} passes over the layers")
+
     def check_tokens(self, last_prompt_token: int, tokens: list[int]) -> None:
-        """Hash the run's tokens; decode the reference's trajectory with them as inputs and count those it shares."""
+        """Hash the run's tokens; decode the reference's trajectory with them as inputs and count those it shares;
+        check that every shared expert and dense block was reported (check_coverage)."""
         if not self._tokens_absorbed:
             self.digest.add_tokens(tokens)
             self._tokens_absorbed = True
+            self.check_coverage()
         prev = last_prompt_token
         for tok in tokens:
             if int(np.argmax(self.logits(prev))) == tok:

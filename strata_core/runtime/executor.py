@@ -138,6 +138,8 @@ class Executor:
             dm=dm, kernels=kernels, store=store, share=share, hidden=hidden, expert_ffn=ffn,
             experts_per_layer=cache.experts_per_layer, layers=cache.layers, workspace_bytes=workspace_bytes,
             accounting_only=accounting_only, seed=seed)
+        from strata_core.runtime import dense_ffn  # the FFNs beside the routed experts (shared, dense, router bias)
+        self.ops = dense_ffn.wrap(self.ops, weights, self.dense, dm, kernels, accounting_only, cache.layers)
 
     def _sample(self) -> None:
         """Let the device memory read its driver figure (a no-op where the backend keeps its own peak)."""
