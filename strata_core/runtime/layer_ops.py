@@ -167,6 +167,13 @@ class ComposedLayerOps:
             starts = np.concatenate([[0], np.cumsum(counts)[:-1]]) if len(counts) else counts
             return Routing(experts, counts, starts, None, None)
         logits = self._k("linear", xn, w.router_w, out=self._out(w, "linear", (tokens, self.E), np.float32))
+        bias = w.extras.get("router_bias")  # gpt-oss's [E] host bias, before the top k (runtime.dense_ffn sets it)
+        if bias is not None:
+            mark = w.workspace.mark()
+            self.k.scatter_add(logits, self._put(w, np.arange(tokens, dtype=np.int32)),
+                               self._put(w, np.broadcast_to(bias, (tokens, self.E))),
+                               self._put(w, np.ones(tokens, np.float32)))
+            w.workspace.release(mark)
         out = ((w.workspace.carve((tokens, k), np.int32), w.workspace.carve((tokens, k), np.float32))
                if self._takes_out["route_topk"] else None)
         ids_d, w_d = self._k("route_topk", logits, k, out=out)
