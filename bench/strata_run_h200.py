@@ -41,8 +41,7 @@ def run_strata(extra: list[str], skew: bool, timeout_s: int, decode: int) -> dic
     argv = [sys.executable, "-m", "strata_core.cli", "run", "--backend", "cuda", "--model", MODEL,
             "--prompt-tokens", str(PROMPT), "--decode-tokens", str(decode), "--json",
             "--set", f"prefill.chunk={PROMPT}", *extra]
-    if skew:
-        argv = [sys.executable, __file__, "--skewed-run", "--", *argv[1:]]
+    argv = [sys.executable, __file__, "--child-run", *(["--skew"] if skew else []), "--", *argv[1:]]
     t0 = time.perf_counter()
     p = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s)
     wall = time.perf_counter() - t0
@@ -50,6 +49,9 @@ def run_strata(extra: list[str], skew: bool, timeout_s: int, decode: int) -> dic
         d = json.loads(p.stdout)
     except json.JSONDecodeError:
         d = {"error": "no JSON", "stdout_tail": p.stdout[-2000:]}
+    for line in p.stderr.splitlines():
+        if line.startswith(COUNTS_TAG):
+            d["layer_ops"] = json.loads(line[len(COUNTS_TAG):])
     d["_wall_s"] = wall
     d["_exit"] = p.returncode
     d["_stderr_tail"] = p.stderr[-3000:]
@@ -57,11 +59,29 @@ def run_strata(extra: list[str], skew: bool, timeout_s: int, decode: int) -> dic
     return d
 
 
-def skewed_run(argv: list[str]) -> int:
-    """The run command with the synthetic generator's popularity skew on (what a run flag would do)."""
+COUNTS_TAG = "strata-bench layer_ops: "
+
+
+def child_run(argv: list[str], skew: bool) -> int:
+    """The run command, with the synthetic generator's popularity skew on when asked (what a run flag would do);
+    which paths the cuda layer ops ran (CudaLayerOps.counts) goes to stderr as one tagged line at exit."""
+    import atexit
     import functools
     from strata_core.models import synthetic
-    synthetic.generate_weights = functools.partial(synthetic.generate_weights, popularity_skew=1.0)
+    if skew:
+        synthetic.generate_weights = functools.partial(synthetic.generate_weights, popularity_skew=1.0)
+    seen: list = []
+    try:
+        from strata_cuda import layer_ops as lo
+        init0 = lo.CudaLayerOps.__init__
+
+        def init(self, *a, **kw):
+            init0(self, *a, **kw)
+            seen.append(self)
+        lo.CudaLayerOps.__init__ = init
+        atexit.register(lambda: print(COUNTS_TAG + json.dumps([o.counts for o in seen]), file=sys.stderr))
+    except ImportError:
+        pass
     from strata_core.cli import main as cli_main
     sys.argv = ["strata", *argv[2:]] if argv[:2] == ["-m", "strata_core.cli"] else ["strata", *argv]
     return cli_main()
@@ -109,6 +129,13 @@ def peers(res: dict) -> None:
     bias = -torch.log1p(torch.randperm(E, device=dev, generator=g).float())
     logits_u = torch.randn(PROMPT, E, device=dev, generator=g)
 
+    ones = torch.ones(PROMPT * K, dtype=torch.int32, device=dev)
+
+    def counts(flat):
+        # rows per expert without torch.bincount, which reads its input's maximum on the host (a sync, and the
+        # "copy between CPU and CUDA" that refused the decode graph's capture)
+        return torch.zeros(E, dtype=torch.int32, device=dev).index_add_(0, flat, ones[:flat.numel()])
+
     def timed(fn, reps=10) -> float:
         for _ in range(3):
             fn()
@@ -133,7 +160,7 @@ def peers(res: dict) -> None:
                 flat = i.flatten()
                 order = torch.argsort(flat, stable=True)
                 tok = order // K
-                offs = torch.bincount(flat, minlength=E).cumsum(0).to(torch.int32)
+                offs = counts(flat).cumsum(0).to(torch.int32)
                 h = torch._grouped_mm(gx[tok], g13, offs=offs)
                 a = tfn.silu(h[:, :F]) * h[:, F:]
                 y = torch._grouped_mm(a, g2, offs=offs)
@@ -159,7 +186,7 @@ def peers(res: dict) -> None:
             w = torch.softmax(v, dim=1)
             flat = i.flatten()
             order = torch.argsort(flat, stable=True)
-            offs = torch.bincount(flat, minlength=E).cumsum(0).to(torch.int32)
+            offs = counts(flat).cumsum(0).to(torch.int32)
             rows = xn.to(dt).expand(K, H).contiguous()
             hh = torch._grouped_mm(rows, g13, offs=offs)
             a = tfn.silu(hh[:, :F]) * hh[:, F:]
@@ -186,6 +213,10 @@ def peers(res: dict) -> None:
         out["decode_peer_mode"] = "eager (graph capture refused)"
     out["decode_grouped_mm_bf16_step_ms"] = ms
     out["decode_grouped_mm_bf16_tokens_per_s"] = 1e3 / ms
+    try:
+        accelerate_peer(out, w13, w2, x, timed)
+    except Exception as e:
+        out["accelerate_offload_error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
     # the link floor: one pinned copy of 1.2 GB (one layer's f16 experts)
     host = torch.empty(E * 3 * H * F, dtype=torch.float16, pin_memory=True)
     devbuf = torch.empty_like(host, device=dev)
@@ -194,6 +225,56 @@ def peers(res: dict) -> None:
     out["link_floor_prefill_tokens_per_s_all_streamed"] = PROMPT / (LAYERS * ms / 1e3)
     res["peers"] = out
     log("peers: " + json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in out.items()}))
+
+
+def accelerate_peer(out: dict, w13, w2, x, timed) -> None:
+    """What a PyTorch user would pick for this model in this memory budget: transformers' Qwen3-MoE sparse block
+    with the same expert weights (bf16), its weights kept in host memory by accelerate's cpu_offload and moved to
+    the GPU at each forward; one layer timed at prefill (the 4096-token chunk) and decode (one token), times 48.
+    Its router keeps its random initial weights (about uniform routing, as the uniform peers route)."""
+    import torch
+    from accelerate import cpu_offload
+    from transformers import Qwen3MoeConfig
+    from transformers.models.qwen3_moe import modeling_qwen3_moe as qm
+    cfg = Qwen3MoeConfig(hidden_size=H, moe_intermediate_size=F, num_experts=E, num_experts_per_tok=K,
+                         norm_topk_prob=True, hidden_act="silu")
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        block = qm.Qwen3MoeSparseMoeBlock(cfg)
+    finally:
+        torch.set_default_dtype(prev)
+    bf = torch.bfloat16
+    w13c, w2c = w13.to(bf).cpu(), w2.to(bf).cpu()
+    ex = block.experts
+    weights = "random (expert layout not recognised)"
+    with torch.no_grad():
+        gu, dn = getattr(ex, "gate_up_proj", None), getattr(ex, "down_proj", None)
+        if isinstance(gu, torch.Tensor) and isinstance(dn, torch.Tensor):
+            for p, src in ((gu, w13c), (dn, w2c)):
+                p.copy_(src if tuple(p.shape) == tuple(src.shape) else src.transpose(1, 2))
+            weights = "the peers' f16 weights in bf16 (fused experts)"
+        elif isinstance(ex, torch.nn.ModuleList):
+            for e, m in enumerate(ex):
+                m.gate_proj.weight.copy_(w13c[e, :F])
+                m.up_proj.weight.copy_(w13c[e, F:])
+                m.down_proj.weight.copy_(w2c[e])
+            weights = "the peers' f16 weights in bf16 (one module per expert)"
+    cpu_offload(block, execution_device=torch.device("cuda"))
+    xb = x.to(bf)[None]
+    out["accelerate_offload_weights"] = weights
+
+    def fwd(t):
+        with torch.no_grad():
+            y = block(xb[:, :t])
+        return y[0] if isinstance(y, tuple) else y
+
+    ms = timed(lambda: fwd(PROMPT), reps=2)
+    out["accelerate_offload_prefill_layer_ms"] = ms
+    out["accelerate_offload_prefill_tokens_per_s"] = PROMPT / (LAYERS * ms / 1e3)
+    ms = timed(lambda: fwd(1), reps=3)
+    out["accelerate_offload_decode_layer_ms"] = ms
+    out["accelerate_offload_decode_tokens_per_s"] = 1e3 / (LAYERS * ms)
 
 
 def fidelity(out_dir: str, timeout_s: int) -> dict:
@@ -229,7 +310,7 @@ def fidelity(out_dir: str, timeout_s: int) -> dict:
 
 def summarize(d: dict) -> dict:
     """The fields this bench keeps of one run."""
-    keep = ("prefill_tokens_per_s", "decode_tokens_per_s", "cache_hit_rate", "cache_hit_rate_prefill",
+    keep = ("layer_ops", "prefill_tokens_per_s", "decode_tokens_per_s", "cache_hit_rate", "cache_hit_rate_prefill",
             "cache_hit_rate_decode", "bytes_streamed", "check", "outputs_sha256", "device_bytes_planned",
             "device_bytes_peak_measured", "device_bytes_peak_source", "fallbacks", "time_per_layer_us", "prefill_s",
             "decode_s", "link_gb_per_s", "link_time_source", "loans", "halvings", "plan", "_wall_s", "_exit", "error")
@@ -244,9 +325,9 @@ def summarize(d: dict) -> dict:
 
 def main() -> int:
     """Run the settings and the peers; write the JSON."""
-    if "--skewed-run" in sys.argv:
+    if "--child-run" in sys.argv:
         i = sys.argv.index("--")
-        return skewed_run(sys.argv[i + 1:])
+        return child_run(sys.argv[i + 1:], "--skew" in sys.argv[:i])
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--out", default=".")
     ap.add_argument("--settings", default="all,half_skewed,smallest")
@@ -265,7 +346,10 @@ def main() -> int:
     total = LAYERS * E
     for name in args.settings.split(","):
         if name == "all":
-            extra, skew = ["--set", f"memory.expert_cache={total}"], False
+            # every expert plus the prompt's largest loan: the loan takes empty slots, so no expert is evicted
+            loan = int(((plan_json(total).get("prompt") or {}).get("max_loan_slots")) or 0)
+            res["all_cache_slots"] = total + loan
+            extra, skew = ["--set", f"memory.expert_cache={total + loan}"], False
         elif name == "half_skewed":
             extra, skew = ["--set", f"memory.expert_cache={total // 2}"], True
         elif name == "smallest":

@@ -31,7 +31,7 @@ SCHEMA = "strata.run/1"
 DEFAULT_PROMPT_TOKENS = 3000
 DEFAULT_DECODE_TOKENS = 64
 #: Largest preset whose experts `strata run` generates in host memory, as a fraction of the available RAM.
-GENERATE_RAM_FRACTION = 0.25
+GENERATE_RAM_FRACTION = 0.5
 NOTES = ("attention is out of scope for Strata Core: each layer is RMSNorm, router (top-k, renormalized), routed "
          "SwiGLU experts and the residual; there is no KV cache",
          "device memory is the plan's: at start the runtime takes one region per plan line (expert cache, dense "
@@ -142,9 +142,10 @@ def resolve_run_model(name: str | None, loaded, seed: int) -> tuple[ModelSpec, A
     ffn = preset.expert_ffn
     if not ffn:
         raise BadInput(f"--model {name}: the preset gives no expert FFN width to generate weights from")
+    # F16/BF16 presets generate f16 experts (the name's quant was dropped before: '@F16' ran Q8_0); other quants Q8_0
+    wide = str(preset.quant).upper() in ("F16", "BF16") or preset.hidden % 32 or ffn % 32
     spec = model_spec(preset.name, preset.moe_layers, preset.experts_per_layer, preset.top_k, preset.hidden, ffn,
-                      preset.vocab or 32000, dtype="q8_0" if preset.hidden % 32 == 0 and ffn % 32 == 0 else "f16",
-                      source="preset, generated")
+                      preset.vocab or 32000, dtype="f16" if wide else "q8_0", source="preset, generated")
     avail = probe_host().ram_available_bytes
     if spec.experts_total_bytes > GENERATE_RAM_FRACTION * avail:
         raise BadInput(f"--model {name}: generating its experts takes {spec.experts_total_bytes / (1 << 30):.1f} GiB, "

@@ -165,11 +165,15 @@ def test_rmsnorm(cp, kernels, rng, poisoned, t, h):
     close("rmsnorm", out, ref.rmsnorm(x, w, 1e-6), FP32, rng.seed_value)
 
 
+@pytest.mark.parametrize("t,o", [(64, 1024), (1, 1003), (3, 4099), (8, 17)])
 @pytest.mark.parametrize("wdtype", [np.float32, np.float16])
-def test_linear(cp, kernels, rng, poisoned, wdtype):
-    x = rng.standard_normal((64, 2048)).astype(np.float32)
-    w = (rng.standard_normal((1024, 2048)) * 0.05).astype(wdtype)
+def test_linear(cp, kernels, rng, poisoned, wdtype, t, o):
+    """Few rows against f16 weights take the GEMV kernel (o off its 8-row blocks: the last block's tail), the rest
+    the BLAS; both at the f32 bound."""
+    x = rng.standard_normal((t, 2048)).astype(np.float32)
+    w = (rng.standard_normal((o, 2048)) * 0.05).astype(wdtype)
     out = kernels.linear(cp.asarray(x), cp.asarray(w)).get()
+    assert out.shape == (t, o)
     close("linear", out, ref.linear(x, w), FP32, rng.seed_value)
 
 

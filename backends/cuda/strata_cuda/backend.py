@@ -94,9 +94,10 @@ class CupyBackendPlugin:
         """A device of this backend known only from a profile's facts: it plans with the backend's rules."""
         return CupyDevice(info, self, present=False)
 
-    def _layer_ops(self, session: DeviceSession) -> Any:
-        """The session's own layer ops (the backend's `layer_ops` factory); None: the core composes the kernels'."""
-        return None if self.layer_ops is None else self.layer_ops(session)
+    def _layer_ops(self, session: DeviceSession, plan: Any = None) -> Any:
+        """The session's own layer ops (the backend's `layer_ops` factory, told the plan it serves); None: the core
+        composes the kernels'."""
+        return None if self.layer_ops is None else self.layer_ops(session, plan)
 
     def open(self, device: CupyDevice, plan: Any) -> DeviceSession:
         """Device memory, page-locked memory charging the plan's pinned budget, and moe.cu's KernelSet on `device`."""
@@ -114,7 +115,7 @@ class CupyBackendPlugin:
         session = DeviceSession(memory=memory, kernels=kernels, budget=budget,
                                 pinned=CupyPinnedAllocator(budget, kind=self.pinned_kind),
                                 closers=[memory.release_cached])
-        session.layer_ops = self._layer_ops(session)
+        session.layer_ops = self._layer_ops(session, plan)
         return session
 
     @hookimpl
@@ -123,10 +124,24 @@ class CupyBackendPlugin:
         return [self.backend]
 
 
-def cuda_layer_ops(session: DeviceSession) -> Any:
-    """The fused CUDA layer ops (strata_cuda.layer_ops) over a session's memory and kernels."""
+def cuda_layer_ops(session: DeviceSession, plan: Any = None) -> Any:
+    """The fused CUDA layer ops (strata_cuda.layer_ops) over a session's memory and kernels, warmed up at the plan's
+    model shape and largest chunk (so the first request pays no cuBLAS kernel loads)."""
     from .layer_ops import CudaLayerOps  # imported when a session opens, so this module imports without cupy
-    return CudaLayerOps(session.memory, session.kernels)
+    shape, tokens = plan_shape(plan)
+    return CudaLayerOps(session.memory, session.kernels, shape=shape, max_tokens=tokens)
+
+
+def plan_shape(plan: Any) -> tuple[tuple[int, int, int, int] | None, int]:
+    """((experts, top_k, hidden, ffn) of the plan's model, its largest prompt chunk), or (None, 0) when unknown."""
+    model = getattr(plan, "model", None)
+    try:
+        shape = (int(model.experts_per_layer), int(model.top_k), int(model.hidden), int(model.expert_ffn))
+    except (AttributeError, TypeError, ValueError):
+        return None, 0
+    prompt = getattr(plan, "prompt", None)
+    chunks = [int(getattr(prompt, "chunk", 0) or 0)] + [int(r.chunk) for r in (getattr(prompt, "loans", None) or ())]
+    return (shape if all(shape) else None), max(chunks)
 
 
 PLUGIN = CupyBackendPlugin(name=NAME, vendor="nvidia", probe=probe, install_hint=INSTALL_HINT,

@@ -141,6 +141,45 @@ def warm_up() -> None:
     cupy.cuda.Device().synchronize()
 
 
+#: Batch counts the GEMM warm-up runs each size class at (cuBLAS picks kernels by batch count too).
+WARM_BATCHES = (1, 4, 16, 64)
+
+
+def warm_gemms(moe: "FastMoE", tokens: int) -> int:
+    """Run each expert GEMM size class a `tokens`-token chunk can meet, both projections, at a few batch counts, on
+    moe's own lanes: cuBLAS loads a kernel the first time it picks it (about a millisecond each), and a first request
+    met new class sizes layer after layer. Scratch buffers only; returns the GEMM calls made."""
+    import cupy
+    if moe.gemm_mode == "loop":
+        return 0
+    h, f = moe.hidden, moe.ffn
+    routed = max(1, tokens) * moe.top_k
+    sizes = np.unique(class_rows(np.arange(1, max(1, tokens) + 1))) if moe.gemm_mode in CLASS_MODES else \
+        np.unique(np.minimum(tokens, 1 << np.arange(int(np.log2(max(1, tokens))) + 2)))
+    n_max = int(sizes.max())
+    w = cupy.empty(2 * (2 * f * h + h * f) // 2, dtype=cupy.float16)
+    a = cupy.empty(n_max * (h + 2 * f), dtype=cupy.float16)
+    w13, w2 = int(w.data.ptr), int(w.data.ptr) + 2 * (2 * f * h)
+    xs, gu = int(a.data.ptr), int(a.data.ptr) + 2 * n_max * h
+    calls = 0
+    with moe.compute_stream:
+        for n in sizes.tolist():
+            for b in WARM_BATCHES:
+                if b > moe.experts or b * n > 2 * routed:
+                    continue
+                ns = np.full(b, n, dtype=np.int64)
+                one = np.zeros(b, dtype=np.int64)
+                # every problem of the batch reads and writes the same scratch: the values are never used
+                moe._gemm_problems(2 * f, h, h, h, 2 * f, one + w13, one + xs, one + gu, ns)
+                moe._gemm_problems(h, f, f, f, h, one + w2, one + gu, one + xs, ns)
+                moe._ptr_done.synchronize()
+                moe._ptr_cursor = 0
+                calls += 2
+        moe.compute_stream.synchronize()
+    del w, a
+    return calls
+
+
 def slot_runs(slots: Sequence[int]) -> list[tuple[int, int, int]]:
     """Split a list of slots (in the order given) into runs of consecutive slots: (first index, first slot, length)."""
     runs: list[tuple[int, int, int]] = []

@@ -25,7 +25,7 @@ SOURCE_NAME = "moe.cu"
 COMPILE_OPTIONS = ("-std=c++17",)
 KERNEL_NAMES = ("strata_route_topk", "strata_gather_f32", "strata_scatter_add_f32", "strata_dequantize_q8_0",
                 "strata_dequantize_q8_0_slots", "strata_rmsnorm_f32", "strata_pack_rows_f16", "strata_swiglu_f16",
-                "strata_unpack_rows_f32")
+                "strata_unpack_rows_f32", "strata_gemv_f16w_f32")
 #: Block sizes fixed by the source (STRATA_ROUTE_THREADS, STRATA_NORM_THREADS, STRATA_MAX_TOPK).
 ROUTE_THREADS = 128
 NORM_THREADS = 256
@@ -33,6 +33,11 @@ MAX_TOPK = 64
 #: Threads per block and the most blocks of the grid-stride kernels (more blocks than this only add scheduling).
 STRIDE_THREADS = 256
 STRIDE_MAX_BLOCKS = 65535
+#: Output rows per block of the f16-weight GEMV (STRATA_GEMV_ROWS in the source), and the most rows of x it takes:
+#: above that the weights are read too many times and the BLAS (on an f32 copy of them) is faster.
+GEMV_ROWS = 8
+GEMV_THREADS = 256
+GEMV_MAX_T = 8
 
 
 def kernel_source() -> str:
@@ -163,8 +168,20 @@ class CupyKernels:
         return out
 
     def linear(self, x: Any, w: Any) -> Any:
-        """x [T,H] f32, w [O,H] f16 or f32 -> x w^T [T,O] f32 (cuBLAS / hipBLAS in f32)."""
-        return self._cp.matmul(self._f32(x), self._cp.asarray(w, dtype=self._cp.float32).T)
+        """x [T,H] f32, w [O,H] f16 or f32 -> x w^T [T,O] f32 (cuBLAS / hipBLAS in f32; a few rows of x against f16
+        weights through strata_gemv_f16w_f32, which reads the f16 bytes once instead of widening them)."""
+        cp = self._cp
+        x = self._f32(x)
+        if (getattr(w, "dtype", None) == cp.float16 and isinstance(w, cp.ndarray) and w.flags.c_contiguous
+                and x.ndim == 2 and 0 < x.shape[0] <= GEMV_MAX_T and x.shape[1] % 2 == 0 and w.shape[1] == x.shape[1]):
+            t, h = (int(s) for s in x.shape)
+            o = int(w.shape[0])
+            out = cp.empty((t, o), dtype=cp.float32)
+            if o:
+                self._k["strata_gemv_f16w_f32"]((-(-o // GEMV_ROWS), t), (GEMV_THREADS,),
+                                                (x, w, np.int32(o), np.int32(h), out))
+            return out
+        return cp.matmul(x, cp.asarray(w, dtype=cp.float32).T)
 
     def moe_grouped_ffn(self, x: Any, offsets: Any, slots: Any, weights: ExpertPool) -> Any:
         """SwiGLU experts over token groups: rows offsets[g]:offsets[g+1] of x [N,H] f32 run slot slots[g] -> [N,H] f32.

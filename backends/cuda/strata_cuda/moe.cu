@@ -246,3 +246,47 @@ extern "C" __global__ void strata_unpack_rows_f32(const float* __restrict__ yp, 
         if (dst >= 0) y[(long long)dst * H + (i - p * H)] = yp[i];
     }
 }
+
+// ---------------------------------------------------------------------------------------------------------------
+// linear with f16 weights and few rows (the LM head of one token): out[t, o] = x[t, :] . w[o, :], f32 sums
+// ---------------------------------------------------------------------------------------------------------------
+
+#define STRATA_GEMV_THREADS 256
+#define STRATA_GEMV_ROWS 8
+
+// Grid (ceil(O / STRATA_GEMV_ROWS), T); STRATA_GEMV_THREADS threads split H (H even: two halves per 32-bit load)
+// and each keeps STRATA_GEMV_ROWS partial sums, reduced through shared memory. The f16 weights are read once per
+// row of x straight from their bytes, never widened into an f32 copy of the matrix (which cost 3x the bytes).
+extern "C" __global__ void strata_gemv_f16w_f32(const float* __restrict__ x, const unsigned short* __restrict__ w,
+                                                int O, int H, float* __restrict__ out) {
+    __shared__ float s_acc[STRATA_GEMV_ROWS][STRATA_GEMV_THREADS];
+    const int t = blockIdx.y;
+    const int o0 = blockIdx.x * STRATA_GEMV_ROWS;
+    const float* xr = x + (long long)t * H;
+    const unsigned int* w2 = (const unsigned int*)w;
+    const int h2 = H / 2;
+    float acc[STRATA_GEMV_ROWS];
+#pragma unroll
+    for (int r = 0; r < STRATA_GEMV_ROWS; ++r) acc[r] = 0.0f;
+    for (int c = threadIdx.x; c < h2; c += STRATA_GEMV_THREADS) {
+        const float x0 = xr[2 * c], x1 = xr[2 * c + 1];
+#pragma unroll
+        for (int r = 0; r < STRATA_GEMV_ROWS; ++r) {
+            const int o = o0 + r < O ? o0 + r : O - 1;  // rows past O repeat the last one, never written
+            const unsigned int p = w2[(long long)o * h2 + c];
+            acc[r] += strata_h2f((unsigned short)(p & 0xffffu)) * x0 + strata_h2f((unsigned short)(p >> 16)) * x1;
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < STRATA_GEMV_ROWS; ++r) s_acc[r][threadIdx.x] = acc[r];
+    __syncthreads();
+    for (int s = STRATA_GEMV_THREADS / 2; s > 0; s >>= 1) {
+        if (threadIdx.x < s) {
+#pragma unroll
+            for (int r = 0; r < STRATA_GEMV_ROWS; ++r) s_acc[r][threadIdx.x] += s_acc[r][threadIdx.x + s];
+        }
+        __syncthreads();
+    }
+    if (threadIdx.x < STRATA_GEMV_ROWS && o0 + (int)threadIdx.x < O)
+        out[(long long)t * O + o0 + threadIdx.x] = s_acc[threadIdx.x][0];
+}
