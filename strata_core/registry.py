@@ -21,7 +21,7 @@ from pydantic import BaseModel, ValidationError
 from strata_core.api import API_VERSION
 from strata_core.api import hookspecs
 from strata_core.api.backend import Backend, Device, FactsOnlyDevice, ProbeResult
-from strata_core.api.facts import VENDOR_OF_BACKEND, DeviceInfo, HostInfo, PlatformDefaults, Profile
+from strata_core.api.facts import VENDOR_OF_BACKEND, DeviceInfo, DeviceType, HostInfo, PlatformDefaults, Profile
 from strata_core.api.settings import SettingsGroup
 from strata_core.api.target import Target
 from strata_core.builtin import cpu as _cpu
@@ -77,6 +77,12 @@ class PluginHost:
     groups: dict[str, SettingsGroup] = field(default_factory=dict)
     group_plugin: dict[str, str] = field(default_factory=dict)
     _probes: dict[str, ProbeResult] = field(default_factory=dict)
+    #: 'auto' among host-CPU backends: (plugins, backend, device, host) -> {"us_per_layer": ...}; None: the real
+    #: calibration. The cache file (None: calibration.json in the user's cache folder).
+    measure: Any = None
+    calibration_path: Any = None
+    #: How the last 'auto' resolution among host-CPU backends chose (None: by probe score alone).
+    auto_selection: dict | None = None
 
     @property
     def hook(self):
@@ -121,10 +127,13 @@ class PluginHost:
 
     # --- resolution ----------------------------------------------------------------------------------------------
 
-    def resolve(self, requested: str = "auto") -> tuple[Backend, ProbeResult]:
+    def resolve(self, requested: str = "auto", device_index: int = 0) -> tuple[Backend, ProbeResult]:
         """The backend to use: an explicit name (must be available) or, for 'auto', the highest probe score.
 
-        A tie at the top is an error asking the user to choose: selection never guesses.
+        Where the highest-scored backend computes on the host CPU and other available backends do too, 'auto' takes
+        the one of them that runs a decode layer fastest, measured once per machine (`strata_core.calibration`);
+        `auto_selection` says what was measured and why the winner won. A tie at the top that no measurement
+        settles is an error asking the user to choose: selection never guesses.
         """
         if requested and requested != "auto":
             if requested not in self.backends:
@@ -143,10 +152,61 @@ class PluginHost:
         if not ranked:
             raise StrataError("no backend is available; run `strata backends` to see why")
         top = [n for s, n in ranked if s == ranked[0][0]]
+        on_host = [n for _, n in ranked if self._computes_on_host(n, device_index)]
+        if len(on_host) > 1 and all(n in on_host for n in top):
+            best = self._fastest_on_host(on_host, ranked[0][1] if len(top) == 1 else None, device_index)
+            if best is not None:
+                return self.backends[best], self.probe(best)
         if len(top) > 1:
             raise BadInput(f"backend.name: backends {', '.join(sorted(top))} tie at score {ranked[0][0]}; "
                            f"choose one with --backend NAME or STRATA_BACKEND__NAME")
         return self.backends[top[0]], self.probe(top[0])
+
+    def _computes_on_host(self, name: str, device_index: int = 0) -> bool:
+        """Does this available backend's device (the one `backend.device` picks) compute on the host CPU?"""
+        r = self.probe(name)
+        if not r.devices:
+            return False
+        d = r.devices[min(int(device_index), len(r.devices) - 1)]
+        return getattr(d.info, "device_type", None) == DeviceType.CPU and callable(getattr(d, "open", None))
+
+    def _fastest_on_host(self, names: list[str], by_score: str | None, device_index: int = 0) -> str | None:
+        """The measured-fastest of these host-CPU backends (figures from the cache, else measured and cached);
+        None when none could be measured. Records `auto_selection`."""
+        from strata_core import calibration
+        path = self.calibration_path or calibration.cache_path()
+        entries = calibration.load(path)
+        host = self.host_info()
+        figures: dict[str, dict] = {}
+        wrote = False
+        for n in names:
+            b, r = self.backends[n], self.probe(n)
+            d = r.devices[min(int(device_index), len(r.devices) - 1)]
+            key = calibration.cache_key(b, r, d, host)
+            got = entries.get(key)
+            cached = got is not None
+            if got is None:
+                measure = self.measure or calibration.measure_layer_us
+                try:
+                    got = dict(measure(self, b, d, host))
+                except Exception as e:  # a backend that cannot run the tiny layer is not picked by speed
+                    got = {"us_per_layer": None, "error": f"{type(e).__name__}: {e}"}
+                entries[key] = got
+                wrote = True
+            figures[n] = {**got, "cached": cached, "score": r.score}
+        save_error = calibration.save(path, entries) if wrote else None
+        timed = [(f["us_per_layer"], n) for n, f in figures.items() if f.get("us_per_layer") is not None]
+        if not timed:
+            return None
+        us, best = min(timed)
+        others = ", ".join(f"{n} {f['us_per_layer']:.0f} us" if f.get("us_per_layer") is not None
+                           else f"{n} not measured ({f.get('error')})" for n, f in figures.items() if n != best)
+        why = (f"{best} ran the tiny model's decode layer in {us:.0f} us, the fastest of the backends on the host "
+               f"CPU ({others})" + (f"; the highest probe score was {by_score}'s" if by_score not in (None, best)
+                                    else ""))
+        self.auto_selection = {"by": "measured", "selected": best, "highest_score": by_score, "why": why,
+                               "figures": figures, "cache": str(path), "cache_error": save_error}
+        return best
 
     def selection(self, requested: str = "auto") -> tuple[str | None, str]:
         """(backend name, '') that `resolve` picks, or (None, why not): never raises."""
@@ -171,8 +231,9 @@ class PluginHost:
             host = host_override or profile.host
             origin = origin or f"a {profile.backend} profile"
         else:
-            backend, r = self.resolve(getattr(settings.backend, "name", "auto") or "auto")
-            device = _pick_device(backend, r, int(getattr(settings.backend, "device", 0) or 0))
+            index = int(getattr(settings.backend, "device", 0) or 0)
+            backend, r = self.resolve(getattr(settings.backend, "name", "auto") or "auto", index)
+            device = _pick_device(backend, r, index)
             host = host_override or getattr(device, "simulated_host", None) or self.host_info()
             origin = origin or "this machine"
         return Target(backend=backend, device=device, host=host, defaults=self._defaults(backend, device, host),

@@ -26,8 +26,22 @@ def register(subparsers) -> None:
 def backends_report(settings) -> dict:
     """The `strata.backends/1` object for these settings (plugins loaded as the `plugins` group says)."""
     host = load_from_settings(settings)
-    return {"schema": SCHEMA, **selection_json(host, settings),
-            "backends": [s.to_json() for s in host.statuses()], "notices": list(host.notices)}
+    selection = selection_json(host, settings)
+    measured = (host.auto_selection or {}).get("figures", {})
+    backends = [{**s.to_json(), "measured_us_per_layer": measured.get(s.name, {}).get("us_per_layer")}
+                for s in host.statuses()]
+    return {"schema": SCHEMA, **selection, "selected_by": _selected_by(host, selection, settings),
+            "auto_selection": host.auto_selection, "backends": backends, "notices": list(host.notices)}
+
+
+def _selected_by(host, selection: dict, settings) -> str | None:
+    """Why the selected backend was selected: named, measured fastest on the host CPU, or the highest probe score."""
+    if not selection.get("selected"):
+        return None
+    if host.auto_selection and host.auto_selection.get("selected") == selection["selected"]:
+        return host.auto_selection["why"]
+    requested = getattr(getattr(settings, "backend", None), "name", "auto") or "auto"
+    return f"named in the settings (backend.name = {requested})" if requested != "auto" else "the highest probe score"
 
 
 def run(args: argparse.Namespace) -> int:
@@ -42,20 +56,25 @@ def run(args: argparse.Namespace) -> int:
     # Below 100 columns vendor and version (in --json) give their width to the reason, which folds; names never do.
     wide = console.width >= 100
     table = Table(title="Strata backends")
-    cols = ["name", "vendor", "version", "available", "score", "devices", "reason"] if wide else \
-        ["name", "available", "score", "devices", "reason"]
+    cols = ["name", "vendor", "version", "available", "score", "measured", "devices", "reason"] if wide else \
+        ["name", "available", "score", "measured", "devices", "reason"]
     for col in cols:
         table.add_column(col, overflow="fold", no_wrap=col == "name", ratio=1 if col == "reason" else None,
                          max_width=14 if col == "devices" else None)
     for b in report["backends"]:
         cells = {"name": b["name"], "vendor": b["vendor"], "version": b["version"] or "-",
                  "available": "yes" if b["available"] else "no", "score": b["score"],
+                 "measured": "-" if b["measured_us_per_layer"] is None else f"{b['measured_us_per_layer']:.0f} us",
                  "devices": ", ".join(d["name"] for d in b["devices"]) or "-", "reason": b["reason"] + install_note(b)}
         # Text cells, because install hints carry brackets ('strata-core[cuda]') that rich would read as markup.
         table.add_row(*(Text(str(cells[c])) for c in cols))
     console.print(table)
     if report["selected"]:
         console.print(f"selected: [bold]{report['selected']}[/bold]")
+        console.print(f"  because: {report['selected_by']}", markup=False)
+        if report["auto_selection"]:
+            console.print(f"  measured: a decode layer of the tiny model per backend, cached in "
+                          f"{report['auto_selection']['cache']}", markup=False)
     else:
         console.print(f"selected: none ({report['selection_error']})", markup=False)
     for n in report["notices"]:

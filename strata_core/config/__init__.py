@@ -13,7 +13,7 @@ from strata_core.config.schema import (FIELDS, GROUPS, SOURCES, BackendSettings,
                                        schema_with_groups)
 from strata_core.config.sources import (LEGACY_VARIABLES, RETIRED_VARIABLES, ConfigFileError, FlagValue,
                                         LoadedSettings, Provenance, load_settings, plugin_groups, settings_from_partial,
-                                        with_backend_defaults)
+                                        user_cache_dir, with_backend_defaults)
 from strata_core.config.table import embed_table, legacy_table_rows, settings_table_markdown, settings_table_rows
 
 __all__ = [
@@ -24,5 +24,5 @@ __all__ = [
     "add_settings_arguments", "bounded_int", "embed_table", "fields_of", "flags_from_args", "iter_fields",
     "legacy_table_rows", "load_settings", "output_path", "plugin_groups", "report_settings_from_args", "schema_with_groups",
     "seed_arg", "settings_from_args", "settings_from_partial", "settings_table_markdown", "settings_table_rows",
-    "with_backend_defaults",
+    "user_cache_dir", "with_backend_defaults",
 ]

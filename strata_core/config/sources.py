@@ -624,3 +624,14 @@ def with_backend_defaults(loaded: LoadedSettings, defaults: Any, backend: str) -
         group, leaf = key.split(".")
         values[group][leaf] = v
     return replace(loaded, settings=type(loaded.settings)(**values), origins=origins)
+
+
+def user_cache_dir(env: Mapping[str, str] | None = None) -> Path:
+    """Strata's per-user cache folder (measured backend speeds): $XDG_CACHE_HOME/strata, %LOCALAPPDATA%\\strata\\cache
+    on Windows, else ~/.cache/strata."""
+    env = os.environ if env is None else env
+    if env.get("XDG_CACHE_HOME"):
+        return Path(env["XDG_CACHE_HOME"]) / "strata"
+    if os.name == "nt" and env.get("LOCALAPPDATA"):
+        return Path(env["LOCALAPPDATA"]) / "strata" / "cache"
+    return Path(env.get("HOME") or Path.home()) / ".cache" / "strata"

@@ -79,8 +79,13 @@ def test_backends_json_lists_every_in_tree_backend(clean_strata_env, capsys):
     assert by_name["cpu"]["available"] and by_name["sim"]["available"]
     assert by_name["cpu"]["api_version"] == API_VERSION
     assert [by_name[n]["vendor"] for n in ("cuda", "rocm", "sycl")] == ["nvidia", "amd", "intel"]
-    assert report["selected"] == max((b for b in report["backends"] if b["available"]),
-                                     key=lambda b: b["score"])["name"]
+    measured = {b["name"]: b["measured_us_per_layer"] for b in report["backends"]
+                if b["measured_us_per_layer"] is not None}
+    if report["auto_selection"]:  # host-CPU backends only: the measured-fastest of them
+        assert report["selected"] == min(measured, key=measured.get)
+    else:
+        assert report["selected"] == max((b for b in report["backends"] if b["available"]),
+                                         key=lambda b: b["score"])["name"]
 
 
 def test_backends_selected_is_null_with_the_reason_when_resolution_fails(clean_strata_env, capsys):
