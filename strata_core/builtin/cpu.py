@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 
 from strata_core import __version__
-from strata_core.api import API_VERSION
+from strata_core.api import API_VERSION, EXPERT_FORMATS
 from strata_core.api.backend import Backend, DeviceSession, PinnedBudget, PinnedBuffer, ProbeResult
 from strata_core.api.facts import DeviceCaps, DeviceInfo, DeviceType, HostInfo, PlatformDefaults
 from strata_core.api.hookspecs import hookimpl
@@ -19,7 +19,7 @@ NAME = "cpu"
 
 #: The host computes with numpy: no copy engine, no mapped memory, no graphs; the reference's expert formats.
 CPU_CAPS = DeviceCaps(async_copies=False, host_mapped_memory=False, graph_capture=False, peer_copies=False,
-                      fused_layer_ops=False, expert_formats=("f16", "q8_0"))
+                      fused_layer_ops=False, expert_formats=EXPERT_FORMATS)
 
 
 @dataclass(frozen=True)

@@ -18,10 +18,10 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from strata_core import __version__
-from strata_core.api import API_VERSION
+from strata_core.api import API_VERSION, EXPERT_FORMATS
 from strata_core.api.backend import Backend, DeviceSession, PinnedBudget, ProbeResult
 from strata_core.api.facts import (
-    GIB, CpuInfo, DeviceInfo, DeviceType, HostInfo, PlatformDefaults, Profile, load_profile,
+    GIB, CpuInfo, DeviceCaps, DeviceInfo, DeviceType, HostInfo, PlatformDefaults, Profile, load_profile,
 )
 from strata_core.api.hookspecs import hookimpl
 from strata_core.api.settings import SettingsGroup
@@ -37,7 +37,7 @@ DEFAULT_PROFILE = Profile(
     backend=NAME,
     device=DeviceInfo(backend=NAME, vendor="sim", name="Simulated 24 GiB device", arch="sim",
                       vram_total_bytes=24 * GIB, vram_free_bytes=23 * GIB, driver_model="linux",
-                      device_type=DeviceType.SIMULATED),
+                      device_type=DeviceType.SIMULATED, caps=DeviceCaps(expert_formats=EXPERT_FORMATS)),
     host=HostInfo(os="linux", ram_total_bytes=64 * GIB, ram_available_bytes=60 * GIB, pinnable_bytes=None,
                   cpu=CpuInfo(name="Simulated CPU", cores=8, flags=("avx", "avx2", "fma", "f16c"))),
 )
@@ -59,9 +59,11 @@ _config = SimConfig()
 
 
 def as_sim_profile(profile: Profile) -> Profile:
-    """A profile's machine as the sim backend reports it: the same facts, the device's backend set to 'sim'."""
+    """A profile's machine as the sim backend reports it: the same facts, the device's backend set to 'sim' and its
+    expert formats the ones its numpy kernels compute (all of the contract's)."""
+    caps = replace(profile.device.caps, expert_formats=EXPERT_FORMATS)
     return replace(profile, backend=NAME, device=replace(profile.device, backend=NAME,
-                                                         device_type=DeviceType.SIMULATED))
+                                                         device_type=DeviceType.SIMULATED, caps=caps))
 
 
 def _group_values(settings: Any) -> SimSettings:
