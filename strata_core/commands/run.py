@@ -51,7 +51,8 @@ def register(subparsers) -> None:
                                           "the expert cache.")
     p.add_argument("--model", metavar="NAME|PATH.gguf",
                    help="an MoE GGUF file (qwen3moe, qwen2moe, mixtral, deepseek2, gpt-oss, olmoe; experts in F16, "
-                        "BF16, Q8_0, Q4_K, Q5_K, Q6_K or MXFP4 and their mixes, e.g. Q4_K_M, run from their own bytes) "
+                        "BF16, Q8_0, Q4_K, Q5_K, Q6_K or MXFP4 and their mixes, e.g. Q4_K_M, run from their own bytes; "
+                        "shared experts, dense FFN blocks and router biases computed; IQ types refused) "
                         "or a preset (generated; small ones only); default: the built-in tiny model")
     p.add_argument("--prompt-tokens", type=bounded_int(1, MAX_TOKENS, "tokens"), default=DEFAULT_PROMPT_TOKENS, metavar="N",
                    help=f"prompt length in tokens (default {DEFAULT_PROMPT_TOKENS})")
