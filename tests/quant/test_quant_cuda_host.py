@@ -198,3 +198,226 @@ def test_moe_quant_cu_compiles_with_nvrtc():
     ptx = compile_to_ptx("compute_90").decode()
     assert sorted(re.findall(r"\.entry\s+(\w+)", ptx)) == sorted(KERNEL_NAMES + MMA_KERNEL_NAMES)
     assert "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32" in ptx
+
+
+# --------------------------------------------------------------------------------------------------------------
+# quant_fast.cu (the dequantize-to-f16 kernel of QuantMoE's prefill and the GEMV kernels of small groups and decode)
+# on the host: a thread per GPU thread, one block at a time, warp shuffles exchanged through memory between two
+# barriers of the warp's 32 threads.
+# --------------------------------------------------------------------------------------------------------------
+
+#: exact weights, f32 sums of 256 products per output: measured 1.5e-7 .. 2.1e-7 here; 1e-6 leaves room for the
+#: GPU's other summation order (warp tree, fused multiply-adds) and nothing for a wrong weight
+GEMV_BOUND = 1e-6
+
+FAST_SHIM = r"""
+#include <barrier>
+#include <cmath>
+#include <cstring>
+#include <functional>
+#include <thread>
+#include <vector>
+using std::min;
+struct qt_dim3 { unsigned int x = 1, y = 1, z = 1; };
+struct uint4 { unsigned int x, y, z, w; };
+struct float4 { float x, y, z, w; };
+static inline uint4 make_uint4(unsigned a, unsigned b, unsigned c, unsigned d) { return uint4{a, b, c, d}; }
+static thread_local qt_dim3 threadIdx, blockIdx;
+static qt_dim3 blockDim, gridDim;
+static std::barrier<>* qf_warp_bar[8];
+static float qf_xchg[256];
+static inline float __uint_as_float(unsigned int u) { float f; std::memcpy(&f, &u, 4); return f; }
+static inline unsigned int __float_as_uint(float f) { unsigned int u; std::memcpy(&u, &f, 4); return u; }
+static inline float __int_as_float(int i) { float f; std::memcpy(&f, &i, 4); return f; }
+static inline float __fmul_rn(float a, float b) { volatile float r = a * b; return r; }
+static inline float __fsub_rn(float a, float b) { volatile float r = a - b; return r; }
+static inline void __syncwarp() { qf_warp_bar[threadIdx.x / 32]->arrive_and_wait(); }
+static inline float __shfl_xor_sync(unsigned, float v, int m) {
+    const unsigned t = threadIdx.x;
+    qf_xchg[t] = v;
+    qf_warp_bar[t / 32]->arrive_and_wait();
+    const float r = qf_xchg[(t & ~31u) | ((t & 31u) ^ (unsigned)m)];
+    qf_warp_bar[t / 32]->arrive_and_wait();
+    return r;
+}
+#define __device__
+#define __global__
+#define __forceinline__ inline
+#define __shared__ static
+#define __restrict__
+#define __launch_bounds__(n)
+static void qf_launch(unsigned gx, unsigned gy, const std::function<void()>& body) {
+    blockDim.x = 256; gridDim.x = gx; gridDim.y = gy;
+    for (unsigned by = 0; by < gy; ++by)
+        for (unsigned bx = 0; bx < gx; ++bx) {
+            std::vector<std::barrier<>*> bars;
+            for (int w = 0; w < 8; ++w) qf_warp_bar[w] = new std::barrier<>(32);
+            std::vector<std::thread> ts;
+            for (unsigned t = 0; t < 256; ++t)
+                ts.emplace_back([&, t] { threadIdx.x = t; blockIdx.x = bx; blockIdx.y = by; body(); });
+            for (auto& th : ts) th.join();
+            for (int w = 0; w < 8; ++w) delete qf_warp_bar[w];
+        }
+}
+"""
+
+FAST_WRAPPERS = r"""
+extern "C" {
+void host_dequant_f16(unsigned gx, const unsigned char* blob, long long sb, const int* slots, int m, long long off,
+                      long long rb, int rows, int cols, int fmt, unsigned short* out) {
+    qf_launch(gx, 1, [&] { strata_qf_dequant_f16(blob, sb, slots, m, off, rb, rows, cols, fmt, out); });
+}
+void host_gemv_gate_up(unsigned gx, unsigned gy, const float* x, long long ldx, const int* off, const int* ids,
+                       const int* slots, int S, int H, int F, const unsigned char* blob, long long sb, long long rb,
+                       int fmt, long long bias, int nan_missing, float* act) {
+    qf_launch(gx, gy, [&] { strata_qf_gemv_gate_up(x, ldx, off, ids, slots, S, H, F, blob, sb, rb, fmt, bias,
+                                                   nan_missing, act); });
+}
+void host_gemv_down(unsigned gx, unsigned gy, const float* act, const int* off, const int* slots, int S, int H,
+                    int F, const unsigned char* blob, long long sb, long long doff, long long rb, int fmt,
+                    long long bias, float* y) {
+    qf_launch(gx, gy, [&] { strata_qf_gemv_down(act, off, slots, S, H, F, blob, sb, doff, rb, fmt, bias, y); });
+}
+void host_decode_down(unsigned gx, const float* act, const int* ids, const float* w, const int* slot_map, int S,
+                      int K, int H, int F, const unsigned char* blob, long long sb, long long doff, long long rb,
+                      int fmt, long long bias, int acc, float* out) {
+    qf_launch(gx, 1, [&] { strata_qf_decode_down(act, ids, w, slot_map, S, K, H, F, blob, sb, doff, rb, fmt, bias,
+                                                 acc, out); });
+}
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def fast_lib(tmp_path_factory):
+    """quant_fast.cu built for the host (skipped only without a C++20 g++; a build error of the source fails)."""
+    if shutil.which("g++") is None:
+        pytest.skip("no g++ on this machine: the host build of quant_fast.cu needs a C++20 compiler")
+    tmp = tmp_path_factory.mktemp("quant_fast_host")
+    src = tmp / "quant_fast_host.cpp"
+    src.write_text(FAST_SHIM + (CUDA_DIR / "quant_fast.cu").read_text() + FAST_WRAPPERS)
+    done = subprocess.run(["g++", "-std=c++20", "-O1", "-shared", "-fPIC", "-pthread", "-w", f"-I{CUDA_DIR}",
+                           str(src), "-o", str(tmp / "qf.so")], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return ctypes.CDLL(str(tmp / "qf.so"))
+
+
+@pytest.mark.parametrize("pad", [0, 3], ids=["aligned", "unaligned"])
+@pytest.mark.parametrize("fmt", ["q4_k", "q5_k", "q6_k", "q8_0", "mxfp4", "f16", "bf16", "f32"])
+def test_quant_fast_dequant_f16_is_the_f16_of_the_oracle_bit_for_bit(fast_lib, fmt, pad):
+    """strata_qf_dequant_f16's output is numpy's float16 of quants.dequantize, bit for bit, for every slot of a
+    table (out of order), 16-aligned slots and slots 3 bytes off (the byte-load path of the 32-byte loads)."""
+    from strata_core.reference import quants
+    rng = np.random.default_rng(5)
+    rows, cols, m = 6, 512, 3
+    w = rng.standard_normal((m, rows, cols)).astype(np.float32) * np.float32(0.05)
+    w[1, 2, :40] *= np.float32(1e-6)  # tiny weights: f16 subnormals and zeros
+    raw = quants.quantize(fmt, w)  # [m, rows, rb]
+    rb = raw.shape[-1]
+    sb = rows * rb + pad + 13  # the matrix starts pad bytes into each slot
+    blob = np.zeros(pad + m * sb + 64, np.uint8)[pad:]  # a base pad bytes off a 16-byte boundary
+    blob = blob[:m * sb].reshape(m, sb)
+    blob[:, pad:pad + rows * rb] = raw.reshape(m, -1)
+    slots = np.array([2, 0, 1], np.int32)
+    out = np.full((m, rows, cols), 0x7e00, np.uint16)  # poisoned: every element must be written
+    ll, i32 = ctypes.c_longlong, ctypes.c_int
+    fast_lib.host_dequant_f16(ctypes.c_uint(2), _p(blob), ll(sb), _p(slots), i32(m), ll(pad), ll(rb), i32(rows),
+                              i32(cols), i32(GGML_TYPES[fmt]), _p(out))
+    want = quants.dequantize(fmt, raw[slots], cols).astype(np.float16).view(np.uint16)
+    mism = int(np.count_nonzero(out != want))
+    assert mism == 0, f"{fmt}: {mism} of {out.size} f16 weights differ"
+
+
+def host_gemv_grouped_ffn(lib, x, offsets, slots, pool) -> np.ndarray:
+    """moe_grouped_ffn over a 'gguf' pool through the host build of the GEMV kernels, launched as
+    strata_cuda.quant_ffn.QuantGroupedFFN._gemv launches them."""
+    from strata_cuda.quant_ffn import FAST_WARPS
+    fmt = pool.fmt
+    blob = np.ascontiguousarray(pool.arrays["blob"])
+    n, h = x.shape
+    f = fmt.ffn
+    off = np.ascontiguousarray(offsets, dtype=np.int32)
+    sl = np.ascontiguousarray(slots, dtype=np.int32)
+    act = np.full((n, f), np.nan, np.float32)
+    y = np.full((n, h), np.nan, np.float32)
+    bias = ctypes.c_longlong(fmt.bias_offset if fmt.bias else -1)
+    ll, i32, u = ctypes.c_longlong, ctypes.c_int, ctypes.c_uint
+    g = len(sl)
+    lib.host_gemv_gate_up(u(-(-f // FAST_WARPS)), u(g), _p(x), ll(h), _p(off), None, _p(sl), i32(blob.shape[0]),
+                          i32(h), i32(f), _p(blob), ll(blob.shape[1]), ll(fmt.gate_up_row_bytes),
+                          i32(GGML_TYPES[fmt.gate_up]), bias, i32(0), _p(act))
+    lib.host_gemv_down(u(-(-h // FAST_WARPS)), u(g), _p(act), _p(off), _p(sl), i32(blob.shape[0]), i32(h), i32(f),
+                       _p(blob), ll(blob.shape[1]), ll(fmt.down_offset), ll(fmt.down_row_bytes),
+                       i32(GGML_TYPES[fmt.down]), bias, _p(y))
+    return y
+
+
+@pytest.mark.parametrize("arch,layer", [("qwen3moe", 2), ("llama", 1), ("olmoe", 0), ("gpt-oss", 1)])
+def test_quant_fast_gemv_on_the_host_matches_the_float64_reference(fast_lib, gguf_files, arch, layer):
+    """The GEMV kernels (groups of 1..6 rows, two passes of QF_R = 4 in one, an out-of-pool slot) against float64:
+    exact weights, f32 sums (GEMV_BOUND)."""
+    pool = read_moe_tensors(gguf_files[arch]).experts.for_layer(layer)
+    rng = np.random.default_rng(8)
+    x = rng.standard_normal((13, 256)).astype(np.float32)
+    offsets = np.array([0, 1, 7, 7, 10, 12, 13])  # 1 row, 6 rows, none, 3, 2, then the out-of-pool slot
+    b = layer * 8
+    slots = np.array([b + 3, b + 6, b + 1, b + 0, b + 7, 10_000])
+    y = host_gemv_grouped_ffn(fast_lib, x, offsets, slots, pool)
+    want = r64.moe_grouped_ffn(x[:12], offsets[:6], slots[:5], pool)
+    err = r64.relative_error(y[:12], want)
+    print(f"{arch} layer {layer}: GEMV rel err {err:.2e} (bound {GEMV_BOUND:g})")
+    assert err <= GEMV_BOUND, err
+    assert not y[12].any()
+
+
+def test_quant_fast_decode_kernels_on_the_host_match_the_float64_reference(fast_lib, gguf_files):
+    """The decode pair (gate/up of all K experts through ids and the slot map, one x; down with the routing
+    weights summed in k order, added to out) against float64; a routed expert outside the pool gives NaN."""
+    from strata_cuda.quant_ffn import FAST_WARPS
+    pool = read_moe_tensors(gguf_files["gpt-oss"]).experts.for_layer(1)  # biases: both bias paths run
+    fmt = pool.fmt
+    blob = np.ascontiguousarray(pool.arrays["blob"])
+    h, f, k = fmt.hidden, fmt.ffn, 3
+    rng = np.random.default_rng(9)
+    x = rng.standard_normal((1, h)).astype(np.float32)
+    slot_map = np.array([8 + e for e in range(8)], np.int32)[::-1].copy()  # expert e in slot 15 - e
+    ids = np.array([5, 0, 6], np.int32)
+    wts = np.array([0.5, 0.3, 0.2], np.float32)
+    act = np.full((k, f), np.nan, np.float32)
+    out = rng.standard_normal((1, h)).astype(np.float32)
+    out0 = out.copy()
+    ll, i32, u = ctypes.c_longlong, ctypes.c_int, ctypes.c_uint
+    bias = ll(fmt.bias_offset)
+
+    def run(smap):
+        fast_lib.host_gemv_gate_up(u(-(-f // FAST_WARPS)), u(k), _p(x), ll(0), None, _p(ids), _p(smap),
+                                   i32(blob.shape[0]), i32(h), i32(f), _p(blob), ll(blob.shape[1]),
+                                   ll(fmt.gate_up_row_bytes), i32(GGML_TYPES[fmt.gate_up]), bias, i32(1), _p(act))
+        fast_lib.host_decode_down(u(-(-h // FAST_WARPS)), _p(act), _p(ids), _p(wts), _p(smap), i32(blob.shape[0]),
+                                  i32(k), i32(h), i32(f), _p(blob), ll(blob.shape[1]), ll(fmt.down_offset),
+                                  ll(fmt.down_row_bytes), i32(GGML_TYPES[fmt.down]), bias, i32(1), _p(out))
+
+    run(slot_map)
+    ys = r64.moe_grouped_ffn(np.repeat(x, k, 0), np.arange(k + 1), slot_map[ids], pool)
+    want = out0.astype(np.float64) + (wts.astype(np.float64)[:, None] * ys).sum(0)
+    err = r64.relative_error(out - out0, want - out0)
+    print(f"decode pair rel err {err:.2e} (bound {GEMV_BOUND:g})")
+    assert err <= GEMV_BOUND, err
+    bad = slot_map.copy()
+    bad[6] = 10_000
+    run(bad)
+    assert np.isnan(out).all()
+
+
+def test_quant_fast_cu_compiles_with_nvrtc():
+    try:
+        from cupy_backends.cuda.libs import nvrtc
+        nvrtc.getVersion()
+    except Exception as e:  # cupy or NVRTC not installed here
+        pytest.skip(f"NVRTC is not available here ({type(e).__name__}: {e})")
+    import re
+
+    from strata_cuda.quant_ffn import FAST_KERNEL_NAMES, FAST_SOURCE_NAME, compile_to_ptx
+    ptx = compile_to_ptx("compute_90", FAST_SOURCE_NAME).decode()
+    assert sorted(re.findall(r"\.entry\s+(\w+)", ptx)) == sorted(FAST_KERNEL_NAMES)
+    assert "shfl.sync.bfly" in ptx

@@ -1,8 +1,17 @@
-"""The grouped FFN of 'gguf' expert pools on CUDA (and ROCm): strata_cuda/moe_quant.cu through cupy.RawModule.
+"""The grouped FFN and MoE layers of 'gguf' expert pools on CUDA (and ROCm): the GGUF file's own rows, computed from.
 
-The slots hold the GGUF file's own rows (strata_core.api.kernels.ExpertFormat); moe_quant.cu's two tiled GEMMs
-dequantize a tile of weights at a time into shared memory (quants.cuh) and accumulate in f32. The host builds the
-tile list (one entry per 64 rows of one group) from the group offsets, a small copy. cupy is imported by the caller.
+- QuantGroupedFFN: the KernelSet's moe_grouped_ffn over a 'gguf' pool. Groups of at most GEMV_MAX_ROWS rows
+  (decode) run quant_fast.cu's GEMV kernels (each warp reads an output's quant blocks once, decodes them in
+  registers, f32 accumulation of the exact weights); larger groups run QuantMoE.grouped_ffn (bounded groups of
+  experts dequantized to f16 scratch, then cuBLAS tensor-core GEMMs); formats with biases (gpt-oss) and shapes off
+  that path run moe_quant.cu's portable tiled kernels (dequantize per tile into shared memory, f32 accumulation).
+- QuantMoE: strata_cuda.fast.FastMoE (device routing, compact stacks, cuBLAS GEMMs, ring streaming of misses)
+  over a 'gguf' pool: at most `group_experts` experts' matrices are dequantized to f16 at a time into one of two
+  scratch buffers (scratch_bytes() says how big), on a side stream, so the dequantization of group i+1 overlaps
+  the GEMMs of group i; never an f16 copy of a whole layer. decode_layer / decode_stack: route, one GEMV kernel for
+  gate/up of all K experts and one for down with the routing weights, no host sync, captured as a CUDA graph.
+  strata_cuda.layer_ops takes QuantMoE (quant_moe_for) for prefill chunks of a 'gguf' model.
+cupy is imported by the caller (or inside the constructors).
 """
 
 from __future__ import annotations
@@ -12,8 +21,10 @@ from typing import Any
 
 import numpy as np
 
-from strata_core.api.kernels import ExpertPool
+from strata_core.api.kernels import ExpertFormat, ExpertPool
 from strata_core.reference.quants import GGML_TYPES
+
+from .fast import DecodeLayer, FastMoE, _Grown
 
 SOURCE_NAME = "moe_quant.cu"
 KERNEL_NAMES = ("strata_quant_gate_up", "strata_quant_down")
@@ -27,6 +38,18 @@ MMA_THREADS = 128
 #: Whether the cuda KernelSet takes the tensor-core variant. Off until tests/gpu/test_quant_cuda.py has passed
 #: for it on a GPU (its fragment layout is checked here only by an emulation of the instruction on the host).
 MMA_BY_DEFAULT = False
+FAST_SOURCE_NAME = "quant_fast.cu"
+FAST_KERNEL_NAMES = ("strata_qf_dequant_f16", "strata_qf_gemv_gate_up", "strata_qf_gemv_down",
+                     "strata_qf_decode_down")
+#: QF_THREADS, QF_WARPS of quant_fast.cu (a warp per output row)
+FAST_THREADS = 256
+FAST_WARPS = 8
+#: Groups of at most this many rows take the GEMV kernels (they decode the weights once per 4 rows).
+GEMV_MAX_ROWS = 8
+#: Experts dequantized to f16 per group of QuantMoE's prefill (two such groups of scratch in flight).
+GROUP_EXPERTS = 16
+#: Types quant_fast.cu decodes (quants.cuh's).
+FAST_TYPES = frozenset(GGML_TYPES)
 
 
 def source_dir() -> str:
@@ -44,15 +67,21 @@ def kernel_source() -> str:
     return files("strata_cuda").joinpath(SOURCE_NAME).read_text()
 
 
-def compile_to_ptx(arch: str = "compute_90") -> bytes:
-    """moe_quant.cu compiled to PTX with NVRTC (no GPU needed); RuntimeError with NVRTC's log on failure."""
+def fast_kernel_source() -> str:
+    """The text of strata_cuda/quant_fast.cu."""
+    return files("strata_cuda").joinpath(FAST_SOURCE_NAME).read_text()
+
+
+def compile_to_ptx(arch: str = "compute_90", name: str = SOURCE_NAME) -> bytes:
+    """moe_quant.cu (or quant_fast.cu) compiled to PTX with NVRTC (no GPU needed); RuntimeError with NVRTC's log."""
     from cupy_backends.cuda.libs import nvrtc
-    prog = nvrtc.createProgram(kernel_source(), SOURCE_NAME, (), ())
+    text = files("strata_cuda").joinpath(name).read_text()
+    prog = nvrtc.createProgram(text, name, (), ())
     try:
         try:
             nvrtc.compileProgram(prog, (f"-arch={arch}", *compile_options()))
         except nvrtc.NVRTCError as e:
-            raise RuntimeError(f"NVRTC failed on {SOURCE_NAME} ({e}):\n{nvrtc.getProgramLog(prog)}") from None
+            raise RuntimeError(f"NVRTC failed on {name} ({e}):\n{nvrtc.getProgramLog(prog)}") from None
         return nvrtc.getPTX(prog)
     finally:
         nvrtc.destroyProgram(prog)
@@ -72,18 +101,42 @@ def tile_list(offsets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return np.concatenate(groups).astype(np.int32), np.concatenate(rows).astype(np.int32)
 
 
+def scratch_bytes(hidden: int, ffn: int, group_experts: int = GROUP_EXPERTS) -> int:
+    """Device bytes of QuantMoE's f16 dequantization scratch: two buffers of group_experts experts' gate|up and
+    down matrices (the planner counts this as a workspace line of a 'gguf' model's prefill)."""
+    return 2 * int(group_experts) * 2 * 3 * int(hidden) * int(ffn)
+
+
+def fast_path_takes(fmt: ExpertFormat) -> bool:
+    """Whether QuantMoE (f16 scratch + cuBLAS) runs this format: no biases (its SwiGLU kernel adds none), rows of
+    whole 32-weight chunks."""
+    return (not fmt.bias and fmt.hidden % 32 == 0 and fmt.ffn % 32 == 0 and fmt.gate_up in FAST_TYPES
+            and fmt.down in FAST_TYPES)
+
+
+def gemv_takes(fmt: ExpertFormat) -> bool:
+    """Whether quant_fast.cu's GEMV kernels run this format (biases included)."""
+    return fmt.hidden % 32 == 0 and fmt.ffn % 32 == 0 and fmt.gate_up in FAST_TYPES and fmt.down in FAST_TYPES
+
+
 class QuantGroupedFFN:
     """moe_grouped_ffn over a 'gguf' pool on the current cupy device (see the module docstring)."""
 
-    def __init__(self, cupy: Any, mma: bool | None = None):
+    def __init__(self, cupy: Any, mma: bool | None = None, fast: bool = True):
         self._cp = cupy
-        #: tensor cores (mma.sync, f16 inputs) or the f32 SIMT kernels
+        #: tensor cores (mma.sync, f16 inputs) or the f32 SIMT kernels, for the tiled path
         self.mma = MMA_BY_DEFAULT if mma is None else bool(mma)
+        #: the GEMV kernels for small groups and QuantMoE for large ones (False: the tiled kernels for everything)
+        self.fast = bool(fast)
         self._module = cupy.RawModule(code=kernel_source(), options=compile_options())
         # compile now, so a broken toolchain fails at start-up and not in the middle of a request
         names = MMA_KERNEL_NAMES if self.mma else KERNEL_NAMES
         self._gate_up, self._down = (self._module.get_function(n) for n in names)
         self._threads = MMA_THREADS if self.mma else THREADS
+        self._fk = fast_kernels(cupy) if self.fast else None
+        self._moe: dict[tuple, QuantMoE] = {}
+        #: which path each call took (tests and benches read it)
+        self.counts = {"gemv": 0, "dequant_gemm": 0, "tiled": 0}
 
     def __call__(self, x: Any, offsets: Any, slots: Any, pool: ExpertPool) -> Any:
         """x [N,H] f32 (cupy); rows offsets[g]:offsets[g+1] run the expert in slot slots[g] -> y [N,H] f32."""
@@ -97,12 +150,33 @@ class QuantGroupedFFN:
             raise ValueError(f"moe_grouped_ffn: x has hidden {h}, the experts {fmt.hidden} in {fmt.nbytes}-byte "
                              f"slots of {slot_b}")
         off_h = _host(offsets).astype(np.int32)
-        groups, rows0 = tile_list(off_h)
+        slots_h = _host(slots).astype(np.int32)
         f = fmt.ffn
+        counts = np.diff(off_h)
+        if len(counts) == 0 or int(counts.max(initial=0)) <= 0:
+            return cp.zeros((n, h), dtype=cp.float32)
+        if self.fast and int(counts.max()) <= GEMV_MAX_ROWS and gemv_takes(fmt):
+            self.counts["gemv"] += 1
+            return self._gemv(x, off_h, slots_h, pool)
+        if self.fast and fast_path_takes(fmt) and s_slots <= (1 << 31) - 1:
+            key = (h, f)
+            if key not in self._moe:
+                self._moe[key] = QuantMoE(256, 1, fmt)
+            self.counts["dequant_gemm"] += 1
+            moe = self._moe[key]
+            moe.compute_stream = cp.cuda.get_current_stream()
+            # a slot outside the pool: computed with slot 0, then its rows zeroed (the reference's zero rows)
+            bad = (slots_h < 0) | (slots_h >= s_slots)
+            y = moe.grouped_ffn(x, off_h, np.where(bad, 0, slots_h), pool)
+            for g in np.flatnonzero(bad & (counts > 0)):
+                y[int(off_h[g]):int(off_h[g + 1])] = 0
+            return y
+        self.counts["tiled"] += 1
+        groups, rows0 = tile_list(off_h)
         y = cp.zeros((n, h), dtype=cp.float32)  # rows in no group stay zero, as in the reference
         if len(groups) == 0:
             return y
-        off_d, slots_d = cp.asarray(off_h), cp.asarray(_host(slots).astype(np.int32))
+        off_d, slots_d = cp.asarray(off_h), cp.asarray(slots_h)
         grp_d, row_d = cp.asarray(groups), cp.asarray(rows0)
         act = cp.empty((n, f), dtype=cp.float32)
         bias_off = np.int64(fmt.bias_offset if fmt.bias else -1)
@@ -116,6 +190,247 @@ class QuantGroupedFFN:
             (act, off_d, slots_d, grp_d, row_d, np.int32(s_slots), np.int32(h), np.int32(f), blob, np.int64(slot_b),
              np.int64(fmt.down_offset), np.int64(fmt.down_row_bytes), np.int32(GGML_TYPES[fmt.down]), bias_off, y))
         return y
+
+    def _gemv(self, x: Any, off_h: np.ndarray, slots_h: np.ndarray, pool: ExpertPool) -> Any:
+        """The GEMV kernels over every group (a few rows each): act [N,F], then y [N,H]."""
+        cp = self._cp
+        fmt = pool.fmt
+        n, h, f = int(x.shape[0]), fmt.hidden, fmt.ffn
+        blob = pool.arrays["blob"]
+        s_slots, slot_b = (int(s) for s in blob.shape)
+        y = cp.zeros((n, h), dtype=cp.float32)
+        act = cp.zeros((n, f), dtype=cp.float32)
+        tab = cp.asarray(np.concatenate([off_h, slots_h]).astype(np.int32))  # one small upload
+        g = len(slots_h)
+        off_d, slots_d = tab[:g + 1], tab[g + 1:]
+        bias_off = np.int64(fmt.bias_offset if fmt.bias else -1)
+        self._fk["strata_qf_gemv_gate_up"](
+            ((f + FAST_WARPS - 1) // FAST_WARPS, g), (FAST_THREADS,),
+            (x, np.int64(h), off_d, np.uint64(0), slots_d, np.int32(s_slots), np.int32(h), np.int32(f), blob,
+             np.int64(slot_b), np.int64(fmt.gate_up_row_bytes), np.int32(GGML_TYPES[fmt.gate_up]), bias_off,
+             np.int32(0), act))
+        self._fk["strata_qf_gemv_down"](
+            ((h + FAST_WARPS - 1) // FAST_WARPS, g), (FAST_THREADS,),
+            (act, off_d, slots_d, np.int32(s_slots), np.int32(h), np.int32(f), blob, np.int64(slot_b),
+             np.int64(fmt.down_offset), np.int64(fmt.down_row_bytes), np.int32(GGML_TYPES[fmt.down]), bias_off, y))
+        return y
+
+
+def fast_kernels(cupy: Any) -> dict[str, Any]:
+    """quant_fast.cu's kernels on the current device, compiled once per process."""
+    global _FAST_KERNELS
+    if _FAST_KERNELS is None:
+        mod = cupy.RawModule(code=fast_kernel_source(), options=compile_options())
+        _FAST_KERNELS = {n: mod.get_function(n) for n in FAST_KERNEL_NAMES}
+    return _FAST_KERNELS
+
+
+_FAST_KERNELS: dict[str, Any] | None = None
+
+
+class QuantDecodeLayer(DecodeLayer):
+    """A DecodeLayer whose pool is 'gguf' (its key names the blob, not f16 arrays)."""
+
+    def key(self) -> tuple:
+        """The buffers a captured graph of this layer reads and writes."""
+        return (self.norm_w.data.ptr, self.router_w.data.ptr, self.pool.arrays["blob"].data.ptr,
+                self.slot_map.data.ptr, self.ids.data.ptr, self.w.data.ptr, self.host)
+
+
+class QuantMoE(FastMoE):
+    """FastMoE over 'gguf' pools of one ExpertFormat (see the module docstring); f16 and Q8_0 pools still work."""
+
+    def __init__(self, experts: int, top_k: int, fmt: ExpertFormat, group_experts: int = GROUP_EXPERTS, **kw: Any):
+        super().__init__(experts, top_k, fmt.hidden, fmt.ffn, group_experts=group_experts, **kw)
+        import cupy
+        if not gemv_takes(fmt):
+            raise ValueError(f"QuantMoE: {fmt.label} at hidden {fmt.hidden}, ffn {fmt.ffn} is not on the fast path")
+        self.fmt = fmt
+        self._qk = fast_kernels(cupy)
+        #: the side stream the dequantization of the next group runs on
+        self.dequant_stream = cupy.cuda.Stream(non_blocking=True)
+        self._scratch = [_Grown(cupy), _Grown(cupy)]
+        self._ready: tuple | None = None
+        # page-locked staging of the slot tables the dequantization reads, used from a cursor that restarts once
+        # its last upload has run (as FastMoE's pointer staging)
+        n = 64 * max(experts, 64)
+        self._slot_mem = cupy.cuda.alloc_pinned_memory(4 * n)
+        self._slot_stage = np.frombuffer(self._slot_mem, dtype=np.int32, count=n)
+        self._slot_dev = cupy.cuda.alloc(4 * n)
+        self._slot_cursor = 0
+        self._slot_done = cupy.cuda.Event(disable_timing=True)
+
+    def scratch_bytes(self) -> int:
+        """The dequantization scratch this object grows to (both buffers)."""
+        return scratch_bytes(self.hidden, self.ffn, self.group_experts)
+
+    def _upload_slots(self, slots: np.ndarray) -> int:
+        """An int32 slot table on the device (async on the current stream); its address."""
+        n = int(slots.size)
+        if n > self._slot_stage.size:
+            raise ValueError(f"QuantMoE: {n} slots exceed the staging of {self._slot_stage.size}")
+        if self._slot_cursor + n > self._slot_stage.size:
+            self._slot_done.synchronize()
+            self._slot_cursor = 0
+        c = self._slot_cursor
+        self._slot_stage[c:c + n] = slots
+        dst = int(self._slot_dev.ptr) + 4 * c
+        st = self._cp.cuda.get_current_stream()
+        self._rt.memcpyAsync(dst, self._slot_stage.ctypes.data + 4 * c, 4 * n, 1, st.ptr)
+        self._slot_done.record(st)
+        self._slot_cursor = c + n
+        return dst
+
+    def _dequant(self, pool: ExpertPool, table: int, m: int, buf: int) -> tuple[np.ndarray, np.ndarray]:
+        """Dequantize the m experts of the device slot table into scratch buffer `buf` on the current stream; the
+        device pointers of each one's f16 gate|up [2F,H] and down [H,F] matrices."""
+        fmt = pool.fmt  # a shared QuantMoE (QuantGroupedFFN's) sees every format of its shape
+        h, f = self.hidden, self.ffn
+        n13, n2 = 2 * f * h, h * f
+        base = self._scratch[buf].ptr(2 * self.group_experts * (n13 + n2) if m <= self.group_experts
+                                      else 2 * m * (n13 + n2))
+        s13, s2 = base, base + 2 * m * n13
+        blob = pool.arrays["blob"]
+        slot_b = int(blob.shape[1])
+        for off, rb, rows, cols, typ, dst in ((0, fmt.gate_up_row_bytes, 2 * f, h, fmt.gate_up, s13),
+                                              (fmt.down_offset, fmt.down_row_bytes, h, f, fmt.down, s2)):
+            chunks = m * rows * (cols // 32)
+            self._qk["strata_qf_dequant_f16"](
+                (max(1, min(8192, -(-chunks // FAST_THREADS))),), (FAST_THREADS,),
+                (blob, np.int64(slot_b), np.uint64(table), np.int32(m), np.int64(off), np.int64(rb), np.int32(rows),
+                 np.int32(cols), np.int32(GGML_TYPES[typ]), np.uint64(dst)))
+        idx = np.arange(m, dtype=np.int64)
+        return s13 + idx * (2 * n13), s2 + idx * (2 * n2)
+
+    def _weights_f16(self, pool: ExpertPool, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        if pool.dtype != "gguf":
+            return super()._weights_f16(pool, slots)
+        if self._ready is not None:  # dequantized ahead on the side stream by _run_blocks
+            return self._ready
+        # a ring group of _stream_misses: on this stream, after the GEMMs that read the scratch before
+        return self._dequant(pool, self._upload_slots(np.asarray(slots, dtype=np.int32)), len(slots), 0)
+
+    def _group(self, pool: ExpertPool, slots: np.ndarray, blk0: int, lay: Any, bufs: tuple) -> None:
+        if pool.dtype == "gguf" and self._ready is None and len(slots) > self.group_experts:
+            for sub in range(0, len(slots), self.group_experts):  # the scratch holds group_experts experts
+                super()._group(pool, slots[sub:sub + self.group_experts], blk0 + sub, lay, bufs)
+            return
+        super()._group(pool, slots, blk0, lay, bufs)
+
+    def _run_blocks(self, pool: ExpertPool, block_slots: np.ndarray, blk0: int, lay: Any, bufs: tuple) -> None:
+        if pool.dtype != "gguf":
+            return super()._run_blocks(pool, block_slots, blk0, lay, bufs)
+        cp = self._cp
+        n, step = len(block_slots), max(1, self.group_experts)
+        main, side = cp.cuda.get_current_stream(), self.dequant_stream
+        table = self._upload_slots(np.asarray(block_slots, dtype=np.int32))
+        fork = cp.cuda.Event(disable_timing=True)
+        fork.record(main)
+        side.wait_event(fork)  # the table has landed and earlier readers of the scratch are done
+        done: list = []
+        try:
+            for j, sub in enumerate(range(0, n, step)):
+                m = min(step, n - sub)
+                if j >= 2:
+                    side.wait_event(done[j - 2])  # the GEMMs of the group that last used this buffer
+                with side:
+                    ptrs = self._dequant(pool, table + 4 * sub, m, j % 2)
+                ready = cp.cuda.Event(disable_timing=True)
+                ready.record(side)
+                main.wait_event(ready)
+                self._ready = ptrs
+                FastMoE._group(self, pool, block_slots[sub:sub + m], blk0 + sub, lay, bufs)
+                ev = cp.cuda.Event(disable_timing=True)
+                ev.record(main)
+                done.append(ev)
+        finally:
+            self._ready = None
+
+    # -- decode: route, gate/up GEMV of all K experts, down GEMV with the routing weights ----------------------
+
+    def _check_decode_pool(self, pool: ExpertPool) -> None:
+        if pool.dtype != "gguf":
+            super()._check_decode_pool(pool)
+
+    def _gate_up(self, x: Any, logits: Any, pool: ExpertPool, slot_map: Any, refill_from: Any, skip_missing: int,
+                 host_w13: int = 0, ids_out: Any = None, w_out: Any = None) -> None:
+        if pool.dtype != "gguf":
+            return super()._gate_up(x, logits, pool, slot_map, refill_from, skip_missing, host_w13, ids_out, w_out)
+        if refill_from is not None or skip_missing or host_w13:
+            raise NotImplementedError("QuantMoE decode: every routed expert must be cached (no host reads)")
+        b = self.decode_buffers()
+        ids, w = (b["ids"], b["w"]) if ids_out is None else (ids_out, w_out)
+        fmt, blob = pool.fmt, pool.arrays["blob"]
+        h, f = self.hidden, self.ffn
+        self._k["strata_fast_route"]((1,), (256,), (logits, np.int32(1), np.int32(self.experts),
+                                                   np.int32(self.top_k), ids, w))
+        self._qk["strata_qf_gemv_gate_up"](
+            ((f + FAST_WARPS - 1) // FAST_WARPS, self.top_k), (FAST_THREADS,),
+            (x, np.int64(0), np.uint64(0), ids, slot_map, np.int32(blob.shape[0]), np.int32(h), np.int32(f), blob,
+             np.int64(blob.shape[1]), np.int64(fmt.gate_up_row_bytes), np.int32(GGML_TYPES[fmt.gate_up]),
+             np.int64(fmt.bias_offset if fmt.bias else -1), np.int32(1), b["act"]))
+
+    def _down(self, pool: ExpertPool, slot_map: Any, only_missing_in: Any, skip_missing: int, out: Any,
+              host_w2: int = 0, accumulate: int = 0, ids: Any = None, w: Any = None) -> None:
+        if pool.dtype != "gguf":
+            return super()._down(pool, slot_map, only_missing_in, skip_missing, out, host_w2, accumulate, ids, w)
+        if only_missing_in is not None or skip_missing or host_w2:
+            raise NotImplementedError("QuantMoE decode: every routed expert must be cached (no host reads)")
+        b = self.decode_buffers()
+        ids, w = (b["ids"], b["w"]) if ids is None else (ids, w)
+        fmt, blob = pool.fmt, pool.arrays["blob"]
+        h, f = self.hidden, self.ffn
+        self._qk["strata_qf_decode_down"](
+            ((h + FAST_WARPS - 1) // FAST_WARPS,), (FAST_THREADS,),
+            (b["act"], ids, w, slot_map, np.int32(blob.shape[0]), np.int32(self.top_k), np.int32(h), np.int32(f),
+             blob, np.int64(blob.shape[1]), np.int64(fmt.down_offset), np.int64(fmt.down_row_bytes),
+             np.int32(GGML_TYPES[fmt.down]), np.int64(fmt.bias_offset if fmt.bias else -1), np.int32(accumulate),
+             out))
+
+    def decode_layer(self, x: Any, logits: Any, pool: ExpertPool, slot_map: Any, out: Any = None,
+                     host_pool: ExpertPool | None = None) -> Any:
+        """One token (FastMoE.decode_layer) over a 'gguf' pool: route, gate/up and down GEMVs, replayed as a graph
+        per set of buffers; every routed expert must be cached (slot_map [E] int32 on the device)."""
+        if pool.dtype != "gguf":
+            return super().decode_layer(x, logits, pool, slot_map, out, host_pool)
+        if host_pool is not None:
+            raise NotImplementedError("QuantMoE decode: misses are not read from host memory")
+        b = self.decode_buffers()  # allocated before any capture: no allocation may happen inside one
+        out = b["out"] if out is None else out
+
+        def body() -> None:
+            self._gate_up(x, logits, pool, slot_map, None, 0)
+            self._down(pool, slot_map, None, 0, out)
+
+        if not self.decode_graphs:
+            with self.compute_stream:
+                body()
+            return out
+        key = ("gguf", x.data.ptr, logits.data.ptr, slot_map.data.ptr, pool.arrays["blob"].data.ptr, out.data.ptr)
+        graph = self._graphs.get(key)
+        if graph is None:
+            self._graphs[key] = graph = self._capture(body)
+        graph.launch(self.compute_stream)
+        return out
+
+
+def quant_moe_for(cache: dict, work: Any) -> QuantMoE | None:
+    """The QuantMoE of a LayerWork over a 'gguf' pool (built once into `cache`), or None where it does not apply
+    (several formats in the pool, biases, shapes off the fast path): then the composed path runs the layer."""
+    pool = work.pool
+    if pool is None or pool.dtype != "gguf" or work.router_w is None or "blob" not in pool.arrays:
+        return None
+    try:
+        fmt = pool.fmt
+    except ValueError:
+        return None
+    e, k = int(work.router_w.shape[0]), int(work.top_k)
+    if not fast_path_takes(fmt) or e > 256 or not 0 < k <= min(16, e):
+        return None
+    key = ("gguf", e, k, fmt)
+    if key not in cache:
+        cache[key] = QuantMoE(e, k, fmt)
+    return cache[key]
 
 
 def _host(a: Any) -> np.ndarray:

@@ -1,0 +1,294 @@
+// The fast kernels of 'gguf' expert pools on CUDA (issue 14): quants.cuh's formats decoded 32 weights at a time.
+//
+// - strata_qf_dequant_f16: m experts' matrices (one of gate|up or down, slots from a table) to f16 rows in a
+//   scratch the caller sizes for a bounded group of experts, so cuBLAS' tensor-core GEMMs (strata_cuda.fast) run on
+//   them: the f16 value of every weight is the round-to-nearest-even f16 of quants.cuh's exact f32 weight.
+// - strata_qf_gemv_gate_up / strata_qf_gemv_down: the grouped FFN for groups of a few rows (decode), straight from
+//   the quant blocks: each warp reads a row's blocks once, decodes them in registers and dots them with the rows
+//   of x (f32 accumulation of exact weights). Rows of a group are taken QF_R at a time.
+// - strata_qf_decode_down: one token's down projection over all its K experts: out[h] (+)= sum_k w_k (act_k . Wd_h)
+//   (the routing weights applied in k order, one write per h, no atomics), so a decode step is route + gate/up +
+//   down, no host sync, capturable in a graph.
+// A "chunk" is 32 consecutive weights of a row (H and F are multiples of 32): one block of q8_0/mxfp4, one
+// sub-block of the K formats. CUDA only (warp shuffles); the portable tiled kernels are moe_quant.cu.
+
+#define STRATA_QUANTS_NO_TEST_KERNEL
+#include "quants.cuh"
+
+#define QF_WARP 32
+#define QF_THREADS 256
+#define QF_WARPS (QF_THREADS / QF_WARP)
+#define QF_R 4  // rows of a group one pass of the GEMV kernels takes
+
+// f32 -> binary16 bits, round to nearest even (moe_quant.cu's qt_f2h; numpy's astype(float16) rounds the same way)
+__device__ __forceinline__ unsigned int qf_f2h(float f) {
+    const unsigned int x = __float_as_uint(f);
+    const unsigned int sign = (x >> 16) & 0x8000u;
+    const unsigned int ax = x & 0x7fffffffu;
+    if (ax >= 0x7f800000u) return sign | (ax > 0x7f800000u ? 0x7e00u : 0x7c00u);
+    if (ax >= 0x477ff000u) return sign | 0x7c00u;
+    if (ax < 0x38800000u) return sign | (unsigned int)rintf(__uint_as_float(ax) * 16777216.0f);
+    const unsigned int rounded = ax + 0x0fffu + ((ax >> 13) & 1u);
+    return sign | ((rounded - 0x38000000u) >> 13);
+}
+
+// 32 bytes at p as 8 little-endian words: two 16-byte loads where p is 16-aligned (q4_k/q5_k rows of aligned slots),
+// byte loads otherwise (a q6_k block is 210 bytes, so its fields are often unaligned).
+__device__ __forceinline__ void qf_load32(const unsigned char* p, unsigned int w[8]) {
+    if ((((unsigned long long)p) & 15ull) == 0ull) {
+        const uint4 a = ((const uint4*)p)[0], b = ((const uint4*)p)[1];
+        w[0] = a.x; w[1] = a.y; w[2] = a.z; w[3] = a.w; w[4] = b.x; w[5] = b.y; w[6] = b.z; w[7] = b.w;
+        return;
+    }
+#pragma unroll
+    for (int i = 0; i < 8; ++i)
+        w[i] = (unsigned int)p[4 * i] | ((unsigned int)p[4 * i + 1] << 8) | ((unsigned int)p[4 * i + 2] << 16) |
+               ((unsigned int)p[4 * i + 3] << 24);
+}
+
+__device__ __forceinline__ unsigned int qf_byte(const unsigned int w[8], int l) {
+    return (w[l >> 2] >> (8 * (l & 3))) & 0xffu;
+}
+
+// Weights 32c .. 32c+31 of a row of type fmt, the same f32 bits as quants.cuh's dq_weight of each.
+__device__ __forceinline__ void qf_chunk(const unsigned char* row, int c, int fmt, float v[32]) {
+    if (fmt == DQ_TYPE_Q4_K || fmt == DQ_TYPE_Q5_K) {
+        const bool five = fmt == DQ_TYPE_Q5_K;
+        const unsigned char* b = row + (long long)(c >> 3) * (five ? DQ_Q5_K_BYTES : DQ_Q4_K_BYTES);
+        const int sub = c & 7;
+        unsigned int sc, m;
+        dq_k_scale_min(b + 4, sub, &sc, &m);
+        const float scale = __fmul_rn(dq_half_at(b), (float)sc);
+        const float minv = __fmul_rn(dq_half_at(b + 2), (float)m);
+        unsigned int qs[8], qh[8];
+        qf_load32(b + (five ? 48 : 16) + (sub >> 1) * 32, qs);
+        if (five) qf_load32(b + 16, qh);
+        const int shift = (sub & 1) * 4;
+#pragma unroll
+        for (int l = 0; l < 32; ++l) {
+            unsigned int q = (qf_byte(qs, l) >> shift) & 15u;
+            if (five) q |= ((qf_byte(qh, l) >> sub) & 1u) << 4;
+            v[l] = __fsub_rn(__fmul_rn(scale, (float)q), minv);
+        }
+        return;
+    }
+    if (fmt == DQ_TYPE_Q6_K) {
+        const unsigned char* b = row + (long long)(c >> 3) * DQ_Q6_K_BYTES;
+        const int j = c & 7, h = j >> 2, g = j & 3;
+        unsigned int ql[8], qh[8];
+        qf_load32(b + h * 64 + (g & 1) * 32, ql);
+        qf_load32(b + 128 + h * 32, qh);
+        const float d = dq_half_at(b + 208);
+        const float s0 = __fmul_rn(d, (float)(signed char)b[192 + 2 * j]);
+        const float s1 = __fmul_rn(d, (float)(signed char)b[192 + 2 * j + 1]);
+        const int lshift = (g < 2) ? 0 : 4;
+#pragma unroll
+        for (int l = 0; l < 32; ++l) {
+            const unsigned int low = (qf_byte(ql, l) >> lshift) & 15u;
+            const unsigned int high = (qf_byte(qh, l) >> (2 * g)) & 3u;
+            const int q = (int)(low | (high << 4)) - 32;
+            v[l] = __fmul_rn(l < 16 ? s0 : s1, (float)q);
+        }
+        return;
+    }
+    if (fmt == DQ_TYPE_Q8_0) {
+        const unsigned char* b = row + (long long)c * DQ_Q8_0_BYTES;
+        const float d = dq_half_at(b);
+#pragma unroll
+        for (int l = 0; l < 32; ++l) v[l] = __fmul_rn((float)(signed char)b[2 + l], d);
+        return;
+    }
+    // mxfp4 (its subnormal scales need quants.cuh's care), f32, f16, bf16: weight by weight
+#pragma unroll 4
+    for (int l = 0; l < 32; ++l) v[l] = dq_weight(row, 32 * c + l, fmt);
+}
+
+__device__ __forceinline__ float qf_dot32(const float v[32], const float* x) {
+    const float4* x4 = (const float4*)x;
+    float s = 0.0f;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+        const float4 a = x4[i];
+        s += v[4 * i] * a.x + v[4 * i + 1] * a.y + v[4 * i + 2] * a.z + v[4 * i + 3] * a.w;
+    }
+    return s;
+}
+
+__device__ __forceinline__ float qf_warp_sum(float v) {
+#pragma unroll
+    for (int m = QF_WARP / 2; m > 0; m >>= 1) v += __shfl_xor_sync(0xffffffffu, v, m);
+    return v;
+}
+
+__device__ __forceinline__ float qf_silu(float v) { return v / (1.0f + expf(-v)); }
+
+// out[i] = f16 of the [rows, cols] matrix at mat_off bytes into slot slots[i] (rows of rb bytes), i < m; one thread
+// per chunk, grid-stride. out is 16-byte aligned and cols a multiple of 32.
+extern "C" __global__ void __launch_bounds__(QF_THREADS)
+strata_qf_dequant_f16(const unsigned char* __restrict__ blob, long long slot_bytes, const int* __restrict__ slots,
+                      int m, long long mat_off, long long rb, int rows, int cols, int fmt,
+                      unsigned short* __restrict__ out) {
+    const int cpr = cols / 32;
+    const long long per = (long long)rows * cpr, total = per * m;
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < total;
+         i += (long long)gridDim.x * blockDim.x) {
+        const int e = (int)(i / per);
+        const long long rem = i - (long long)e * per;
+        const int r = (int)(rem / cpr), c = (int)(rem - (long long)r * cpr);
+        const unsigned char* row = blob + (long long)slots[e] * slot_bytes + mat_off + (long long)r * rb;
+        float v[32];
+        qf_chunk(row, c, fmt, v);
+        uint4* dst = (uint4*)(out + (long long)e * rows * cols + (long long)r * cols + 32 * c);
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+            unsigned int p[4];
+#pragma unroll
+            for (int k = 0; k < 4; ++k) p[k] = qf_f2h(v[8 * q + 2 * k]) | (qf_f2h(v[8 * q + 2 * k + 1]) << 16);
+            dst[q] = make_uint4(p[0], p[1], p[2], p[3]);
+        }
+    }
+}
+
+// The group of blockIdx.y: its rows [r0, r1) and slot. offsets null: group g is row g alone (decode: act row k);
+// ids not null: the slot is slot_map[ids[g]], else slots[g].
+__device__ __forceinline__ void qf_group(const int* offsets, const int* ids, const int* slots, int g, int* r0,
+                                         int* r1, int* s) {
+    if (offsets) {
+        *r0 = offsets[g];
+        *r1 = offsets[g + 1];
+    } else {
+        *r0 = g;
+        *r1 = g + 1;
+    }
+    *s = ids ? slots[ids[g]] : slots[g];
+}
+
+// act[r, f] = silu(x_r . Wg_f + bg_f) * (x_r . Wu_f + bu_f) for rows r of group blockIdx.y; a warp per f.
+// x row r is x + r * ldx (ldx 0: one x for every group, decode). A slot outside [0, n_slots): zero rows, or NaN
+// with nan_missing (decode, so an unresolved miss fails a check).
+extern "C" __global__ void __launch_bounds__(QF_THREADS)
+strata_qf_gemv_gate_up(const float* __restrict__ x, long long ldx, const int* __restrict__ offsets,
+                       const int* __restrict__ ids, const int* __restrict__ slots, int n_slots, int H, int F,
+                       const unsigned char* __restrict__ blob, long long slot_bytes, long long rb, int fmt,
+                       long long bias_off, int nan_missing, float* __restrict__ act) {
+    const int warp = threadIdx.x / QF_WARP, lane = threadIdx.x % QF_WARP;
+    const int f = blockIdx.x * QF_WARPS + warp;
+    if (f >= F) return;  // whole warps; no block barrier here
+    int r0, r1, s;
+    qf_group(offsets, ids, slots, blockIdx.y, &r0, &r1, &s);
+    if (s < 0 || s >= n_slots) {
+        if (lane == 0)
+            for (int r = r0; r < r1; ++r) act[(long long)r * F + f] = nan_missing ? __int_as_float(0x7fc00000) : 0.0f;
+        return;
+    }
+    const unsigned char* w = blob + (long long)s * slot_bytes;
+    const unsigned char* wg = w + (long long)f * rb;
+    const unsigned char* wu = w + (long long)(F + f) * rb;
+    const int chunks = H / 32;
+    float bg = 0.0f, bu = 0.0f;
+    if (bias_off >= 0) {
+        bg = dq_f32(w + bias_off, f);
+        bu = dq_f32(w + bias_off, F + f);
+    }
+    for (int rb0 = r0; rb0 < r1; rb0 += QF_R) {
+        float ag[QF_R], au[QF_R];
+#pragma unroll
+        for (int i = 0; i < QF_R; ++i) ag[i] = au[i] = 0.0f;
+        for (int c = lane; c < chunks; c += QF_WARP) {
+            float v[32];
+            qf_chunk(wg, c, fmt, v);
+#pragma unroll
+            for (int i = 0; i < QF_R; ++i)
+                if (rb0 + i < r1) ag[i] += qf_dot32(v, x + (long long)(rb0 + i) * ldx + 32 * c);
+            qf_chunk(wu, c, fmt, v);
+#pragma unroll
+            for (int i = 0; i < QF_R; ++i)
+                if (rb0 + i < r1) au[i] += qf_dot32(v, x + (long long)(rb0 + i) * ldx + 32 * c);
+        }
+#pragma unroll
+        for (int i = 0; i < QF_R; ++i) {
+            const float a = qf_warp_sum(ag[i]) + bg, b = qf_warp_sum(au[i]) + bu;
+            if (lane == 0 && rb0 + i < r1) act[(long long)(rb0 + i) * F + f] = qf_silu(a) * b;
+        }
+    }
+}
+
+// y[r, h] = act_r . Wd_h + bd_h for rows r of group blockIdx.y; a warp per h. A slot outside the pool: zero rows.
+extern "C" __global__ void __launch_bounds__(QF_THREADS)
+strata_qf_gemv_down(const float* __restrict__ act, const int* __restrict__ offsets, const int* __restrict__ slots,
+                    int n_slots, int H, int F, const unsigned char* __restrict__ blob, long long slot_bytes,
+                    long long down_off, long long rb, int fmt, long long bias_off, float* __restrict__ y) {
+    const int warp = threadIdx.x / QF_WARP, lane = threadIdx.x % QF_WARP;
+    const int h = blockIdx.x * QF_WARPS + warp;
+    if (h >= H) return;
+    int r0, r1, s;
+    qf_group(offsets, 0, slots, blockIdx.y, &r0, &r1, &s);
+    if (s < 0 || s >= n_slots) {
+        if (lane == 0)
+            for (int r = r0; r < r1; ++r) y[(long long)r * H + h] = 0.0f;
+        return;
+    }
+    const unsigned char* w = blob + (long long)s * slot_bytes;
+    const unsigned char* wd = w + down_off + (long long)h * rb;
+    const float bd = bias_off >= 0 ? dq_f32(w + bias_off, 2 * F + h) : 0.0f;
+    const int chunks = F / 32;
+    for (int rb0 = r0; rb0 < r1; rb0 += QF_R) {
+        float acc[QF_R];
+#pragma unroll
+        for (int i = 0; i < QF_R; ++i) acc[i] = 0.0f;
+        for (int c = lane; c < chunks; c += QF_WARP) {
+            float v[32];
+            qf_chunk(wd, c, fmt, v);
+#pragma unroll
+            for (int i = 0; i < QF_R; ++i)
+                if (rb0 + i < r1) acc[i] += qf_dot32(v, act + (long long)(rb0 + i) * F + 32 * c);
+        }
+#pragma unroll
+        for (int i = 0; i < QF_R; ++i) {
+            const float a = qf_warp_sum(acc[i]);
+            if (lane == 0 && rb0 + i < r1) y[(long long)(rb0 + i) * H + h] = a + bd;
+        }
+    }
+}
+
+// One token's down projection over its K routed experts: out[h] = (accumulate ? out[h] : 0) +
+// sum_k w_k (act_k . Wd[slot_map[ids[k]]]_h + bd_h); a warp per h, the (expert, chunk) pairs dealt over its lanes so
+// loads of several experts are in flight at once. A routed expert outside the pool makes out[h] NaN.
+extern "C" __global__ void __launch_bounds__(QF_THREADS)
+strata_qf_decode_down(const float* __restrict__ act, const int* __restrict__ ids, const float* __restrict__ wts,
+                      const int* __restrict__ slot_map, int n_slots, int K, int H, int F,
+                      const unsigned char* __restrict__ blob, long long slot_bytes, long long down_off, long long rb,
+                      int fmt, long long bias_off, int accumulate, float* __restrict__ out) {
+    __shared__ long long s_slot[QF_WARPS][16];
+    __shared__ float s_w[QF_WARPS][16];
+    const int warp = threadIdx.x / QF_WARP, lane = threadIdx.x % QF_WARP;
+    const int h = blockIdx.x * QF_WARPS + warp;
+    if (h >= H) return;
+    if (lane < K) {
+        s_slot[warp][lane] = slot_map[ids[lane]];
+        s_w[warp][lane] = wts[lane];
+    }
+    __syncwarp();
+    bool bad = false;
+    for (int k = 0; k < K; ++k) bad |= s_slot[warp][k] < 0 || s_slot[warp][k] >= n_slots;
+    if (bad) {
+        if (lane == 0) out[h] = __int_as_float(0x7fc00000);
+        return;
+    }
+    const int chunks = F / 32;
+    float acc = 0.0f;
+    for (int i = lane; i < K * chunks; i += QF_WARP) {
+        const int k = i / chunks, c = i - k * chunks;
+        const unsigned char* wd = blob + s_slot[warp][k] * slot_bytes + down_off + (long long)h * rb;
+        float v[32];
+        qf_chunk(wd, c, fmt, v);
+        acc += s_w[warp][k] * qf_dot32(v, act + (long long)k * F + 32 * c);
+    }
+    acc = qf_warp_sum(acc);
+    if (lane == 0) {
+        float b = 0.0f;
+        if (bias_off >= 0)
+            for (int k = 0; k < K; ++k) b += s_w[warp][k] * dq_f32(blob + s_slot[warp][k] * slot_bytes + bias_off, 2 * F + h);
+        out[h] = (accumulate ? out[h] : 0.0f) + acc + b;
+    }
+}
