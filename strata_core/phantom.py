@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,7 +27,7 @@ class PhantomArray:
     @property
     def size(self) -> int:
         """Number of elements."""
-        return int(np.prod(self.shape, dtype=np.int64)) if self.shape else 1
+        return math.prod(self.shape)  # the shape holds Python ints; math.prod is exact and ~10x cheaper than np.prod
 
     @property
     def ndim(self) -> int:

@@ -49,6 +49,8 @@ class ExpertStore:
         self.whole = False
         #: One registration call of 512 GiB or more fails: the plan's slice size (planner.pin_caps).
         self.max_call_bytes = REGISTRATION_SLICE_BYTES
+        self._row_bytes_pool: ExpertPool | None = None
+        self._row_bytes = 0
 
     @property
     def nbytes(self) -> int:
@@ -58,7 +60,10 @@ class ExpertStore:
     @property
     def row_bytes(self) -> int:
         """Bytes of one expert (one row of every array)."""
-        return self.nbytes // self.rows
+        # asked once per streamed expert (~10^6 times a replay): computed once per pool object, not per call
+        if self._row_bytes_pool is not self.pool:
+            self._row_bytes_pool, self._row_bytes = self.pool, self.nbytes // self.rows
+        return self._row_bytes
 
     @property
     def pinned_bytes(self) -> int:
