@@ -129,13 +129,15 @@ def resolve_run_model(name: str | None, loaded, seed: int) -> tuple[ModelSpec, A
         # the model's defaults through the path `strata plan` takes too, so both show the same plan
         return spec, (lambda: generate_weights(spec, seed)), with_model_defaults(loaded, spec).settings
     if str(name).lower().endswith(".gguf"):
+        from strata_core.models.gguf import dense_ffn_device_bytes
         from strata_core.models.synthetic import device_dense_bytes
         spec = model_from_gguf(name)
         # plan what this runtime puts on the device: no KV (it runs no attention) and the dense weights it uploads
-        # (routers, norms, LM head; the embedding stays on the host), so the plan's figures are the run's
+        # (routers, norms, LM head, shared experts and dense FFN blocks; the embedding stays on the host), so the
+        # plan's figures are the run's
         spec = replace(spec, kv_bytes_per_token=0,
                        dense_bytes=device_dense_bytes(spec.moe_layers, spec.experts_per_layer, spec.hidden,
-                                                      max(spec.vocab, 1)))
+                                                      max(spec.vocab, 1)) + dense_ffn_device_bytes(name))
         return spec, (lambda: weights_from_gguf(name, spec)), settings
     preset = model_from_name(name)
     from strata_core.models.synthetic import model_spec

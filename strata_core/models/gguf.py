@@ -45,7 +45,7 @@ from strata_core.api.kernels import ExpertFormat, ExpertPool
 from strata_core.errors import BadInput
 from strata_core.reference import quants
 from strata_core.reference.kernels import QK8_0, quantize_q8_0
-from strata_core.models.spec import ModelSpec, prompt_bytes_for
+from strata_core.models.spec import ModelSpec, prompt_bytes_for, shared_expert_bytes_per_token
 from strata_core.models.weights import DenseFfn
 
 GGUF_MAGIC = b"GGUF"
@@ -245,7 +245,8 @@ def model_from_gguf(path: str | Path) -> ModelSpec:
         name=str(_field(reader, "general.name") or path.stem), moe_layers=moe_layers, experts_per_layer=experts,
         top_k=int(top_k), hidden=hidden,
         slot_bytes=slot_bytes, largest_blob_bytes=max(max(blobs), slot_bytes),
-        prompt_bytes_per_token=prompt_bytes_for(hidden, experts, int(top_k), ffn),
+        prompt_bytes_per_token=prompt_bytes_for(hidden, experts, int(top_k), ffn)
+        + (shared_expert_bytes_per_token(hidden) if any(n.endswith("_shexp.weight") for n in tensors) else 0),
         dense_bytes=dense, kv_bytes_per_token=_kv_bytes_per_token_f16(reader, arch, hidden),
         expert_ffn=ffn, quant=quant, vocab=int(vocab or _field(reader, f"{arch}.vocab_size") or 0),
         source=f"gguf:{path}",
@@ -548,42 +549,71 @@ def _raw_bytes(t) -> np.ndarray:
     return np.ascontiguousarray(np.asarray(t.data)).view(np.uint8).reshape(-1)
 
 
-def _ffn_pool(path: Path, where: str, g, u, d) -> ExpertPool:
-    """One FFN's gate [F,H], up [F,H] and down [H,F] tensors as a one-slot 'gguf' pool of the file's own rows
-    (the routed experts' slot layout); gate and up of different types become f32 rows, as the slot has one type."""
+def _ffn_format(path: Path, where: str, g, u, d) -> ExpertFormat:
+    """The one-slot layout of an FFN's gate [F,H], up [F,H] and down [H,F] tensors: the file's row types (gate
+    and up of different types as f32 rows, since a slot's gate and up rows share one type)."""
     ffn, hidden = _numpy_shape(g)
     if _numpy_shape(u) != (ffn, hidden) or _numpy_shape(d) != (hidden, ffn):
         raise BadInput(f"{path}: {where}: gate/up/down shapes {_numpy_shape(g)}, {_numpy_shape(u)}, "
                        f"{_numpy_shape(d)} do not make one FFN of [ffn, hidden] / [hidden, ffn]")
     tg, tu, td = (_type_name(t).lower() for t in (g, u, d))
-    if tg == tu:
-        gu = np.concatenate([_raw_bytes(g), _raw_bytes(u)])
-    else:
-        tg = "f32"
-        gu = np.concatenate([tensor_f32(g), tensor_f32(u)]).astype("<f4").view(np.uint8).reshape(-1)
     try:
-        fmt = ExpertFormat(tg, td, hidden, ffn)
-        blob = np.zeros((1, fmt.nbytes), dtype=np.uint8)
+        fmt = ExpertFormat(tg if tg == tu else "f32", td, hidden, ffn)
+        fmt.nbytes  # noqa: B018  (raises for rows that are not whole blocks)
     except ValueError as err:
         raise BadInput(f"{path}: {where}: {err}") from None
+    return fmt
+
+
+def _ffn_pool(path: Path, where: str, g, u, d) -> ExpertPool:
+    """One FFN's gate, up and down tensors as a one-slot 'gguf' pool of the file's own rows (the routed experts'
+    slot layout, `_ffn_format`)."""
+    fmt = _ffn_format(path, where, g, u, d)
+    if _type_name(g) == _type_name(u):
+        gu = np.concatenate([_raw_bytes(g), _raw_bytes(u)])
+    else:
+        gu = np.concatenate([tensor_f32(g), tensor_f32(u)]).astype("<f4").view(np.uint8).reshape(-1)
+    blob = np.zeros((1, fmt.nbytes), dtype=np.uint8)
     blob[0, :fmt.down_offset] = gu
     blob[0, fmt.down_offset:] = _raw_bytes(d)
     return ExpertPool("gguf", {"blob": blob}, (fmt,))
 
 
-def read_dense_ffns(path: Path, tensors: dict[str, Any], blocks: list[int]) -> list[DenseFfn]:
-    """The file's shared experts and dense FFN blocks as DenseFfn, in the order they run."""
-    moe = {b: i for i, b in enumerate(blocks)}
+def _dense_ffn_tensors(path: Path, tensors: dict[str, Any], blocks: list[int]) -> list[tuple[int, bool, tuple]]:
+    """(block, is a shared expert, (gate, up, down) tensors) of every shared expert and dense FFN block, by block."""
+    moe = set(blocks)
     ids = sorted({int(m.group(1) or m.group(4)) for n in tensors if (m := _DENSE_FFN_TENSOR.match(n))})
     out = []
     for b in ids:
         shared = b in moe
         suffix = "_shexp" if shared else ""
-        g, u, d = (tensors.get(f"blk.{b}.ffn_{k}{suffix}.weight") for k in ("gate", "up", "down"))
-        if g is None or u is None or d is None:
-            if not shared and g is None and u is None and d is None:
+        gud = tuple(tensors.get(f"blk.{b}.ffn_{k}{suffix}.weight") for k in ("gate", "up", "down"))
+        if any(t is None for t in gud):
+            if not shared and all(t is None for t in gud):
                 continue
             raise BadInput(f"{path}: block {b} has some of ffn_gate{suffix}, ffn_up{suffix}, ffn_down{suffix} only")
+        out.append((b, shared, gud))
+    return out
+
+
+def dense_ffn_device_bytes(path: str | Path) -> int:
+    """Device bytes of a file's shared experts and dense FFN blocks as the runtime uploads them (`DenseFfn`: one
+    slot of the file's rows each, a shared gate [H] or a block's norm [H] in f32), from the header only."""
+    path = Path(path)
+    tensors = {t.name: t for t in _open_reader(path).tensors}
+    total = 0
+    for b, shared, (g, u, d) in _dense_ffn_tensors(path, tensors, moe_blocks(tensors)):
+        fmt = _ffn_format(path, f"block {b}", g, u, d)
+        has_vector = (f"blk.{b}.ffn_gate_inp_shexp.weight" in tensors) if shared else True
+        total += fmt.nbytes + (4 * fmt.hidden if has_vector else 0)
+    return total
+
+
+def read_dense_ffns(path: Path, tensors: dict[str, Any], blocks: list[int]) -> list[DenseFfn]:
+    """The file's shared experts and dense FFN blocks as DenseFfn, in the order they run."""
+    moe = {b: i for i, b in enumerate(blocks)}
+    out = []
+    for b, shared, (g, u, d) in _dense_ffn_tensors(path, tensors, blocks):
         where = f"block {b} {'shared expert' if shared else 'dense FFN'}"
         pool = _ffn_pool(path, where, g, u, d)
         hidden = pool.formats[0].hidden

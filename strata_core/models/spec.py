@@ -124,6 +124,12 @@ def prompt_bytes_for(hidden: int, experts: int, top_k: int, expert_ffn: int) -> 
     return activations + routing + routed_rows
 
 
+def shared_expert_bytes_per_token(hidden: int) -> int:
+    """Device bytes a token of chunk adds where the MoE layers have a shared expert (strata_core.runtime.dense_ffn):
+    the shared output (hidden f32), its row index (int32) and scale (f32), kept while the layer op runs."""
+    return hidden * F32_BYTES + 4 + F32_BYTES
+
+
 def kv_bytes_per_token(spec: ModelSpec, dtype: str) -> int:
     """KV bytes per token of context for a KV dtype; `spec.kv_bytes_per_token` is always counted at f16."""
     try:

@@ -77,6 +77,13 @@ def test_shared_experts_and_dense_blocks_are_computed_and_checked(files, backend
     # every pass checks each MoE layer, each layer again with its shared expert, and each dense block
     assert r["check_report"]["layers_checked"] == passes * (2 * 2 + len(dense))
     assert "not computed" not in err
+    # the plan's dense line is what the device holds: routers, norms, LM head and these FFNs in the file's bytes
+    from strata_core.models.synthetic import device_dense_bytes
+    ffn_bytes = sum(int(a.nbytes) for f in t.ffns for a in f.device_arrays.values())
+    assert r["plan"]["vram"]["dense_bytes"] == r["device_regions"]["dense"] == r["dense_device_bytes"] \
+        == device_dense_bytes(2, 8, 256, 64) + ffn_bytes
+    if backend in ("cpu", "sim"):  # sycl/opencl carve no views yet (issue 12): their peak is not the plan's
+        assert r["device_bytes_peak_measured"] == r["device_bytes_planned"]
     # the zeroed file (same draw, shared/dense FFNs adding nothing) also passes, with other outputs
     rc0, r0, err0 = run_json(files[arch, True], backend)
     assert rc0 == 0 and r0["check"] == "passed", err0[-3000:]
@@ -167,3 +174,12 @@ def test_a_model_without_dense_ffns_runs_the_sessions_own_layer_ops():
     ops = object()
     assert dense_ffn.wrap(ops, w, {}, None, None, False, 1) is ops
     assert dense_ffn.wrap(ops, None, {}, None, None, False, 1) is ops
+
+
+def test_the_plan_counts_the_shared_experts_buffers_per_token(files):
+    from strata_core.models.spec import prompt_bytes_for, shared_expert_bytes_per_token
+    base = prompt_bytes_for(256, 8, 2, 256)
+    assert model_from_gguf(files["qwen2moe", False]).prompt_bytes_per_token == base + shared_expert_bytes_per_token(256)
+    assert model_from_gguf(files["deepseek2", False]).prompt_bytes_per_token == base + shared_expert_bytes_per_token(256)
+    assert model_from_gguf(files["gpt-oss", False]).prompt_bytes_per_token == base  # no shared expert
+    assert shared_expert_bytes_per_token(256) == 256 * 4 + 8
