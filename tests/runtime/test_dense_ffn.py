@@ -183,3 +183,16 @@ def test_the_plan_counts_the_shared_experts_buffers_per_token(files):
     assert model_from_gguf(files["deepseek2", False]).prompt_bytes_per_token == base + shared_expert_bytes_per_token(256)
     assert model_from_gguf(files["gpt-oss", False]).prompt_bytes_per_token == base  # no shared expert
     assert shared_expert_bytes_per_token(256) == 256 * 4 + 8
+
+
+def test_gpt_oss_expert_biases_are_computed_and_checked(files, monkeypatch):
+    # gpt-oss's experts carry f32 gate/up/down biases in their slots: a grouped FFN that ignored them fails the check
+    from dataclasses import replace
+
+    from strata_core.reference import kernels as ref
+    t = read_moe_tensors(files["gpt-oss", False])
+    assert all(f.bias for f in t.experts.formats)
+    orig = ref.gguf_expert_ffn
+    monkeypatch.setattr(ref, "gguf_expert_ffn", lambda x, row, fmt: orig(x, row, replace(fmt, bias=False)))
+    rc, r, err = run_json(files["gpt-oss", False], "cpu")
+    assert rc == 1 and _relative_errors(r["check_report"]), r["check_report"]
