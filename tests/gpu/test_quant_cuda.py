@@ -152,18 +152,24 @@ def test_quant_moe_layer_warm_cold_and_decode_match_the_float64_reference(tmp_pa
     moe = QuantMoE(e_n, k, lp.fmt, group_experts=group_experts)
     xd, ld = cp.asarray(x), cp.asarray(logits)
     cp.cuda.Device().synchronize()  # the inputs land before QuantMoE's non-blocking streams read them
-    warm = cp.asnumpy(moe.prefill_layer(xd, ld, pool, slot_of))
+    # QuantMoE runs on its own non-blocking stream: synchronize it before reading an output on the null stream
+    warm = moe.prefill_layer(xd, ld, pool, slot_of)
     moe.compute_stream.synchronize()
-    err_w = r64.relative_error(warm, want)
-    cold = cp.asnumpy(moe.prefill_layer(xd, ld, pool, np.full(e_n, -1), host_pool, (ring0, ring_n)))
+    err_w = r64.relative_error(cp.asnumpy(warm), want)
+    cold = moe.prefill_layer(xd, ld, pool, np.full(e_n, -1), host_pool, (ring0, ring_n))
     moe.compute_stream.synchronize()
-    err_c = r64.relative_error(cold, want)
+    err_c = r64.relative_error(cp.asnumpy(cold), want)
     assert moe.stats.misses == e_n and moe.stats.bytes_streamed == e_n * blob_h.shape[1]
     smap = cp.asarray(slot_of.astype(np.int32))
-    dec = cp.asnumpy(moe.decode_layer(xd[:1], ld[:1], pool, smap))
+    cp.cuda.Device().synchronize()
+    out = moe.decode_layer(xd[:1], ld[:1], pool, smap)
     moe.compute_stream.synchronize()
-    dec2 = cp.asnumpy(moe.decode_layer(xd[:1], ld[:1], pool, smap))  # the graph's replay
+    dec = cp.asnumpy(out)
+    out.fill(np.nan)
+    cp.cuda.Device().synchronize()
+    moe.decode_layer(xd[:1], ld[:1], pool, smap)  # the graph's replay writes the poisoned output again
     moe.compute_stream.synchronize()
+    dec2 = cp.asnumpy(out)
     err_d = r64.relative_error(dec, want[:1])
     print(f"QuantMoE group_experts={group_experts}: warm {err_w:.2e}, cold {err_c:.2e} (bound {F16_BOUND:g}); "
           f"decode {err_d:.2e} (bound {GEMV_BOUND:g})")
@@ -255,3 +261,28 @@ def test_strata_run_on_cuda_checks_a_quantized_file(tmp_path, arch):
     r = json.loads(out.getvalue())
     assert r["check"] == "passed" and r["bytes_streamed"] > 0
     assert r["cache_pool_bytes"] == 6 * r["plan"]["expert_cache"]["slot_bytes"]
+
+
+@pytest.mark.parametrize("fmt", ["q4_k", "q5_k", "q6_k", "q8_0", "mxfp4", "f16", "bf16", "f32"])
+def test_the_gpu_dequant_to_f16_is_numpys_f16_of_the_oracle_bit_for_bit(fmt):
+    """strata_qf_dequant_f16 on the GPU (the hardware's cvt.rn.f16x2.f32, not the host build's integer rounding)
+    gives numpy's float16 of quants.dequantize for every weight, slots taken out of order from a table."""
+    import cupy as cp
+    from strata_core.reference import quants
+    from strata_cuda.quant_ffn import FAST_THREADS, fast_kernels
+    from strata_core.reference.quants import GGML_TYPES
+    rng = np.random.default_rng(13)
+    m, rows, cols = 3, 64, 512
+    w = rng.standard_normal((m, rows, cols)).astype(np.float32) * np.float32(0.05)
+    w[1, 2, :40] *= np.float32(1e-6)  # f16 subnormals and zeros
+    raw = quants.quantize(fmt, w)
+    rb = raw.shape[-1]
+    blob = cp.asarray(raw.reshape(m, -1))
+    slots = cp.asarray(np.array([2, 0, 1], np.int32))
+    out = cp.full((m, rows, cols), 0x7e00, cp.uint16)  # poisoned
+    fast_kernels(cp)["strata_qf_dequant_f16"](
+        (4, m), (FAST_THREADS,), (blob, np.int64(rows * rb), slots, np.int32(m), np.int64(0), np.int64(rb),
+                                  np.int32(rows), np.int32(cols), np.int32(GGML_TYPES[fmt]), out))
+    want = quants.dequantize(fmt, raw[[2, 0, 1]], cols).astype(np.float16).view(np.uint16)
+    got = cp.asnumpy(out)
+    assert int(np.count_nonzero(got != want)) == 0, fmt

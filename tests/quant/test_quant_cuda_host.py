@@ -211,6 +211,7 @@ def test_moe_quant_cu_compiles_with_nvrtc():
 GEMV_BOUND = 1e-6
 
 FAST_SHIM = r"""
+#define QF_HOST 1
 #include <barrier>
 #include <cmath>
 #include <cstring>
@@ -265,7 +266,7 @@ FAST_WRAPPERS = r"""
 extern "C" {
 void host_dequant_f16(unsigned gx, const unsigned char* blob, long long sb, const int* slots, int m, long long off,
                       long long rb, int rows, int cols, int fmt, unsigned short* out) {
-    qf_launch(gx, 1, [&] { strata_qf_dequant_f16(blob, sb, slots, m, off, rb, rows, cols, fmt, out); });
+    qf_launch(gx, m, [&] { strata_qf_dequant_f16(blob, sb, slots, m, off, rb, rows, cols, fmt, out); });
 }
 void host_gemv_gate_up(unsigned gx, unsigned gy, const float* x, long long ldx, const int* off, const int* ids,
                        const int* slots, int S, int H, int F, const unsigned char* blob, long long sb, long long rb,

@@ -32,6 +32,24 @@ __device__ __forceinline__ unsigned int qf_f2h(float f) {
     return sign | ((rounded - 0x38000000u) >> 13);
 }
 
+// Two f32 -> one word of two binary16 (lo in the low half), round to nearest even: one cvt.rn.f16x2.f32 on the GPU;
+// the host build (QF_HOST) uses qf_f2h, which rounds the same way.
+__device__ __forceinline__ unsigned int qf_pack_h2(float lo, float hi) {
+#if defined(QF_HOST)
+    return qf_f2h(lo) | (qf_f2h(hi) << 16);
+#else
+    unsigned int r;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+#endif
+}
+
+// A small non-negative int as float, exactly (q < 2^23), by its bits: no int-to-float conversion, a quarter-rate
+// instruction on the SMs.
+__device__ __forceinline__ float qf_small(unsigned int q) {
+    return __fsub_rn(__uint_as_float(0x4b000000u | q), 8388608.0f);
+}
+
 // 32 bytes at p as 8 little-endian words: two 16-byte loads where p is 16-aligned (q4_k/q5_k rows of aligned slots),
 // byte loads otherwise (a q6_k block is 210 bytes, so its fields are often unaligned).
 __device__ __forceinline__ void qf_load32(const unsigned char* p, unsigned int w[8]) {
@@ -68,7 +86,7 @@ __device__ __forceinline__ void qf_chunk(const unsigned char* row, int c, int fm
         for (int l = 0; l < 32; ++l) {
             unsigned int q = (qf_byte(qs, l) >> shift) & 15u;
             if (five) q |= ((qf_byte(qh, l) >> sub) & 1u) << 4;
-            v[l] = __fsub_rn(__fmul_rn(scale, (float)q), minv);
+            v[l] = __fsub_rn(__fmul_rn(scale, qf_small(q)), minv);
         }
         return;
     }
@@ -86,8 +104,8 @@ __device__ __forceinline__ void qf_chunk(const unsigned char* row, int c, int fm
         for (int l = 0; l < 32; ++l) {
             const unsigned int low = (qf_byte(ql, l) >> lshift) & 15u;
             const unsigned int high = (qf_byte(qh, l) >> (2 * g)) & 3u;
-            const int q = (int)(low | (high << 4)) - 32;
-            v[l] = __fmul_rn(l < 16 ? s0 : s1, (float)q);
+            // (float)(q - 32), exact either way
+            v[l] = __fmul_rn(l < 16 ? s0 : s1, __fsub_rn(qf_small(low | (high << 4)), 32.0f));
         }
         return;
     }
@@ -98,9 +116,24 @@ __device__ __forceinline__ void qf_chunk(const unsigned char* row, int c, int fm
         for (int l = 0; l < 32; ++l) v[l] = __fmul_rn((float)(signed char)b[2 + l], d);
         return;
     }
-    // mxfp4 (its subnormal scales need quants.cuh's care), f32, f16, bf16: weight by weight
-#pragma unroll 4
-    for (int l = 0; l < 32; ++l) v[l] = dq_weight(row, 32 * c + l, fmt);
+    // mxfp4 (its subnormal scales need quants.cuh's care), f32, f16, bf16: weight by weight, fully unrolled so that
+    // v stays in registers (a runtime index would put it in local memory for every format)
+    if (fmt == DQ_TYPE_MXFP4) {
+#pragma unroll
+        for (int l = 0; l < 32; ++l) v[l] = dq_mxfp4(row, 32 * c + l);
+    } else if (fmt == DQ_TYPE_F16) {
+#pragma unroll
+        for (int l = 0; l < 32; ++l) v[l] = dq_f16(row, 32 * c + l);
+    } else if (fmt == DQ_TYPE_BF16) {
+#pragma unroll
+        for (int l = 0; l < 32; ++l) v[l] = dq_bf16(row, 32 * c + l);
+    } else if (fmt == DQ_TYPE_F32) {
+#pragma unroll
+        for (int l = 0; l < 32; ++l) v[l] = dq_f32(row, 32 * c + l);
+    } else {
+#pragma unroll
+        for (int l = 0; l < 32; ++l) v[l] = __uint_as_float(0x7fc00000u);  // a type this file does not know
+    }
 }
 
 __device__ __forceinline__ float qf_dot32(const float v[32], const float* x) {
@@ -122,30 +155,24 @@ __device__ __forceinline__ float qf_warp_sum(float v) {
 
 __device__ __forceinline__ float qf_silu(float v) { return v / (1.0f + expf(-v)); }
 
-// out[i] = f16 of the [rows, cols] matrix at mat_off bytes into slot slots[i] (rows of rb bytes), i < m; one thread
-// per chunk, grid-stride. out is 16-byte aligned and cols a multiple of 32.
+// out[e] = f16 of the [rows, cols] matrix at mat_off bytes into slot slots[e] (rows of rb bytes); blockIdx.y is e,
+// a thread per chunk, grid-stride in 32-bit indices. out is 16-byte aligned and cols a multiple of 32.
 extern "C" __global__ void __launch_bounds__(QF_THREADS)
 strata_qf_dequant_f16(const unsigned char* __restrict__ blob, long long slot_bytes, const int* __restrict__ slots,
                       int m, long long mat_off, long long rb, int rows, int cols, int fmt,
                       unsigned short* __restrict__ out) {
-    const int cpr = cols / 32;
-    const long long per = (long long)rows * cpr, total = per * m;
-    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < total;
-         i += (long long)gridDim.x * blockDim.x) {
-        const int e = (int)(i / per);
-        const long long rem = i - (long long)e * per;
-        const int r = (int)(rem / cpr), c = (int)(rem - (long long)r * cpr);
-        const unsigned char* row = blob + (long long)slots[e] * slot_bytes + mat_off + (long long)r * rb;
+    const int e = blockIdx.y, cpr = cols / 32, per = rows * cpr;
+    const unsigned char* mat = blob + (long long)slots[e] * slot_bytes + mat_off;
+    unsigned short* dst0 = out + (long long)e * rows * cols;
+    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < per; i += gridDim.x * blockDim.x) {
+        const int r = i / cpr, c = i - r * cpr;
         float v[32];
-        qf_chunk(row, c, fmt, v);
-        uint4* dst = (uint4*)(out + (long long)e * rows * cols + (long long)r * cols + 32 * c);
+        qf_chunk(mat + (long long)r * rb, c, fmt, v);
+        uint4* dst = (uint4*)(dst0 + (long long)r * cols + 32 * c);
 #pragma unroll
-        for (int q = 0; q < 4; ++q) {
-            unsigned int p[4];
-#pragma unroll
-            for (int k = 0; k < 4; ++k) p[k] = qf_f2h(v[8 * q + 2 * k]) | (qf_f2h(v[8 * q + 2 * k + 1]) << 16);
-            dst[q] = make_uint4(p[0], p[1], p[2], p[3]);
-        }
+        for (int q = 0; q < 4; ++q)
+            dst[q] = make_uint4(qf_pack_h2(v[8 * q], v[8 * q + 1]), qf_pack_h2(v[8 * q + 2], v[8 * q + 3]),
+                                qf_pack_h2(v[8 * q + 4], v[8 * q + 5]), qf_pack_h2(v[8 * q + 6], v[8 * q + 7]));
     }
 }
 

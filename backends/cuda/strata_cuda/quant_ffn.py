@@ -47,7 +47,7 @@ FAST_WARPS = 8
 #: Groups of at most this many rows take the GEMV kernels (they decode the weights once per 4 rows).
 GEMV_MAX_ROWS = 8
 #: Experts dequantized to f16 per group of QuantMoE's prefill (two such groups of scratch in flight).
-GROUP_EXPERTS = 16
+GROUP_EXPERTS = 32
 #: Types quant_fast.cu decodes (quants.cuh's).
 FAST_TYPES = frozenset(GGML_TYPES)
 
@@ -198,8 +198,13 @@ class QuantGroupedFFN:
         n, h, f = int(x.shape[0]), fmt.hidden, fmt.ffn
         blob = pool.arrays["blob"]
         s_slots, slot_b = (int(s) for s in blob.shape)
-        y = cp.zeros((n, h), dtype=cp.float32)
-        act = cp.zeros((n, f), dtype=cp.float32)
+        # every row of a group is written; only rows outside the groups need zeros (the reference's)
+        lo, hi = int(off_h[0]), int(off_h[-1])
+        y = cp.empty((n, h), dtype=cp.float32)
+        if lo > 0 or hi < n:
+            y[:lo] = 0
+            y[hi:] = 0
+        act = cp.empty((n, f), dtype=cp.float32)
         tab = cp.asarray(np.concatenate([off_h, slots_h]).astype(np.int32))  # one small upload
         g = len(slots_h)
         off_d, slots_d = tab[:g + 1], tab[g + 1:]
@@ -294,9 +299,9 @@ class QuantMoE(FastMoE):
         slot_b = int(blob.shape[1])
         for off, rb, rows, cols, typ, dst in ((0, fmt.gate_up_row_bytes, 2 * f, h, fmt.gate_up, s13),
                                               (fmt.down_offset, fmt.down_row_bytes, h, f, fmt.down, s2)):
-            chunks = m * rows * (cols // 32)
+            chunks = rows * (cols // 32)  # of one expert: blockIdx.y is the expert
             self._qk["strata_qf_dequant_f16"](
-                (max(1, min(8192, -(-chunks // FAST_THREADS))),), (FAST_THREADS,),
+                (max(1, min(4096, -(-chunks // FAST_THREADS))), m), (FAST_THREADS,),
                 (blob, np.int64(slot_b), np.uint64(table), np.int32(m), np.int64(off), np.int64(rb), np.int32(rows),
                  np.int32(cols), np.int32(GGML_TYPES[typ]), np.uint64(dst)))
         idx = np.arange(m, dtype=np.int64)
@@ -328,9 +333,13 @@ class QuantMoE(FastMoE):
         fork.record(main)
         side.wait_event(fork)  # the table has landed and earlier readers of the scratch are done
         done: list = []
+        # the first group is a quarter of the others, so the GEMMs start after a short dequantization and the rest
+        # of it hides behind them
+        first = max(1, step // 4) if n > step else n
+        starts = [0] + list(range(first, n, step))
         try:
-            for j, sub in enumerate(range(0, n, step)):
-                m = min(step, n - sub)
+            for j, sub in enumerate(starts):
+                m = min(step if j else first, n - sub)
                 if j >= 2:
                     side.wait_event(done[j - 2])  # the GEMMs of the group that last used this buffer
                 with side:
