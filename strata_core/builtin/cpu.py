@@ -1,7 +1,15 @@
-"""The 'cpu' backend: numpy on the host, the reference every other backend is checked against."""
+"""The 'cpu' backend: numpy on the host, the reference every other backend is checked against.
+
+Its kernels are the reference's, with the one-token shapes of decode (rmsnorm, route_topk, scatter_add into one
+row) computed by the same numpy operations in the same order without the reference's generic steps: the same bits
+(tests/unit/test_host_kernels.py), fewer host calls. Its memory says `host_arrays`: device arrays are numpy arrays
+and every call is synchronous, so the composed layer ops may run decode without uploads, events or per-layer
+carves (`strata_core.runtime.layer_ops`).
+"""
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -36,7 +44,7 @@ class CpuDevice:
     def open(self, plan: Any) -> DeviceSession:
         """A session over host memory whose pinned allocator charges the plan's budget."""
         budget = PinnedBudget.for_plan(plan)
-        return DeviceSession(memory=HostMemory(), kernels=ReferenceKernels(), budget=budget,
+        return DeviceSession(memory=HostMemory(), kernels=HostKernels(), budget=budget,
                              pinned=HostPinnedAllocator(budget))
 
 
@@ -58,8 +66,73 @@ def describe(info: DeviceInfo) -> CpuDevice:
     return CpuDevice(replace(info, backend=NAME))
 
 
+#: reduceat's one segment (every routed row of a one-row residual adds into row 0)
+_ROW0 = np.zeros(1, dtype=np.intp)
+
+
+#: A read-only f16/bf16 weight matrix `linear` multiplies is kept as f32 up to this many bytes of f32 copy
+#: (converting the tiny model's [2048,128] f16 LM head took 0.77-0.86 ms a token, most of a decode step's host time).
+F32_COPY_LIMIT_BYTES = 64 << 20
+
+
+class HostKernels(ReferenceKernels):
+    """The reference kernels; one-row calls (decode) skip the reference's generic steps, to the same bits.
+
+    `linear` keeps the f32 form of a read-only non-f32 weight (the engine makes the dense weights read-only on the
+    host) up to F32_COPY_LIMIT_BYTES each: the reference converts it on every call, to the same values.
+    `f32_copy_bytes` is the host RAM those copies take.
+    """
+
+    def __init__(self):
+        self._f32: dict[int, tuple[Any, np.ndarray]] = {}
+        self.f32_copy_bytes = 0
+
+    def linear(self, x, w, out=None):
+        """See the reference; a read-only f16 weight is converted to f32 once, not every call."""
+        if out is None or type(w) is not np.ndarray or w.dtype == np.float32 or w.flags.writeable \
+                or w.size * 4 > F32_COPY_LIMIT_BYTES:
+            return super().linear(x, w, out=out)
+        got = self._f32.get(id(w))
+        if got is None or got[0]() is not w:
+            got = (weakref.ref(w), w.astype(np.float32))
+            self._f32[id(w)] = got
+            self.f32_copy_bytes += int(got[1].nbytes)
+        return np.matmul(np.asarray(x, dtype=np.float32), got[1].T, out=out)
+
+    def rmsnorm(self, x, w, eps=1e-6, out=None):
+        """See the reference; f32 arrays into `out`: np.mean's own sum and divide, spelled out."""
+        if out is None or type(x) is not np.ndarray or type(w) is not np.ndarray or x.ndim != 2 \
+                or x.dtype != np.float32 or w.dtype != np.float32:
+            return super().rmsnorm(x, w, eps, out=out)
+        s = np.add.reduce(x * x, 1, None, None, True)
+        np.true_divide(s, np.intp(x.shape[1]), out=s, casting="unsafe")
+        return np.multiply(x * (1.0 / np.sqrt(s + eps)), w, out=out)
+
+    def route_topk(self, logits, k, out=None):
+        """See the reference; one row of f32 logits into `out`: the same sort, exp and sum on the row itself."""
+        if out is None or type(logits) is not np.ndarray or logits.dtype != np.float32 or logits.shape[0] != 1:
+            return super().route_topk(logits, k, out=out)
+        row = logits[0]
+        order = np.argsort(-row, kind="stable")[:k]
+        top = row[order]
+        e = np.exp(top - top[:1])
+        out[0][0] = order
+        np.divide(e, e.sum(keepdims=True), out=out[1][0])
+        return out
+
+    def scatter_add(self, out, rows, y, scale):
+        """See the reference; into a one-row `out` every row adds to row 0, summed in the given order."""
+        if type(out) is not np.ndarray or out.shape[0] != 1 or type(y) is not np.ndarray or len(rows) == 0 \
+                or type(scale) is not np.ndarray or y.dtype != np.float32 or scale.dtype != np.float32:
+            return super().scatter_add(out, rows, y, scale)
+        out += np.add.reduceat(y * scale[:, None], _ROW0, axis=0)
+
+
 class HostMemory:
     """DeviceMemory whose 'device' is host RAM: arrays are numpy arrays, copies are synchronous."""
+
+    #: device arrays are host numpy arrays and nothing is asynchronous (layer ops may skip uploads and events)
+    host_arrays = True
 
     def alloc(self, shape, dtype):
         """A numpy array, or None when the host has no room."""

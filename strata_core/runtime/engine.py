@@ -20,6 +20,7 @@ from strata_core.runtime.cache import ExpertCache
 from strata_core.runtime.cpu_share import CpuShare
 from strata_core.runtime.devmem import PlanMemory
 from strata_core.runtime.executor import DeviceFull, Executor, LayerObserver
+from strata_core.runtime.layer_ops import synthetic_popularity
 from strata_core.planner.chunks import halve
 from strata_core.runtime.loan import PromptLoan
 from strata_core.runtime.pinned import PinnedPool
@@ -63,6 +64,19 @@ class RequestResult:
                 "refused_reason": self.refused_reason, "fallbacks": [f.to_json() for f in self.fallbacks]}
 
 
+#: Vocabulary rows whose routing estimates the experts' popularity for the warm-up.
+POPULARITY_SAMPLE_TOKENS = 256
+
+
+def warm_order(popularity: np.ndarray) -> np.ndarray:
+    """Store rows (layer * E + expert) most popular first; equal popularity keeps expert-major order (expert 0 of
+    every layer, then expert 1, ...), the warm-up's order before popularity."""
+    L, E = popularity.shape
+    rows = (np.arange(L)[None, :] * E + np.arange(E)[:, None]).reshape(-1)  # expert-major
+    share = np.asarray(popularity, dtype=np.float64).reshape(-1)[rows]
+    return rows[np.argsort(-share, kind="stable")]
+
+
 class Engine:
     """The runtime objects of one run: store, pinned pool, cache, loans, CPU share and executor."""
 
@@ -78,6 +92,7 @@ class Engine:
         self.kernels = kernels
         self.weights = weights
         self.accounting_only = accounting_only
+        self.seed = int(seed)
         model = plan.model
         self.limits = plan.limits
         if allocator is None:
@@ -178,23 +193,57 @@ class Engine:
         if self.weights is None or self.weights.dense is None or self.accounting_only:
             return {}
         out = {}
+        host = bool(getattr(getattr(self.dm, "inner", self.dm), "host_arrays", False))
         for name, arr in self.weights.dense.device_arrays.items():
             d = self.dm.to_device(np.ascontiguousarray(arr))
             if d is None:
                 raise StrataError(f"the device refused the dense weight '{name}' ({arr.nbytes} bytes)")
+            if host and isinstance(d, np.ndarray):
+                d.flags.writeable = False  # never written after start: a host kernel may keep a derived form
             out[name] = d
         return out
 
     def _warm(self) -> None:
-        """Fill the cache with the first experts of every layer in turn, uploading their weights."""
-        L, E = self.cache.layers, self.cache.experts_per_layer
-        order = (np.arange(L)[None, :] * E + np.arange(E)[:, None]).reshape(-1)
+        """Fill the cache with the most popular experts first (`expert_popularity`), uploading their weights."""
+        try:
+            popularity = self.expert_popularity()
+        except (ValueError, TypeError, IndexError) as e:  # a model file whose dense tensors do not route here
+            self.log.trace(f"warm-up: no popularity estimate ({type(e).__name__}: {e}); experts in id order")
+            popularity = np.ones((self.cache.layers, self.cache.experts_per_layer))
+        order = warm_order(popularity)
         placed = self.cache.place(order[: self.cache.slots])
         if not self.accounting_only:
             for slot, row in zip(placed, order[: len(placed)]):
                 for name, src in self.store.expert(int(row)).items():
                     self.dm.upload(self.device_pool.arrays[name][int(slot)], src, self.executor_stream())
             self.dm.synchronize()
+
+    def expert_popularity(self) -> np.ndarray:
+        """[L, E] share of each layer's routed rows every expert is expected to take (each row sums to 1).
+
+        With weights: the routers' own choice over a sample of the vocabulary's embeddings (rmsnorm, router,
+        router bias, top k), the first layer's input standing in for every layer's. In accounting mode: the
+        synthetic routing law the composed layer ops draw from (the same seed, the same hot sets).
+        """
+        L, E, k = self.cache.layers, self.cache.experts_per_layer, self.plan.model.top_k
+        d = self.weights.dense if self.weights is not None else None
+        if self.accounting_only or d is None or len(getattr(d, "routers", ()) or ()) < L:
+            return np.stack(synthetic_popularity(np.random.default_rng(self.seed), E, L))
+        V = int(d.embed.shape[0])
+        rows = np.random.default_rng(self.seed).choice(V, POPULARITY_SAMPLE_TOKENS, replace=False) \
+            if V > POPULARITY_SAMPLE_TOKENS else np.arange(V)
+        x = np.asarray(d.embed[np.sort(rows)], dtype=np.float32)
+        biases = list(getattr(d, "router_biases", ()) or ())
+        out = np.zeros((L, E))
+        for layer in range(L):
+            xn = x / np.sqrt(np.mean(x * x, axis=1, keepdims=True) + 1e-6) * np.asarray(d.norms[layer], np.float32)
+            logits = xn @ np.asarray(d.routers[layer], dtype=np.float32).T
+            if layer < len(biases) and biases[layer] is not None:
+                logits = logits + np.asarray(biases[layer], np.float32)
+            top = np.argpartition(-logits, min(k, E) - 1, axis=1)[:, :k]
+            counts = np.bincount(top.reshape(-1), minlength=E).astype(np.float64)
+            out[layer] = counts / counts.sum()
+        return out
 
     def _take_regions(self) -> dict[str, Any]:
         """The plan's other device lines, one flat region each: workspace, owned prompt buffers, KV (if planned)."""

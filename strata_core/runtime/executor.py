@@ -138,6 +138,10 @@ class Executor:
             dm=dm, kernels=kernels, store=store, share=share, hidden=hidden, expert_ffn=ffn,
             experts_per_layer=cache.experts_per_layer, layers=cache.layers, workspace_bytes=workspace_bytes,
             accounting_only=accounting_only, seed=seed)
+        #: The core's own layer ops take a decode step's works as the same objects every step, x and workspace
+        #: updated (a session's own ops get fresh ones: they may keep them)
+        self._reuse_works = layer_ops is None
+        self._step_works: list[LayerWork] | None = None
         from strata_core.runtime import dense_ffn  # the FFNs beside the routed experts (shared, dense, router bias)
         self.ops = dense_ffn.wrap(self.ops, weights, self.dense, dm, kernels, accounting_only, cache.layers)
 
@@ -234,13 +238,28 @@ class Executor:
                           compute_stream=None, copy_stream=self.copy_stream, stats=self.counters, extras=extras)
                 for layer in range(self.cache.layers)]
 
+    def _decode_works(self, x: Any, arena: Arena) -> list[LayerWork]:
+        """The works of one decode step: made once and given this step's residual and arena (core layer ops)."""
+        works = self._step_works
+        if works is None or not self._reuse_works:
+            works = self._works("decode", x, 1, _NO_RING, arena)
+            if self._reuse_works:
+                self._step_works = works
+            return works
+        for w in works:
+            w.x = x
+            w.workspace = arena
+        return works
+
     # --- prefill and decode --------------------------------------------------------------------------------
 
     def _embed(self, token_ids: np.ndarray, arena: Arena) -> Any:
         """The residual stream of these tokens, carved from the arena for the chunk's life (None in accounting)."""
         if self.accounting_only:
             return None
-        host = self.weights.dense.embed[token_ids].astype(np.float32)
+        # the rows in the table's own dtype: DeviceMemory.upload widens them (on the device where it can, which
+        # halves the bytes copied and spares the host a 4096-row f16 -> f32 pass of ~30 ms)
+        host = self.weights.dense.embed[token_ids]
         x = arena.carve(host.shape, np.float32)
         self.dm.upload(x, host)
         arena.fix()
@@ -294,7 +313,7 @@ class Executor:
         arena = self._arena(None)
         try:
             x = self._embed(np.array([token]) if not self.accounting_only else None, arena)
-            self.ops.decode_step(self._works("decode", x, 1, _NO_RING, arena))
+            self.ops.decode_step(self._decode_works(x, arena))
             logits = None if self.accounting_only else self._head(x, arena)
             self._sample()
         finally:

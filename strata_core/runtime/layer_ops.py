@@ -39,6 +39,12 @@ COUNTERS = ("experts_streamed", "bytes_streamed", "experts_admitted", "cpu_share
             "workspace_peak_bytes")
 
 
+def synthetic_popularity(rng: np.random.Generator, experts_per_layer: int, layers: int) -> list[np.ndarray]:
+    """Accounting mode's routing law: a Zipf-like popularity per layer (rank^-0.8), a different hot set each layer."""
+    base = 1.0 / np.arange(1, int(experts_per_layer) + 1) ** 0.8
+    return [rng.permutation(base / base.sum()) for _ in range(int(layers))]
+
+
 def new_counters() -> dict[str, int]:
     """A zeroed counter dict of the names a layer op adds to."""
     return {k: 0 for k in COUNTERS}
@@ -106,9 +112,7 @@ class ComposedLayerOps:
         #: Does the layer in progress keep its routed rows in routing order (see _run_groups)?
         self._ordered = False
         self._rng = np.random.default_rng(seed)
-        # accounting mode: a Zipf-like popularity per layer, a different hot set in every layer
-        base = 1.0 / np.arange(1, self.E + 1) ** 0.8
-        self._popularity = [self._rng.permutation(base / base.sum()) for _ in range(int(layers))]
+        self._popularity = synthetic_popularity(self._rng, self.E, int(layers))
         #: Which primitives take an `out` buffer (a backend written before 2.0 allocates its results itself).
         self._takes_out = {name: _takes_out(getattr(kernels, name, None))
                            for name in ("rmsnorm", "linear", "route_topk", "gather", "moe_grouped_ffn")}
@@ -116,6 +120,10 @@ class ComposedLayerOps:
         #: (tokens, top_k, rows, groups) -> does one ordered call fit the workspace (sizes only: computed once)
         self._direct_fits: dict[tuple, bool] = {}
         self._direct_peak: dict[tuple, int] = {}
+        #: The device is the host (numpy arrays, synchronous calls) and every kernel takes its output buffer: a
+        #: decode step runs as `_decode_host`, its buffers carved once a step and the index arrays used in place.
+        self._host = (not accounting_only and bool(getattr(getattr(dm, "inner", dm), "host_arrays", False))
+                      and all(self._takes_out.values()))
 
     # --- the contract --------------------------------------------------------------------------------------
 
@@ -125,6 +133,9 @@ class ComposedLayerOps:
 
     def decode_step(self, works: list[LayerWork]) -> None:
         """Run every MoE layer of one decode token in order."""
+        if self._host and works and works[0].tokens == 1 and not len(works[0].ring) and not self.share.armed_for(1):
+            self._decode_host(works)
+            return
         for w in works:
             self._layer(w)
 
@@ -422,13 +433,7 @@ class ComposedLayerOps:
             return False
         n, g = len(r.rows), len(r.experts)
         key = (w.tokens, w.top_k, n, g)
-        ok = self._direct_fits.get(key)
-        if ok is None:
-            self._ordered = True
-            ok = self._ordered_fits(w) and (n * KERNEL_SCRATCH_FACTOR * self._row_bytes() + g * KERNEL_SCRATCH_FACTOR
-                                            * self._staged_slot_bytes() <= self._call_budget(w))
-            self._direct_fits[key] = ok
-        if not ok:
+        if not self._one_call_fits(w, key):
             return False
         self._ordered = True
         layer = w.layer
@@ -453,13 +458,107 @@ class ComposedLayerOps:
         y = self._k("moe_grouped_ffn", xg, offs_d, slots_d, w.pool,
                     out=self._out(w, "moe_grouped_ffn", (n, self.hidden), np.float32))
         self.k.scatter_add(w.x, rows_d, y, self._put(w, r.scales))
-        peak = self._direct_peak.get(key)
-        if peak is None:
-            peak = self._direct_peak[key] = (self._token_part_bytes(w) + n * self._row_bytes()
-                                             + g * self._staged_slot_bytes())
+        peak = self._direct_peak_bytes(w, key)
         if peak > w.stats["workspace_peak_bytes"]:
             w.stats["workspace_peak_bytes"] = peak
         return True
+
+    def _one_call_fits(self, w: LayerWork, key: tuple) -> bool:
+        """Do `key`'s (tokens, top_k, rows, groups) keep routing order and fit one grouped call? (sizes only: once)"""
+        ok = self._direct_fits.get(key)
+        if ok is None:
+            self._ordered = True
+            n, g = key[2], key[3]
+            ok = self._ordered_fits(w) and (n * KERNEL_SCRATCH_FACTOR * self._row_bytes() + g * KERNEL_SCRATCH_FACTOR
+                                            * self._staged_slot_bytes() <= self._call_budget(w))
+            self._direct_fits[key] = ok
+        return ok
+
+    def _direct_peak_bytes(self, w: LayerWork, key: tuple) -> int:
+        """The workspace peak of one ordered call of `key`'s shape (from the sizes: computed once)."""
+        peak = self._direct_peak.get(key)
+        if peak is None:
+            self._ordered = True
+            peak = self._direct_peak[key] = (self._token_part_bytes(w) + key[2] * self._row_bytes()
+                                             + key[3] * self._staged_slot_bytes())
+        return peak
+
+    # --- decode on the host --------------------------------------------------------------------------------
+
+    def _decode_host(self, works: list[LayerWork]) -> None:
+        """A decode token's layers where the device is the host: `_direct`'s work and bits, fewer host calls.
+
+        One token routes to top_k distinct experts, so its routing is known without grouping: experts ascending,
+        one row each, every row reading token 0. The step's buffers are carved once, after the residual, and serve
+        every layer; index arrays are host arrays used in place (the device is the host). A layer `_direct` would
+        not take (a router bias, a cache too small for its misses in one pass, a call over the workspace budget)
+        runs the general path from the same routing, and the step's buffers are carved again after it.
+        """
+        w0 = works[0]
+        k, H, E = int(w0.top_k), self.hidden, self.E
+        f32 = np.float32
+        key = (1, k, k, k)
+        ones_k = np.ones(k, np.int64)
+        rows = np.zeros(k, np.int32)
+        offsets = np.arange(k + 1, dtype=np.int32)
+        starts = np.arange(k, dtype=np.int64)
+        kern = self.k
+        rmsnorm, linear, route_topk, gather, ffn, scatter_add = (kern.rmsnorm, kern.linear, kern.route_topk,
+                                                                 kern.gather, kern.moe_grouped_ffn, kern.scatter_add)
+        bufs = mark = None
+        for w in works:
+            ws = w.workspace
+            if w.extras.get("router_bias") is not None or not self._one_call_fits(w, key):
+                if bufs is not None:
+                    ws.release(mark)
+                    bufs = None
+                self._layer(w)
+                continue
+            if bufs is None:
+                mark = ws.mark()
+                bufs = (ws.carve((1, H), f32), ws.carve((1, E), f32), ws.carve((1, k), np.int32),
+                        ws.carve((1, k), f32), ws.carve((k, H), f32), ws.carve((k, H), f32), ws.carve((k,), np.int32))
+                xn, logits, ids, wts, xg, y, slots32 = bufs
+            layer, x, cache = w.layer, w.x, w.slots
+            observer = w.extras.get("observer")
+            x_in = np.array(x) if observer is not None else None
+            rmsnorm(x, w.norm_w, out=xn)
+            linear(xn, w.router_w, out=logits)
+            route_topk(logits, k, out=(ids, wts))
+            order = np.argsort(ids[0], kind="stable")
+            experts = ids[0][order].astype(np.int64)
+            scales = wts[0][order]
+            slots = cache.lookup(layer, experts, ones_k)
+            miss = slots == EMPTY
+            n_miss = int(np.count_nonzero(miss))
+            if n_miss:
+                slots = slots.copy()
+                hit_slots = slots[~miss]
+                if cache.usable_slots() - len(hit_slots) < n_miss:
+                    r = Routing(experts, ones_k, starts, rows, scales)
+                    ws.release(mark)
+                    bufs = None
+                    try:
+                        self._after_lookup(w, r, slots, rmsnorm(x, w.norm_w, out=ws.carve((1, H), f32)), x_in)
+                    finally:
+                        ws.reset()
+                    continue
+                got = cache.admit(layer, experts[miss], keep=hit_slots)
+                slots[miss] = got
+                for e, slot in zip(experts[miss].tolist(), got.tolist()):
+                    w.source.upload(int(cache.row(layer, e)), slot, w.copy_stream)
+                w.stats["experts_admitted"] += n_miss
+            slots32[:] = slots
+            gather(xn, rows, out=xg)
+            scatter_add(x, rows, ffn(xg, offsets, slots32, w.pool, out=y), scales)
+            peak = self._direct_peak_bytes(w, key)
+            if peak > w.stats["workspace_peak_bytes"]:
+                w.stats["workspace_peak_bytes"] = peak
+            if x_in is not None:
+                observer(w.phase, layer, x_in, np.array(x))
+        if bufs is not None:
+            works[-1].workspace.release(mark)
+        self._ordered = True
 
     def _share_split(self, r: Routing, misses: np.ndarray, tokens: int) -> np.ndarray:
         """The misses the CPU takes: the half with the fewest tokens (cheap on the CPU, costly to stream), as many
@@ -496,6 +595,12 @@ class ComposedLayerOps:
         # this layer's own hits never sit in them, so their compute still overlaps the copies
         self._fence_copies(w)
         slots = w.slots.lookup(layer, r.experts, r.counts)
+        self._after_lookup(w, r, slots, xn, x_in)
+
+    def _after_lookup(self, w: LayerWork, r: Routing, slots: np.ndarray, xn: Any, x_in: np.ndarray | None) -> None:
+        """The layer once its experts are looked up: hits, misses, the CPU share, the ordered sum."""
+        layer, tokens, x = w.layer, w.tokens, w.x
+        observer = w.extras.get("observer")
         hit = slots != EMPTY
         hits = np.flatnonzero(hit)
         misses = np.flatnonzero(~hit)
