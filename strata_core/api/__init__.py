@@ -7,8 +7,8 @@ Everything a plugin needs is named in `__all__`; nothing here imports the runtim
 API_VERSION = "2.0"
 
 from strata_core.api.backend import (  # noqa: E402
-    Backend, Device, DeviceMemory, DeviceSession, FactsOnlyDevice, PinnedAllocator, PinnedBudget, PinnedBuffer,
-    ProbeResult,
+    Backend, Device, DeviceMemory, DeviceMemoryViews, DeviceSession, FactsOnlyDevice, PinnedAllocator, PinnedBudget,
+    PinnedBuffer, ProbeResult,
 )
 from strata_core.api.facts import (  # noqa: E402
     CpuInfo, DeviceCaps, DeviceInfo, DeviceType, HostInfo, PlatformDefaults, Profile,
@@ -22,8 +22,9 @@ from strata_core.api.settings import SettingsGroup  # noqa: E402
 from strata_core.api.target import Target  # noqa: E402
 
 __all__ = [
-    "API_VERSION", "EXPERT_FORMATS", "Backend", "CpuInfo", "Device", "DeviceCaps", "DeviceInfo", "DeviceMemory", "DeviceSession",
-    "DeviceType", "ExpertPool", "ExpertSource", "FactsOnlyDevice", "HostInfo", "KernelSet", "LayerOps", "LayerWork",
+    "API_VERSION", "EXPERT_FORMATS", "Backend", "CpuInfo", "Device", "DeviceCaps", "DeviceInfo", "DeviceMemory",
+    "DeviceMemoryViews", "DeviceSession", "DeviceType", "ExpertPool", "ExpertSource", "FactsOnlyDevice", "HostInfo",
+    "KernelSet", "LayerOps", "LayerWork",
     "PinnedAllocator", "PinnedBudget", "PinnedBuffer", "PlanDraft", "PlatformDefaults", "ProbeResult", "Profile",
     "QK8_0", "SettingsGroup", "SlotTable", "Target", "Workspace", "hookimpl", "hookspec",
 ]

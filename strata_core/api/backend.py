@@ -205,7 +205,7 @@ class PinnedAllocator(Protocol):
 
 @runtime_checkable
 class DeviceMemory(Protocol):
-    """Device memory, copy streams and events of one device."""
+    """Device memory, copy streams and events of one device (and, optionally, `view`: see DeviceMemoryViews)."""
 
     def alloc(self, shape: tuple[int, ...], dtype: Any) -> Any | None:
         """A device array, or None when the device has no room (never raises for lack of memory)."""
@@ -239,3 +239,15 @@ class DeviceMemory(Protocol):
 
     def mem_info(self) -> tuple[int, int]:
         """(free_bytes, total_bytes) of the device now."""
+
+
+@runtime_checkable
+class DeviceMemoryViews(Protocol):
+    """What a DeviceMemory may add (versionadded 2.0, optional): typed views, so every buffer is carved from a region.
+
+    The runtime looks for `view` on the DeviceMemory (a backend without it still works: its buffers are then
+    allocated per use, outside the plan's regions, and the run reports that as a fallback).
+    """
+
+    def view(self, base: Any, offset_bytes: int, shape: tuple[int, ...], dtype: Any) -> Any:
+        """A [shape] dtype array over bytes [offset_bytes, offset_bytes + size) of the contiguous device array `base`."""

@@ -27,8 +27,8 @@ class FakeArray(drv.DeviceArray):
         super().__init__(shape, dtype, handle, owner=owner)
         self.offset = offset
 
-    def _view(self, shape, offset_bytes, nbytes):
-        return FakeArray(shape, self.dtype, self.handle, self.offset + offset_bytes, owner=self)
+    def _view(self, shape, offset_bytes, nbytes, dtype):
+        return FakeArray(shape, dtype, self.handle, self.offset + offset_bytes, owner=self)
 
 
 class FakeEvent(drv.EventSlot):
@@ -93,6 +93,9 @@ class FakeKernels(drv.OpenClKernels):
     def _buffer_arg(self, a):
         return ("buf", a.shape)
 
+    def _offset_arg(self, a):
+        return ("offset", a.offset // a.dtype.itemsize)
+
     def _local_arg(self, floats):
         return ("local", floats)
 
@@ -130,6 +133,73 @@ def test_alloc_counts_bytes_and_dropping_or_freeing_gives_them_back():
     assert s.allocated_bytes == 0
     full = m.alloc((64 * MIB,), np.uint8)
     assert full is not None and m.alloc((1,), np.uint8) is None  # over the device total: None, never an exception
+
+
+def test_view_carves_typed_arrays_from_a_byte_region_and_refuses_what_is_outside_it():
+    m = FakeMemory(_session())
+    region = m.alloc((1024,), np.uint8)
+    v = m.view(region, 256, (4, 8), np.float32)
+    assert (v.shape, v.dtype, v.offset, v.owner) == ((4, 8), np.float32, 256, region) and v.nbytes == 128
+    m.upload(v, np.arange(32, dtype=np.float32).reshape(4, 8))
+    np.testing.assert_array_equal(m.download(m.view(region, 256 + 32, (8,), np.float32)), np.arange(8, 16))
+    np.testing.assert_array_equal(m.download(v[1]), np.arange(8, 16))  # a view of a view: its rows
+    b = m.as_bytes(v[2:4])
+    assert (b.shape, b.dtype, b.offset) == ((64,), np.uint8, 256 + 64)
+    for off, shape, dt in [(1000, (8,), np.float32), (-4, (1,), np.float32), (2, (1,), np.float32)]:
+        with pytest.raises(ValueError):
+            m.view(region, off, shape, dt)
+    m.free(v)  # a view frees nothing
+    assert region.handle is not None and m.peak_bytes() == 1024
+
+
+def test_the_ledger_peak_sees_every_allocation_kernel_temporaries_included():
+    s = _session()
+    m = FakeMemory(s)
+    a = m.alloc((100,), np.uint8)
+    b = m.alloc((50,), np.uint8)
+    m.free(b)
+    assert (m.ledger.live_bytes, m.peak_bytes()) == (100, 150)
+    k = FakeKernels(s, m)
+    r = k.linear(np.ones((3, 5), np.float32), np.ones((7, 5), np.float32))  # its uploads and result: allocated
+    assert m.peak_bytes() == 100 + 60 + 140 + 84
+    del a  # dropped without free(): it leaves the ledger as the uploads did after the call
+    assert m.ledger.live_bytes == r.nbytes == 84
+
+
+@pytest.mark.parametrize("tiled", [True, False])
+def test_kernels_given_out_write_there_and_allocate_nothing(tiled):
+    from strata_core.reference.kernels import ExpertPool
+    k = FakeKernels(_session(wg=256 if tiled else 64))
+    m = k.memory
+    x, rows = m.to_device(np.ones((4, 32), np.float32)), m.to_device(np.array([1, 0, 3], np.int32))
+    w = m.to_device(np.ones((6, 32), np.float16))
+    pool = ExpertPool("f16", {"w_gate_up": m.to_device(np.ones((2, 64, 32), np.float16)),
+                              "w_down": m.to_device(np.ones((2, 32, 32), np.float16))})
+    offs, slots = m.to_device(np.array([0, 2, 3], np.int32)), m.to_device(np.array([1, 0], np.int32))
+    qs, d = m.to_device(np.ones((2, 32), np.int8)), m.to_device(np.ones((2, 1), np.float16))
+    region = m.alloc((4096,), np.uint8)
+    carve = iter(range(0, 4096, 256))
+
+    def out(shape, dtype):
+        return m.view(region, next(carve), shape, dtype)
+
+    peak = m.peak_bytes()
+    results = [k.rmsnorm(x, w[0], out=(o1 := out((4, 32), np.float32))) is o1,
+               k.linear(x, w, out=(o2 := out((4, 6), np.float32))) is o2,
+               k.route_topk(o2, 2, out=(o3 := (out((4, 2), np.int32), out((4, 2), np.float32)))) == o3,
+               k.gather(x, rows, out=(o4 := out((3, 32), np.float32))) is o4,
+               k.dequantize_q8_0(qs, d, out=(o5 := out((2, 32), np.float16))) is o5]
+    if tiled:
+        results.append(k.moe_grouped_ffn(o4, offs, slots, pool, out=(o6 := out((3, 32), np.float32))) is o6)
+        name, gs, ls, args = k.launches[-1]
+        # 1 tile of rows + 2 groups: an upper bound on the tiles; no act buffer among the arguments
+        assert (name, gs, ls) == ("ffn_f16_tiled", (16, 48), (16, 16)) and args[-2:] == [("buf", (3, 32)),
+                                                                                       ("offset", o6.offset // 4)]
+    assert all(results) and m.peak_bytes() == peak, "a kernel given its outputs allocated device memory"
+    with pytest.raises(ValueError):
+        k.linear(x, w, out=out((4, 7), np.float32))
+    with pytest.raises(TypeError):
+        k.linear(x, w, out=np.zeros((4, 6), np.float32))
 
 
 def test_views_upload_download_and_mem_info():
@@ -200,12 +270,15 @@ def test_launch_geometry_follows_the_work_group_size(wg, tiled):
     assert name == "rmsnorm_w_f16" and gs == (2 * k._reduce_local,) and args[-1] == ("local", k._reduce_local)
 
 
-def test_scatter_add_groups_rows_in_fixed_passes_and_checks_arguments():
+def test_scatter_add_is_one_pass_without_scratch_and_arguments_are_checked():
     k = FakeKernels(_session())
-    k.scatter_add(np.zeros((4, 2), np.float32), np.array([0, 2], np.int32), np.ones((2, 2), np.float32),
-                  np.ones(2, np.float32))
-    assert [n for n, *_ in k.launches] == ["fill_i32", "fill_i32", "scatter_count", "scatter_scan", "scatter_fill",
-                                           "scatter_sort", "scatter_apply"]
+    m = k.memory
+    out, rows, y, scale = (m.to_device(np.zeros((4, 2), np.float32)), m.to_device(np.array([0, 2], np.int32)),
+                           m.to_device(np.ones((2, 2), np.float32)), m.to_device(np.ones(2, np.float32)))
+    peak = m.peak_bytes()
+    k.scatter_add(out, rows, y, scale)
+    assert [(n, gs) for n, gs, *_ in k.launches] == [("scatter_add_cols", (2, 4))]  # 2 columns x 4 row classes
+    assert m.peak_bytes() == peak, "scatter_add allocated device memory"
     with pytest.raises(ValueError):
         k.route_topk(np.zeros((2, 3), np.float32), 4)
     with pytest.raises(TypeError):

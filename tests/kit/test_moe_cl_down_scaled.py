@@ -38,7 +38,9 @@ from strata_core.testing.checks import CHECKS
 from strata_core.testing.session import open_kit_session
 host = load_plugins()
 session = open_kit_session(host, host.backends[name], host.probe(name).devices[0], host.host_info())
-assert factor == "1" or replaced["stores"] >= 4, replaced
+# the result stores of the one-pass tiled kernel (f16, Q8_0, GGUF: one macro) and of the two plain down kernels;
+# the tiled kernel's partial sums go through another pointer, so every output is scaled once, by the factor
+assert factor == "1" or replaced["stores"] == 3, replaced
 kit = {}
 for check in CHECKS["moe_grouped_ffn"]:
     try:

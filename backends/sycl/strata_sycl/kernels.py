@@ -2,7 +2,7 @@
 
 Kernels run on the device's default in-order queue (the stream None of `SyclDeviceMemory`), so they are ordered
 after uploads on that stream and before downloads from it. Numpy inputs are accepted and uploaded for the call;
-outputs are always device arrays (UsmArray). The kernel methods themselves are strata_core's OpenClKernels; this
+outputs are device arrays (UsmArray), the caller's `out` where given. The kernel methods themselves are strata_core's OpenClKernels; this
 module supplies dpctl's way to build, convert arguments and submit.
 """
 
@@ -49,6 +49,9 @@ class SyclKernels(OpenClKernels):
     def _i32_arg(self, v: Any) -> Any:
         # dpctl takes scalars as ctypes values: a numpy scalar is not a kernel argument it knows.
         return ctypes.c_int32(int(v))
+
+    def _i64_arg(self, v: Any) -> Any:
+        return ctypes.c_int64(int(v))
 
     def _f32_arg(self, v: Any) -> Any:
         return ctypes.c_float(float(v))

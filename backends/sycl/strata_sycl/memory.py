@@ -28,9 +28,10 @@ class UsmArray(DeviceArray):
 
     mem = handle_alias("The dpctl memory object (None once freed).")
 
-    def _view(self, shape: tuple[int, ...], offset_bytes: int, nbytes: int) -> "UsmArray":
+    def _view(self, shape: tuple[int, ...], offset_bytes: int, nbytes: int, dtype: np.dtype) -> "UsmArray":
+        # USM sub-allocation by offset: a dpctl memory object at the same allocation's pointer plus offset_bytes
         mem = _usm_view(self.mem, offset_bytes, nbytes) if nbytes else None
-        return UsmArray(shape, self.dtype, mem, owner=self)
+        return UsmArray(shape, dtype, mem, owner=self)
 
 
 class _UsmRange:

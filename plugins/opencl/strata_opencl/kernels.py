@@ -2,15 +2,17 @@
 
 Kernels run on the device's default in-order queue (the stream None of `ClDeviceMemory`), so they are ordered
 after uploads on that queue and before downloads from it. Numpy inputs are accepted and uploaded for the call;
-outputs are always device arrays (ClArray). The kernel methods themselves are strata_core's OpenClKernels (part of
-strata-core's public API); this module supplies pyopencl's way to build, convert arguments and enqueue.
+outputs are device arrays (ClArray), the caller's `out` where given. The kernel methods themselves are strata_core's
+OpenClKernels (part of strata-core's public API); this module supplies pyopencl's way to build, convert arguments
+(a buffer and an element offset per array) and enqueue.
 """
 
 from __future__ import annotations
 
 import warnings
-from functools import cached_property
 from typing import Any
+
+import numpy as np
 
 from strata_core.kits.opencl import OpenClKernels
 
@@ -30,11 +32,6 @@ class ClKernels(OpenClKernels):
         """The pyopencl module of this device's session."""
         return self.session.cl
 
-    @cached_property
-    def _align_bytes(self) -> int:
-        # A sub-buffer must start on this alignment; the device reports it in bits.
-        return max(1, int(self.session.device.mem_base_addr_align) // 8)
-
     def _build(self, session: Session, source: str) -> Any:
         with warnings.catch_warnings():
             # Build logs full of vectorizer remarks are not warnings a user can act on.
@@ -45,7 +42,12 @@ class ClKernels(OpenClKernels):
         return self.cl.Kernel(self._program, name)
 
     def _buffer_arg(self, a: ClArray) -> Any:
-        return a.kernel_arg()
+        # the whole buffer and the view's offset as an argument: no sub-buffer, so a view at any offset (a buffer
+        # carved from a plan region) is an argument without CL_DEVICE_MEM_BASE_ADDR_ALIGN or a copy
+        return a.buf
+
+    def _offset_arg(self, a: ClArray) -> Any:
+        return np.int64(a.element_offset())
 
     def _local_arg(self, floats: int) -> Any:
         return self.cl.LocalMemory(4 * floats)
@@ -56,11 +58,3 @@ class ClKernels(OpenClKernels):
         k = self._kernel(name)
         k.set_args(*args)
         return self.cl.enqueue_nd_range_kernel(self.session.queue, k, global_size, local_size)
-
-    def _device_input(self, a: ClArray) -> tuple[ClArray, tuple]:
-        """A view that starts off the device's base alignment is copied: a sub-buffer must start on it."""
-        if a.offset_bytes % self._align_bytes and a.nbytes:
-            tmp = self._empty(a.shape, a.dtype)
-            self.cl.enqueue_copy(self.session.queue, tmp.buf, a.buf, src_offset=a.offset_bytes, byte_count=a.nbytes)
-            return tmp, (tmp,)
-        return a, ()

@@ -33,18 +33,15 @@ class ClArray(DeviceArray):
 
     buf = handle_alias("The cl.Buffer (None once freed).")
 
-    def _view(self, shape: tuple[int, ...], offset_bytes: int, nbytes: int) -> "ClArray":
-        return ClArray(shape, self.dtype, self.buf, self.offset_bytes + offset_bytes, owner=self)
+    def _view(self, shape: tuple[int, ...], offset_bytes: int, nbytes: int, dtype: np.dtype) -> "ClArray":
+        return ClArray(shape, dtype, self.buf, self.offset_bytes + offset_bytes, owner=self)
 
-    def kernel_arg(self) -> Any:
-        """The buffer a kernel gets: the whole buffer, or a sub-buffer for a view (ValueError if misaligned)."""
-        if self.offset_bytes == 0:
-            return self.buf
-        try:
-            return self.buf.get_sub_region(self.offset_bytes, max(self.nbytes, 1))
-        except Exception as e:
-            raise ValueError(f"a view at byte {self.offset_bytes} cannot be a kernel argument on this device "
-                             f"(sub-buffer refused: {e})") from None
+    def element_offset(self) -> int:
+        """This view's offset in its buffer in elements of its dtype (kernels take the buffer and this offset)."""
+        if self.offset_bytes % self.dtype.itemsize:
+            raise ValueError(f"a {self.dtype.name} view at byte {self.offset_bytes} of its buffer is not a kernel "
+                             "argument (not a whole number of elements)")
+        return self.offset_bytes // self.dtype.itemsize
 
 
 class ClEvent(EventSlot):

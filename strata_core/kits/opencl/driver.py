@@ -304,9 +304,10 @@ class DeviceArray:
         else:
             raise IndexError(f"device arrays index the first axis with an int or a slice, not {type(key).__name__}")
         row_bytes = int(np.prod(self.shape[1:], dtype=np.int64)) * self.dtype.itemsize
-        return self._view(shape, start * row_bytes, (stop - start) * row_bytes)
+        return self._view(shape, start * row_bytes, (stop - start) * row_bytes, self.dtype)
 
-    def _view(self, shape: tuple[int, ...], offset_bytes: int, nbytes: int) -> "DeviceArray":
+    def _view(self, shape: tuple[int, ...], offset_bytes: int, nbytes: int, dtype: np.dtype) -> "DeviceArray":
+        """An array of `shape` and `dtype` over bytes [offset, offset + nbytes) of this one (a subclass's)."""
         raise NotImplementedError
 
     def __repr__(self) -> str:
@@ -318,9 +319,20 @@ def handle_alias(doc: str) -> property:
     return property(lambda a: a.handle, lambda a, v: setattr(a, "handle", v), doc=doc)
 
 
-def _uncount(session: Any, nbytes: int) -> None:
+def _uncount(session: Any, ledger: "AllocationLedger", nbytes: int) -> None:
     with session.lock:
         session.allocated_bytes -= nbytes
+        ledger.live_bytes -= nbytes
+
+
+class AllocationLedger:
+    """Bytes of the device allocations (USM / cl buffers) one DeviceMemory made: live now, and their high-water."""
+
+    __slots__ = ("live_bytes", "peak_bytes")
+
+    def __init__(self) -> None:
+        self.live_bytes = 0
+        self.peak_bytes = 0
 
 
 # ------------------------------------------------------------------------------------------------- device memory
@@ -339,6 +351,8 @@ class OpenClDeviceMemory:
 
     def __init__(self, session: Any):
         self.session = session
+        #: Every vendor allocation this memory made (kernel temporaries included): the measured device peak.
+        self.ledger = AllocationLedger()
 
     def _queue(self, stream: Any) -> Any:
         return self.session.queue if stream is None else stream.queue
@@ -379,12 +393,38 @@ class OpenClDeviceMemory:
         handle = self._allocate(max(nbytes, 1))
         if handle is None:
             return None
+        led = self.ledger
         with self.session.lock:
             self.session.allocated_bytes += nbytes
+            led.live_bytes += nbytes
+            if led.live_bytes > led.peak_bytes:
+                led.peak_bytes = led.live_bytes
         arr = self.array_type(shape, dtype, handle)
         # Arrays dropped without free() (kernel temporaries, outputs a caller let go) still leave the count.
-        arr.release = weakref.finalize(arr, _uncount, self.session, nbytes)
+        arr.release = weakref.finalize(arr, _uncount, self.session, led, nbytes)
         return arr
+
+    def view(self, base, offset_bytes, shape, dtype):
+        """A [shape] dtype array over bytes [offset_bytes, offset_bytes + size) of the contiguous array `base`."""
+        shape = tuple(int(s) for s in shape)
+        dtype = np.dtype(dtype)
+        offset_bytes = int(offset_bytes)
+        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        if base.handle is None and base.nbytes:
+            raise ValueError("view of a freed device array")
+        if offset_bytes < 0 or offset_bytes + nbytes > base.nbytes:
+            raise ValueError(f"view of bytes [{offset_bytes}, {offset_bytes + nbytes}) of a {base.nbytes}-byte array")
+        if offset_bytes % dtype.itemsize:
+            raise ValueError(f"a {dtype.name} view at byte {offset_bytes}: not a multiple of {dtype.itemsize}")
+        return base._view(shape, offset_bytes, nbytes, dtype)
+
+    def as_bytes(self, arr):
+        """A flat uint8 view of a contiguous device array (the runtime lends cache slots as byte extents)."""
+        return self.view(arr, 0, (arr.nbytes,), np.uint8)
+
+    def peak_bytes(self) -> int:
+        """High-water of the device bytes this memory allocated from the runtime (USM / cl buffers, any use)."""
+        return self.ledger.peak_bytes
 
     def free(self, arr):
         """Release a device array (idempotent; a view frees nothing)."""
@@ -534,8 +574,9 @@ class OpenClKernels:
 
     A subclass supplies `_build` (the program from the source, once per session), `_get_kernel` (one kernel of it),
     `_submit` (run kernel NAME with converted arguments over a global/local size, in OpenCL order), the argument
-    conversions `_buffer_arg`, `_i32_arg`, `_f32_arg`, `_local_arg`, and may refine `_device_input` (a device array
-    as a kernel can take it). `memory_type` makes the device memory when none is given (and names the array type); `label` prefixes errors.
+    conversions `_buffer_arg`, `_i32_arg`, `_i64_arg`, `_f32_arg`, `_local_arg`, and may refine `_offset_arg` (a
+    device array's element offset in the buffer `_buffer_arg` gives) and `_device_input` (a device array as a kernel
+    can take it). `memory_type` makes the device memory when none is given (and names the array type); `label` prefixes errors.
     """
 
     name = "opencl-c"
@@ -587,11 +628,18 @@ class OpenClKernels:
     def _i32_arg(self, v: np.int32) -> Any:
         return v
 
+    def _i64_arg(self, v: np.int64) -> Any:
+        return v
+
     def _f32_arg(self, v: np.float32) -> Any:
         return v
 
     def _local_arg(self, floats: int) -> Any:
         raise NotImplementedError
+
+    def _offset_arg(self, a: DeviceArray) -> Any:
+        """The element offset of `a` in the buffer `_buffer_arg` passes (0: the buffer argument is the view itself)."""
+        return self._i64_arg(np.int64(0))
 
     def _device_input(self, a: DeviceArray) -> tuple[DeviceArray, tuple]:
         """A device array as a kernel can take it, and what to keep alive (the array itself by default)."""
@@ -601,13 +649,19 @@ class OpenClKernels:
 
     def _launch(self, name: str, global_size: tuple[int, ...], local_size: tuple[int, ...] | None,
                 args: list[Any], keep: tuple = ()) -> Any:
-        """Submit kernel `name` (sizes in OpenCL order, dimension 0 first); `keep` stays alive as the backend needs."""
+        """Submit kernel `name` (sizes in OpenCL order, dimension 0 first); `keep` stays alive as the backend needs.
+
+        A device array is two kernel arguments, its buffer and its element offset in it (moe.cl's ARG).
+        """
         conv = []
         for a in args:
             if isinstance(a, self.array_type):
                 conv.append(self._buffer_arg(a))
+                conv.append(self._offset_arg(a))
             elif isinstance(a, np.int32):
                 conv.append(self._i32_arg(a))
+            elif isinstance(a, np.int64):
+                conv.append(self._i64_arg(a))
             elif isinstance(a, np.float32):
                 conv.append(self._f32_arg(a))
             elif isinstance(a, Local):
@@ -635,6 +689,18 @@ class OpenClKernels:
             raise MemoryError(f"{self.label}: no room for an output of shape {shape} ({np.dtype(dtype).name})")
         return arr
 
+    def _result(self, out: Any, shape: tuple[int, ...], dtype: Any, what: str) -> DeviceArray:
+        """The output buffer a kernel writes: the caller's `out` (checked: a device array of this shape and dtype),
+        else a new allocation."""
+        if out is None:
+            return self._empty(shape, dtype)
+        dtype = np.dtype(dtype)
+        if not isinstance(out, self.array_type):
+            raise TypeError(f"{what}: out must be a device array of this backend, got {type(out).__name__}")
+        if out.shape != tuple(int(s) for s in shape) or out.dtype != dtype:
+            raise ValueError(f"{what}: out is {out.shape} {out.dtype.name}, the result {tuple(shape)} {dtype.name}")
+        return out
+
     def _dtype_of(self, a: Any) -> np.dtype:
         return a.dtype if isinstance(a, self.array_type) else np.asarray(a).dtype
 
@@ -645,21 +711,25 @@ class OpenClKernels:
                 raise ValueError(f"size {s} exceeds the kernels' 32-bit indexing")
 
     # --------------------------------------------------------------------------------------------- kernels
+    # `out` (API 2.0): the result is written there and returned; a call given its outputs allocates no device
+    # memory (the tiled grouped FFN keeps its intermediates in local memory, scatter_add needs no scratch).
 
-    def route_topk(self, logits, k):
+    def route_topk(self, logits, k, out=None):
         """[T,E] f32 router logits -> (ids [T,k] int32, weights [T,k] f32, softmax over the top k)."""
         lg, keep = self._input(logits, np.float32, "route_topk logits")
         t_rows, e_cols = lg.shape
         k = int(k)
         if not 1 <= k <= e_cols:
             raise ValueError(f"route_topk: k={k} must be in 1..{e_cols}")
-        ids, w = self._empty((t_rows, k), np.int32), self._empty((t_rows, k), np.float32)
+        ids_out, w_out = out if out is not None else (None, None)
+        ids = self._result(ids_out, (t_rows, k), np.int32, "route_topk ids")
+        w = self._result(w_out, (t_rows, k), np.float32, "route_topk weights")
         if t_rows:
             self._launch("route_topk", (t_rows,), None,
                          [lg, np.int32(t_rows), np.int32(e_cols), np.int32(k), ids, w], keep)
         return ids, w
 
-    def gather(self, x, rows):
+    def gather(self, x, rows, out=None):
         """x [T,H], rows [N] int32 -> x[rows] [N,H] (any 2- or 4-byte dtype)."""
         dt = self._dtype_of(x)
         if dt.itemsize not in (2, 4):
@@ -668,11 +738,14 @@ class OpenClKernels:
         rd, k2 = self._input(rows, np.int32, "gather rows")
         t_rows, h = xd.shape
         n = rd.size
-        out = self._empty((n, h), dt)
+        res = self._result(out, (n, h), dt, "gather")
         if n and h:
             self._launch(f"gather_b{dt.itemsize}", (h, n), None,
-                         [xd, rd, np.int32(n), np.int32(h), np.int32(t_rows), out], k1 + k2)
-        return out
+                         [xd, rd, np.int32(n), np.int32(h), np.int32(t_rows), res], k1 + k2)
+        return res
+
+    #: Work-items scatter_add aims for: its columns times the residue classes of rows each one walks.
+    SCATTER_ITEMS = 16384
 
     def scatter_add(self, out, rows, y, scale):
         """out[rows[i]] += scale[i] * y[i] for i < N, in place, adding each row's terms in ascending i (deterministic)."""
@@ -689,24 +762,14 @@ class OpenClKernels:
         n = rd.size
         self._check_sizes(out.size, yd.size)
         if n and h and t_rows:
-            counts = self._empty((t_rows,), np.int32)
-            cursor = self._empty((t_rows,), np.int32)
-            starts = self._empty((t_rows + 1,), np.int32)
-            idx = self._empty((n,), np.int32)
-            tmp = (counts, cursor, starts, idx)
-            keep = k1 + k2 + k3 + tmp + (out,)
-            self._launch("fill_i32", (t_rows,), None, [counts, np.int32(t_rows), np.int32(0)])
-            self._launch("fill_i32", (t_rows,), None, [cursor, np.int32(t_rows), np.int32(0)])
-            self._launch("scatter_count", (n,), None, [rd, np.int32(n), np.int32(t_rows), counts])
-            self._launch("scatter_scan", (1,), None, [counts, np.int32(t_rows), starts])
-            self._launch("scatter_fill", (n,), None, [rd, np.int32(n), np.int32(t_rows), starts, cursor, idx])
-            self._launch("scatter_sort", (t_rows,), None, [starts, np.int32(t_rows), idx])
-            self._launch("scatter_apply", (h, t_rows), None,
-                         [out, np.int32(t_rows), np.int32(h), starts, idx, yd, sd], keep)
+            b = max(1, min(t_rows, -(-self.SCATTER_ITEMS // h)))
+            self._launch("scatter_add_cols", (h, b), None,
+                         [out, np.int32(t_rows), np.int32(h), rd, np.int32(n), yd, sd, np.int32(b)],
+                         k1 + k2 + k3 + (out,))
         if host_out is not None:
             np.copyto(host_out, self.memory.download(out).reshape(np.shape(host_out)), casting="same_kind")
 
-    def moe_grouped_ffn(self, x, offsets, slots, weights: ExpertPool):
+    def moe_grouped_ffn(self, x, offsets, slots, weights: ExpertPool, out=None):
         """SwiGLU experts over token groups: rows offsets[g]:offsets[g+1] of x run expert slot slots[g] -> [N,H] f32."""
         xd, k1 = self._input(x, np.float32, "moe_grouped_ffn x")
         od, k2 = self._input(offsets, np.int32, "moe_grouped_ffn offsets")
@@ -717,14 +780,29 @@ class OpenClKernels:
             raise ValueError(f"moe_grouped_ffn: {od.size} offsets for {g} groups (need groups + 1)")
         a = weights.arrays
         if weights.dtype == "gguf":
-            return self._moe_grouped_ffn_gguf(xd, od, sd, weights, k1 + k2 + k3)
-        if weights.dtype == "f16":
+            fmt = weights.fmt
+            if not self._tiled:
+                raise ValueError(f"{self.label}: GGUF expert pools need work-groups of {LINEAR_TILE * LINEAR_TILE} "
+                                 "work-items; this device's are smaller")
+            blob, kw = self._input(a["blob"], np.uint8, "gguf expert blob")
+            s_slots, slot_b = blob.shape
+            if fmt.hidden != h or fmt.nbytes > slot_b:
+                raise ValueError(f"moe_grouped_ffn: x has hidden {h}, the experts {fmt.hidden} in {fmt.nbytes}-byte "
+                                 f"slots of {slot_b}")
+            f, hw, two_f = fmt.ffn, h, 2 * fmt.ffn
+            w_args = [blob, np.int32(slot_b), np.int32(fmt.gate_up_row_bytes), np.int32(GGML_TYPE_IDS[fmt.gate_up]),
+                      np.int64(fmt.down_offset), np.int32(fmt.down_row_bytes), np.int32(GGML_TYPE_IDS[fmt.down]),
+                      np.int32(fmt.bias_offset if fmt.bias else -1)]
+            suffix = "gguf"
+            weight_elems = s_slots * slot_b
+        elif weights.dtype == "f16":
             w13, kw1 = self._input(a["w_gate_up"], np.float16, "w_gate_up")
             w2, kw2 = self._input(a["w_down"], np.float16, "w_down")
             up_args, down_args = [w13], [w2]
             s_slots, two_f, hw = w13.shape
             kw = kw1 + kw2
             suffix = "f16"
+            weight_elems = s_slots * two_f * hw
         elif weights.dtype == "q8_0":
             gq, ka = self._input(a["gate_up_q"], np.int8, "gate_up_q")
             gd, kb = self._input(a["gate_up_d"], np.float16, "gate_up_d")
@@ -734,6 +812,7 @@ class OpenClKernels:
             s_slots, two_f, hw = gq.shape
             kw = ka + kb + kc + kd
             suffix = "q8_0"
+            weight_elems = s_slots * two_f * hw
             if h % QK8_0 or (two_f // 2) % QK8_0:
                 raise ValueError(f"moe_grouped_ffn: Q8_0 needs hidden and ffn multiples of {QK8_0}")
         else:
@@ -741,69 +820,31 @@ class OpenClKernels:
         if hw != h:
             raise ValueError(f"moe_grouped_ffn: x has hidden {h}, the experts {hw}")
         f = two_f // 2
-        y = self._empty((n, h), np.float32)
+        y = self._result(out, (n, h), np.float32, "moe_grouped_ffn")
         if n == 0 or h == 0:
             return y
-        self._check_sizes(n * f, n * h, s_slots * two_f * h)
-        act = self._empty((n, f), np.float32)
+        self._check_sizes(n * f, n * h, weight_elems)
+        keep = k1 + k2 + k3 + kw
         sizes = [np.int32(g), np.int32(s_slots), np.int32(n), np.int32(h), np.int32(f)]
-        keep = k1 + k2 + k3 + kw + (act,)
+        if f == 0 or g == 0:
+            # no intermediates (or no group): every output is zero; f32 0 is int 0
+            self._launch("fill_i32", (n * h,), None, [y, np.int32(n * h), np.int32(0)], keep)
+            return y
+        # rows before the first group or after the last: zero, as in the reference
+        self._launch("ffn_zero_ungrouped", (n,), None, [od, np.int32(g), np.int32(n), np.int32(h), y])
         if self._tiled:
+            if suffix != "gguf":
+                w_args = up_args + down_args
             t = LINEAR_TILE
-            self._launch(f"ffn_gate_up_{suffix}_tiled", (round_up(f, t), round_up(n, t)), (t, t),
-                         [xd, od, sd, *sizes, *up_args, act])
-            self._launch(f"ffn_down_{suffix}_tiled", (round_up(h, t), round_up(n, t)), (t, t),
-                         [act, od, sd, *sizes, *down_args, y], keep)
-        else:
-            self._launch(f"ffn_gate_up_{suffix}", (f, n), None, [xd, od, sd, *sizes, *up_args, act])
-            self._launch(f"ffn_down_{suffix}", (h, n), None, [act, od, sd, *sizes, *down_args, y], keep)
-        return y
-
-    def _moe_grouped_ffn_gguf(self, xd, od, sd, pool: ExpertPool, keep: tuple):
-        """The grouped FFN over a 'gguf' pool: weights read from the slots' GGUF bytes by quants.cl, a tile at a time.
-
-        The host lists one tile per LINEAR_TILE rows of each group (the offsets are read back: a small copy), so a
-        work-group's rows share one slot and every weight tile it dequantizes serves all of them.
-        """
-        fmt = pool.fmt
-        if not self._tiled:
-            raise ValueError(f"{self.label}: GGUF expert pools need work-groups of {LINEAR_TILE * LINEAR_TILE} "
-                             "work-items; this device's are smaller")
-        blob, kb = self._input(pool.arrays["blob"], np.uint8, "gguf expert blob")
-        n, h = xd.shape
-        s_slots, slot_b = blob.shape
-        f = fmt.ffn
-        if fmt.hidden != h or fmt.nbytes > slot_b:
-            raise ValueError(f"moe_grouped_ffn: x has hidden {h}, the experts {fmt.hidden} in {fmt.nbytes}-byte "
-                             f"slots of {slot_b}")
-        y = self._empty((n, h), np.float32)
-        if n == 0 or h == 0:
+            tiles = -(-n // t) + g  # at least the tiles of every group (each group's last may be partial)
+            self._launch(f"ffn_{suffix}_tiled", (t, tiles * t), (t, t), [xd, od, sd, *sizes, *w_args, y], keep)
             return y
-        self._check_sizes(n * f, n * h, s_slots * slot_b)
-        off = np.asarray(self.memory.download(od), dtype=np.int64).reshape(-1)
-        t = LINEAR_TILE
-        starts = [np.arange(off[g], off[g + 1], t) for g in range(len(off) - 1)]
-        tile_group = np.concatenate([np.full(len(a), g) for g, a in enumerate(starts)] or [[]]).astype(np.int32)
-        tile_row0 = np.concatenate(starts or [[]]).astype(np.int32)
-        if off[0] != 0 or off[-1] < n or len(tile_group) == 0:
-            # rows in no group: zero, as in the reference (the kernels write only grouped rows); f32 0 is int 0
-            self._launch("fill_i32", (n * h,), None, [y, np.int32(n * h), np.int32(0)])
-        if len(tile_group) == 0:
-            return y
-        tg, k4 = self._input(tile_group, np.int32, "gguf tile groups")
-        tr, k5 = self._input(tile_row0, np.int32, "gguf tile rows")
         act = self._empty((n, f), np.float32)
-        bias_off = np.int32(fmt.bias_offset if fmt.bias else -1)
-        common = [od, sd, tg, tr, np.int32(s_slots), np.int32(h), np.int32(f), blob, np.int32(slot_b)]
-        gu = [np.int32(0), np.int32(fmt.gate_up_row_bytes), np.int32(GGML_TYPE_IDS[fmt.gate_up]), bias_off]
-        dn = [np.int32(fmt.down_offset), np.int32(fmt.down_row_bytes), np.int32(GGML_TYPE_IDS[fmt.down]), bias_off]
-        keep = keep + kb + k4 + k5 + (act,)
-        tiles = len(tile_group)
-        self._launch("ffn_gate_up_gguf", (round_up(f, t), tiles * t), (t, t), [xd, *common, *gu, act])
-        self._launch("ffn_down_gguf", (round_up(h, t), tiles * t), (t, t), [act, *common, *dn, y], keep)
+        self._launch(f"ffn_gate_up_{suffix}", (f, n), None, [xd, od, sd, *sizes, *up_args, act])
+        self._launch(f"ffn_down_{suffix}", (h, n), None, [act, od, sd, *sizes, *down_args, y], keep + (act,))
         return y
 
-    def dequantize_q8_0(self, qs, d):
+    def dequantize_q8_0(self, qs, d, out=None):
         """Q8_0 blocks (qs [..,C] int8, d [..,C/32] f16) -> [..,C] f16."""
         qd, k1 = self._input(qs, np.int8, "dequantize qs")
         dd, k2 = self._input(d, np.float16, "dequantize d")
@@ -811,12 +852,12 @@ class OpenClKernels:
             raise ValueError(f"dequantize_q8_0: {qd.shape} quants do not match {dd.shape} scales")
         total = qd.size
         self._check_sizes(total)
-        out = self._empty(qd.shape, np.float16)
+        res = self._result(out, qd.shape, np.float16, "dequantize_q8_0")
         if total:
-            self._launch("dequantize_q8_0", (total,), None, [qd, dd, np.int32(total), out], k1 + k2)
-        return out
+            self._launch("dequantize_q8_0", (total,), None, [qd, dd, np.int32(total), res], k1 + k2)
+        return res
 
-    def rmsnorm(self, x, w, eps=1e-6):
+    def rmsnorm(self, x, w, eps=1e-6, out=None):
         """[T,H] f32, w [H] f32 or f16 -> x / rms(x) * w, f32."""
         xd, k1 = self._input(x, np.float32, "rmsnorm x")
         wdt = self._dtype_of(w)
@@ -825,15 +866,15 @@ class OpenClKernels:
         t_rows, h = xd.shape
         if wd.size != h:
             raise ValueError(f"rmsnorm: weight of {wd.size} for hidden {h}")
-        out = self._empty((t_rows, h), np.float32)
+        res = self._result(out, (t_rows, h), np.float32, "rmsnorm")
         if t_rows and h:
             loc = self._reduce_local
             name = "rmsnorm_w_f16" if wdt == np.float16 else "rmsnorm_w_f32"
             self._launch(name, (t_rows * loc,), (loc,),
-                         [xd, wd, np.int32(t_rows), np.int32(h), np.float32(eps), out, Local(loc)], k1 + k2)
-        return out
+                         [xd, wd, np.int32(t_rows), np.int32(h), np.float32(eps), res, Local(loc)], k1 + k2)
+        return res
 
-    def linear(self, x, w):
+    def linear(self, x, w, out=None):
         """x [T,H] f32, w [O,H] f16 or f32 -> x w^T [T,O] f32."""
         xd, k1 = self._input(x, np.float32, "linear x")
         wdt = self._dtype_of(w)
@@ -844,13 +885,13 @@ class OpenClKernels:
         if hw != h:
             raise ValueError(f"linear: x has {h} columns, w has {hw}")
         self._check_sizes(t_rows * h, o * h, t_rows * o)
-        out = self._empty((t_rows, o), np.float32)
+        res = self._result(out, (t_rows, o), np.float32, "linear")
         if t_rows and o:
             suffix = "w_f16" if wdt == np.float16 else "w_f32"
-            args = [xd, wd, np.int32(t_rows), np.int32(h), np.int32(o), out]
+            args = [xd, wd, np.int32(t_rows), np.int32(h), np.int32(o), res]
             if self._tiled:
                 gs = (round_up(o, LINEAR_TILE), round_up(t_rows, LINEAR_TILE))
                 self._launch(f"linear_{suffix}", gs, (LINEAR_TILE, LINEAR_TILE), args, k1 + k2)
             else:
                 self._launch(f"linear_plain_{suffix}", (o, t_rows), None, args, k1 + k2)
-        return out
+        return res
