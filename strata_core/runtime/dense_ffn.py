@@ -36,6 +36,7 @@ import numpy as np
 
 from strata_core.api.kernels import ExpertPool, LayerWork
 from strata_core.models.weights import DenseFfn
+from strata_core.runtime.layer_ops import _takes_out
 
 
 def wrap(ops: Any, weights: Any, dense_dev: dict[str, Any], dm: Any, kernels: Any, accounting_only: bool,
@@ -71,6 +72,8 @@ class DenseFfnLayerOps:
             else:
                 self.shared[f.layer] = f
         self.pools = {f.key: self._device_pool(f) for f in ffns}
+        self.hidden = int(ffns[0].pool.formats[0].hidden if ffns and ffns[0].pool.formats
+                          else getattr(inner, "hidden", 0) or 0)
         self.router_bias = {i: np.ascontiguousarray(b, dtype=np.float32) for i, b in enumerate(router_biases)
                             if b is not None}
         self._takes_out = {n: _takes_out(getattr(kernels, n, None))
@@ -78,9 +81,11 @@ class DenseFfnLayerOps:
 
     def __getattr__(self, name: str) -> Any:
         """Everything but the two layer ops is the inner op's (its precision, counters, `_takes_out`...)."""
+        inner = self.__dict__["inner"]
         if name == "worst_carves":
+            getattr(inner, name)  # AttributeError where the inner op has none: then every planned slot is lent
             return self._worst_carves
-        return getattr(self.__dict__["inner"], name)
+        return getattr(inner, name)
 
     def _device_pool(self, f: DenseFfn) -> ExpertPool:
         """The FFN's one-slot pool over its device arrays (uploaded with the dense weights)."""
@@ -203,7 +208,7 @@ class DenseFfnLayerOps:
         inner = self.inner.worst_carves(tokens, vocab, top_k)
         T = int(tokens)
         f32, i32 = np.float32, np.int32
-        H = int(getattr(self.inner, "hidden", 0) or 0)
+        H = self.hidden
         steps: list = ["fix"]
         if self.before:
             steps += ["mark", ((T, H), f32), ((2,), i32), ((1,), i32), ((T, H), f32), ((T,), i32), ((T,), f32),
@@ -217,14 +222,3 @@ class DenseFfnLayerOps:
 def _sigmoid(z: np.ndarray) -> np.ndarray:
     """1 / (1 + e^-z), on the host (the kernel contract has no sigmoid)."""
     return 1.0 / (1.0 + np.exp(-z))
-
-
-def _takes_out(f: Any) -> bool:
-    """Does this kernel accept an `out` buffer?"""
-    import inspect
-    if f is None:
-        return False
-    try:
-        return "out" in inspect.signature(f).parameters
-    except (TypeError, ValueError):
-        return False
