@@ -95,6 +95,9 @@ class CudaLayerOps:
 
     def _fast_for(self, w: LayerWork) -> Any:
         """The FastMoE of this work's shape (built once), or None when the fused paths do not apply."""
+        if w.pool is not None and w.pool.dtype == "gguf":  # Q4_K/Q5_K/Q6_K/MXFP4 rows: f16 scratch per expert group
+            from .quant_ffn import quant_moe_for
+            return quant_moe_for(self._fast, w)
         shape = self._shape(w)
         if shape is None:
             return None
