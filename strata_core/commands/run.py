@@ -33,7 +33,8 @@ DEFAULT_DECODE_TOKENS = 64
 #: Largest preset whose experts `strata run` generates in host memory, as a fraction of the available RAM.
 GENERATE_RAM_FRACTION = 0.5
 NOTES = ("attention is out of scope for Strata Core: each layer is RMSNorm, router (top-k, renormalized), routed "
-         "SwiGLU experts and the residual; there is no KV cache",
+         "SwiGLU experts (plus the file's shared expert, dense FFN block or router bias) and the residual; there "
+         "is no KV cache",
          "device memory is the plan's: at start the runtime takes one region per plan line (expert cache, dense "
          "weights, workspace, owned prompt buffers, KV) and carves every buffer from them (a chunk's from its "
          "loan's buffer slots); device_bytes_peak_measured is read from the backend (device_bytes_peak_source "
