@@ -29,6 +29,9 @@ TIMED_LAYERS = 25
 #: A backend slower than this per layer stops early (its figure is the median of what it ran).
 MAX_TIMED_S = 0.5
 CACHE_FILE = "calibration.json"
+#: A measured 'auto' choice is reused without probing the other backends for this long (a runtime installed or a
+#: driver fixed meanwhile is seen after it, or at once by `strata backends`, which always probes every backend).
+SELECTION_TTL_S = 24 * 3600
 
 
 def cache_path(folder: Path | None = None) -> Path:
@@ -64,7 +67,52 @@ def save(path: Path, entries: dict[str, dict]) -> str | None:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"schema": SCHEMA, "entries": entries}, indent=2, sort_keys=True) + "\n")
+        try:
+            kept = json.loads(path.read_text()).get("selections") or {}
+        except (OSError, ValueError, AttributeError):
+            kept = {}
+        tmp.write_text(json.dumps({"schema": SCHEMA, "entries": entries, "selections": kept}, indent=2,
+                                  sort_keys=True) + "\n")
+        tmp.replace(path)
+    except OSError as e:
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def selection_key(installed: list[str], device_index: int) -> str:
+    """The key of a remembered 'auto' choice: the installed backends, the device index, host CPU, Strata."""
+    from strata_core.hostinfo import probe_host
+    cpu = getattr(getattr(probe_host(), "cpu", None), "name", "") or ""
+    return "|".join([",".join(installed), str(int(device_index)), cpu, __version__, f"v{CALIBRATION_VERSION}"])
+
+
+def load_selection(path: Path, key: str, now_s: float | None = None) -> dict | None:
+    """The 'auto' choice remembered under this key, if younger than SELECTION_TTL_S; else None."""
+    try:
+        d = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return None
+    got = (d.get("selections") or {}).get(key) if isinstance(d, dict) and d.get("schema") == SCHEMA else None
+    now = time.time() if now_s is None else now_s
+    if not isinstance(got, dict) or not (0 <= now - float(got.get("decided_at_s", -1e18)) < SELECTION_TTL_S):
+        return None
+    return got
+
+
+def save_selection(path: Path, key: str, selection: dict) -> str | None:
+    """Remember an 'auto' choice (with the figures it was made from) under this key; None, or why not."""
+    try:
+        d = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        d = {}
+    if not isinstance(d, dict) or d.get("schema") != SCHEMA:
+        d = {"schema": SCHEMA, "entries": {}}
+    d.setdefault("selections", {})[key] = {**selection, "decided_at_s": time.time(),
+                                           "decided_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    try:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(path).with_suffix(".tmp")
+        tmp.write_text(json.dumps(d, indent=2, sort_keys=True) + "\n")
         tmp.replace(path)
     except OSError as e:
         return f"{type(e).__name__}: {e}"

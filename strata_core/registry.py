@@ -7,6 +7,9 @@ version is listed as refused, in one line; it never breaks a command.
 
 Resolution (`PluginHost.resolve_target`): settings (or a profile's facts) -> a Backend -> one of its Device objects
 -> the host facts -> that device's platform defaults on that host: a `Target`, which every command plans for.
+'auto' takes the highest probe score, except where that backend computes on the host CPU and others do too: then the
+one that ran a decode layer fastest (`strata_core.calibration`, measured once per machine and cached); the choice
+is remembered for a day, so later runs probe only the backend chosen.
 """
 
 from __future__ import annotations
@@ -83,6 +86,8 @@ class PluginHost:
     calibration_path: Any = None
     #: How the last 'auto' resolution among host-CPU backends chose (None: by probe score alone).
     auto_selection: dict | None = None
+    #: True: 'auto' probes every backend, never the remembered choice (`strata backends`).
+    fresh_selection: bool = False
 
     @property
     def hook(self):
@@ -148,6 +153,9 @@ class PluginHost:
                 raise BadInput(f"backend.name: backend '{requested}' is not available: {r.reason}"
                                + (f" (install: {hint})" if hint else ""))
             return self.backends[requested], r
+        cached = None if self.fresh_selection else self._cached_selection(device_index)
+        if cached is not None:
+            return self.backends[cached], self.probe(cached)
         ranked = sorted(((self.probe(n).score, n) for n in self.backends if self.probe(n).available), reverse=True)
         if not ranked:
             raise StrataError("no backend is available; run `strata backends` to see why")
@@ -206,7 +214,29 @@ class PluginHost:
                                     else ""))
         self.auto_selection = {"by": "measured", "selected": best, "highest_score": by_score, "why": why,
                                "figures": figures, "cache": str(path), "cache_error": save_error}
+        self.auto_selection["cache_error"] = calibration.save_selection(path, self._installed_key(device_index),
+                                                                        self.auto_selection) or save_error
         return best
+
+    def _installed_key(self, device_index: int) -> str:
+        """What a remembered 'auto' choice depends on without probing: the installed backends and their versions,
+        the plugins that did not load, the device index, the host CPU and Strata's version."""
+        from strata_core import calibration
+        names = [f"{n}={b.version}" for n, b in sorted(self.backends.items())] + [f"!{b.name}" for b in self.broken]
+        return calibration.selection_key(names, device_index)
+
+    def _cached_selection(self, device_index: int) -> str | None:
+        """The measured 'auto' choice remembered for this installation (younger than calibration.SELECTION_TTL_S),
+        when its backend still probes available: the other backends are not probed (their runtimes not started)."""
+        from strata_core import calibration
+        path = self.calibration_path or calibration.cache_path()
+        got = calibration.load_selection(path, self._installed_key(device_index))
+        if got is None or got.get("selected") not in self.backends or not self.probe(got["selected"]).available:
+            return None
+        self.auto_selection = {**got, "remembered": True,
+                               "why": f"{got['why']} (measured {got.get('decided_at', '?')}, remembered; "
+                                      f"`strata backends` probes every backend again)"}
+        return got["selected"]
 
     def selection(self, requested: str = "auto") -> tuple[str | None, str]:
         """(backend name, '') that `resolve` picks, or (None, why not): never raises."""

@@ -26,6 +26,7 @@ def register(subparsers) -> None:
 def backends_report(settings) -> dict:
     """The `strata.backends/1` object for these settings (plugins loaded as the `plugins` group says)."""
     host = load_from_settings(settings)
+    host.fresh_selection = True  # this command probes every backend: it measures again what 'auto' remembers
     selection = selection_json(host, settings)
     measured = (host.auto_selection or {}).get("figures", {})
     backends = [{**s.to_json(), "measured_us_per_layer": measured.get(s.name, {}).get("us_per_layer")}

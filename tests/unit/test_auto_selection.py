@@ -65,6 +65,7 @@ def test_the_figures_are_cached_and_reused_by_the_next_run(tmp_path):
     again: list = []
     # a second process: the cache answers, nothing is measured, even where a new measurement would say otherwise
     host = _host(tmp_path, {"fast": 9000.0, "slow": 1.0, "cpu": 1.0}, again, _backend("fast", 5), _backend("slow", 30))
+    host.fresh_selection = True  # every backend probed (not the remembered choice): the figures come from the cache
     assert host.resolve()[0].name == "fast" and again == []
     assert all(f["cached"] for f in host.auto_selection["figures"].values())
 
@@ -79,6 +80,7 @@ def test_a_new_backend_version_is_measured_again(tmp_path):
                     probe=lambda: ProbeResult(available=True, reason="ok", devices=r.devices, score=30, version="2.0"))
     again: list = []
     host = _host(tmp_path, {"fast": 100.0, "slow": 50.0, "cpu": 400.0}, again, _backend("fast", 5), newer)
+    host.fresh_selection = True
     assert host.resolve()[0].name == "slow" and again == ["slow"]
 
 
@@ -121,3 +123,52 @@ def test_the_real_calibration_times_the_cpu_backends_decode_layer():
 def test_the_cache_folder_comes_from_the_config_package(env, want):
     from strata_core.config import user_cache_dir
     assert str(user_cache_dir(env)) == want
+
+
+def _probe_counting(name: str, score: int, probes: list, available: bool = True) -> Backend:
+    r = ProbeResult(available=True, reason="ok", devices=(_device(name, DeviceType.CPU),), score=score, version="1.0")
+
+    def probe():
+        probes.append(name)
+        return r if available else ProbeResult.unavailable("gone")
+    return Backend(name=name, vendor="acme", probe=probe, api_version=API_VERSION, version="1.0")
+
+
+def test_the_next_run_probes_only_the_remembered_choice(tmp_path):
+    probes: list = []
+    _host(tmp_path, {"fast": 100.0, "slow": 900.0, "cpu": 400.0}, [], _probe_counting("fast", 5, probes),
+          _probe_counting("slow", 30, probes)).resolve()
+    assert sorted(probes) == ["fast", "slow"]
+    probes.clear()
+    host = _host(tmp_path, {"fast": 100.0, "slow": 900.0, "cpu": 400.0}, [], _probe_counting("fast", 5, probes),
+                 _probe_counting("slow", 30, probes))
+    assert host.resolve()[0].name == "fast" and probes == ["fast"]  # slow's runtime is not started
+    assert host.auto_selection["remembered"] and "remembered" in host.auto_selection["why"]
+    probes.clear()
+    host.fresh_selection = True  # strata backends: every backend probed again
+    host._probes.clear()
+    assert host.resolve()[0].name == "fast" and sorted(probes) == ["fast", "slow"]
+
+
+def test_a_remembered_choice_is_dropped_when_it_is_gone_stale_or_the_installation_changed(tmp_path, monkeypatch):
+    probes: list = []
+    _host(tmp_path, {"fast": 100.0, "slow": 900.0, "cpu": 400.0}, [], _probe_counting("fast", 5, probes),
+          _probe_counting("slow", 30, probes)).resolve()
+    # the chosen backend no longer probes available: a full resolution
+    host = _host(tmp_path, {"fast": 100.0, "slow": 900.0, "cpu": 400.0}, [],
+                 _probe_counting("fast", 5, probes, available=False), _probe_counting("slow", 30, probes))
+    assert host.resolve()[0].name == "cpu"
+    # another backend installed: the key differs, every backend is probed
+    probes.clear()
+    host = _host(tmp_path, {"fast": 100.0, "slow": 900.0, "cpu": 400.0, "new": 950.0}, [],
+                 _probe_counting("fast", 5, probes), _probe_counting("slow", 30, probes),
+                 _probe_counting("new", 1, probes))
+    assert host.resolve()[0].name == "fast" and sorted(probes) == ["fast", "new", "slow"]
+    # older than a day: probed again
+    probes.clear()
+    real_time = calibration.time.time
+    monkeypatch.setattr(calibration.time, "time", lambda: real_time() + calibration.SELECTION_TTL_S + 1)
+    host = _host(tmp_path, {"fast": 100.0, "slow": 900.0, "cpu": 400.0, "new": 950.0}, [],
+                 _probe_counting("fast", 5, probes), _probe_counting("slow", 30, probes),
+                 _probe_counting("new", 1, probes))
+    assert host.resolve()[0].name == "fast" and sorted(probes) == ["fast", "new", "slow"]
