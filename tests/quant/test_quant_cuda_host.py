@@ -241,6 +241,16 @@ static inline float __shfl_xor_sync(unsigned, float v, int m) {
     qf_warp_bar[t / 32]->arrive_and_wait();
     return r;
 }
+// qf_warp_sum's host form: every lane's value through memory once, summed in lane order by each lane
+static inline float qf_host_warp_sum(float v) {
+    const unsigned t = threadIdx.x, w0 = t & ~31u;
+    qf_xchg[t] = v;
+    qf_warp_bar[t / 32]->arrive_and_wait();
+    float s = 0.0f;
+    for (unsigned l = 0; l < 32; ++l) s += qf_xchg[w0 + l];
+    qf_warp_bar[t / 32]->arrive_and_wait();
+    return s;
+}
 #define __device__
 #define __global__
 #define __forceinline__ inline

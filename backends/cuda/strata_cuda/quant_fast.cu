@@ -148,9 +148,13 @@ __device__ __forceinline__ float qf_dot32(const float v[32], const float* x) {
 }
 
 __device__ __forceinline__ float qf_warp_sum(float v) {
+#if defined(QF_HOST)
+    return qf_host_warp_sum(v);  // the host build's shim: one exchange of the 32 lanes instead of five
+#else
 #pragma unroll
     for (int m = QF_WARP / 2; m > 0; m >>= 1) v += __shfl_xor_sync(0xffffffffu, v, m);
     return v;
+#endif
 }
 
 __device__ __forceinline__ float qf_silu(float v) { return v / (1.0f + expf(-v)); }
