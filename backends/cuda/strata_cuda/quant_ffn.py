@@ -126,8 +126,9 @@ class QuantGroupedFFN:
         self._cp = cupy
         #: tensor cores (mma.sync, f16 inputs) or the f32 SIMT kernels, for the tiled path
         self.mma = MMA_BY_DEFAULT if mma is None else bool(mma)
-        #: the GEMV kernels for small groups and QuantMoE for large ones (False: the tiled kernels for everything)
-        self.fast = bool(fast)
+        #: the GEMV kernels for small groups and QuantMoE for large ones (False: the tiled kernels for everything;
+        #: always on ROCm, where quant_fast.cu's warp shuffles and f16 conversion do not build)
+        self.fast = bool(fast) and not _is_hip(cupy)
         self._module = cupy.RawModule(code=kernel_source(), options=compile_options())
         # compile now, so a broken toolchain fails at start-up and not in the middle of a request
         names = MMA_KERNEL_NAMES if self.mma else KERNEL_NAMES
@@ -429,6 +430,9 @@ def quant_moe_for(cache: dict, work: Any) -> QuantMoE | None:
     pool = work.pool
     if pool is None or pool.dtype != "gguf" or work.router_w is None or "blob" not in pool.arrays:
         return None
+    import cupy
+    if _is_hip(cupy):
+        return None
     try:
         fmt = pool.fmt
     except ValueError:
@@ -440,6 +444,11 @@ def quant_moe_for(cache: dict, work: Any) -> QuantMoE | None:
     if key not in cache:
         cache[key] = QuantMoE(e, k, fmt)
     return cache[key]
+
+
+def _is_hip(cupy: Any) -> bool:
+    """Whether cupy is its ROCm build (quant_fast.cu is CUDA C only)."""
+    return bool(getattr(cupy.cuda.runtime, "is_hip", False))
 
 
 def _host(a: Any) -> np.ndarray:
