@@ -250,4 +250,4 @@ class DeviceMemoryViews(Protocol):
     """
 
     def view(self, base: Any, offset_bytes: int, shape: tuple[int, ...], dtype: Any) -> Any:
-        """A [shape] dtype array over bytes [offset_bytes, offset_bytes + size) of the contiguous device array `base`."""
+        """A [shape] dtype array over bytes [offset_bytes, offset_bytes + size) of the contiguous device array base."""

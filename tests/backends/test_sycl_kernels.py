@@ -242,7 +242,8 @@ def test_linear_untiled_kernel_for_small_work_groups(mem, wdtype):
 @pytest.mark.parametrize("tiled", [True, False], ids=["tiled", "plain"])
 @pytest.mark.parametrize("dtype", ["f16", "q8_0"])
 def test_moe_grouped_ffn_large_groups_on_both_kernel_paths(mem, tiled, dtype):
-    # Groups of tens of rows give tiles inside one group (the tiled branch) beside tiles that straddle two.
+    # Groups of tens of rows: several tiles per group (the last one partial) in the one-pass tiled kernel, an empty
+    # group, rows before the first group and after the last (zeroed); the plain kernels take every row on its own.
     k = SyclKernels(mem.session, memory=PoisonedMemory(mem.session))
     k._tiled = tiled
     rng = np.random.default_rng()
@@ -263,3 +264,21 @@ def test_moe_grouped_ffn_large_groups_on_both_kernel_paths(mem, tiled, dtype):
     assert _all_written(y)
     assert ref.relative_error(y, ref.moe_grouped_ffn(x, offsets, slots, pool)) < FP16_BOUND
     assert np.all(y[:3] == 0.0) and np.all(y[93:] == 0.0)
+
+
+def test_the_one_pass_tiled_ffn_gives_the_plain_two_pass_kernels_bits(mem):
+    # Both sum every output's terms in ascending order (f16 weights: no block scales), so they agree to the bit
+    # although the tiled kernel keeps its intermediates in local memory and adds its down projection chunk by chunk.
+    rng = np.random.default_rng(11)
+    s, h, f = 3, 64, 96
+    arrays = {"w_gate_up": (rng.standard_normal((s, 2 * f, h)) / np.sqrt(h)).astype(np.float16),
+              "w_down": (rng.standard_normal((s, h, f)) / np.sqrt(f)).astype(np.float16)}
+    dpool = ref.ExpertPool("f16", {n: mem.to_device(a) for n, a in arrays.items()})
+    offsets, slots = np.array([0, 37, 37, 70, 90], np.int32), np.array([1, 0, 2, 1], np.int32)
+    x = mem.to_device(rng.standard_normal((90, h)).astype(np.float32))
+    ys = []
+    for tiled in (True, False):
+        k = SyclKernels(mem.session, memory=mem)
+        k._tiled = tiled
+        ys.append(mem.download(k.moe_grouped_ffn(x, mem.to_device(offsets), mem.to_device(slots), dpool)))
+    assert _all_written(ys[0]) and np.array_equal(ys[0], ys[1])

@@ -2,8 +2,9 @@
 
 Kernels run on the device's default in-order queue (the stream None of `SyclDeviceMemory`), so they are ordered
 after uploads on that stream and before downloads from it. Numpy inputs are accepted and uploaded for the call;
-outputs are device arrays (UsmArray), the caller's `out` where given. The kernel methods themselves are strata_core's OpenClKernels; this
-module supplies dpctl's way to build, convert arguments and submit.
+outputs are device arrays (UsmArray), the caller's `out` where given. The kernel methods themselves are
+strata_core's OpenClKernels; this module supplies dpctl's way to build, convert arguments (a USM pointer, already at
+the view's offset, and offset 0 per array) and submit.
 """
 
 from __future__ import annotations

@@ -5,9 +5,10 @@ kernel, allocate, copy, record and wait).
 The in-tree sycl backend (dpctl) and the opencl plugin (pyopencl) run the same OpenCL C source under the same
 KernelSet contract (strata_core.reference.kernels), so everything but the vendor calls lives here once: the backend
 object that wraps a probe's facts into devices and opens their sessions, host-side argument checks and uploads, the
-scatter's grouping passes, the tiled/plain and reduction launch geometry, the array wrapper's view bookkeeping, the
-allocation count, the pinned-memory budget accounting, the sessions' queue bookkeeping, where intel-opencl-rt put
-its library, and device types and scores.
+`out=` buffers, the tiled/plain and reduction launch geometry, the array wrapper's views (`DeviceMemory.view`, so
+the runtime carves every buffer from the plan's regions), the allocation count and ledger (`peak_bytes`: the
+measured device peak), the pinned-memory budget accounting, the sessions' queue bookkeeping, where intel-opencl-rt
+put its library, and device types and scores.
 
 This module imports no vendor library and reads no environment: a backend subclasses these classes and passes in
 its session (any object with `device`, `queue`, `lock` and `allocated_bytes`) and whatever paths it needs.
