@@ -1,5 +1,7 @@
-"""Where `strata run --backend cuda` spends its time at Qwen3-30B-A3B shape: the run command in-process, under
-cProfile, with every phase of the executor and the cuda layer ops timed between device synchronisations.
+"""Where `strata run --backend cuda` spends its time at Qwen3-30B-A3B shape: the run command in-process, its request
+served twice by one engine (the first pays every first-use cost, the second runs warm), under cProfile, with every
+phase of the executor and the cuda layer ops timed between device synchronisations (per phase: calls, total, median,
+the first and the last few calls).
 
 Prints (and writes to diag_run_h200.json under --out): which paths ran (`CudaLayerOps.counts`), the run's own
 strata.run/1 figures, the top 30 functions of the requests by own time, and per phase its calls, total seconds and seconds

@@ -166,7 +166,9 @@ class ExpertCache:
         if n <= 0:
             return np.empty(0, dtype=np.int64)
         held = self.expert_in
-        heat = np.where(held == EMPTY, 0.0, self.freq[np.maximum(held, 0)])
+        # an empty slot is colder than any held expert (as in _coldness_order), also before any lookup, when
+        # every frequency is 0: a run of empty slots is lent before one that evicts experts
+        heat = np.where(held == EMPTY, -1.0, self.freq[np.maximum(held, 0)])
         heat = np.where(self.on_loan, np.inf, heat)
         if n > self.slots:
             return None

@@ -281,6 +281,23 @@ def test_pageable_upload_and_to_device_round_trip(mem, rng):
     mem.synchronize()
 
 
+@pytest.mark.parametrize("n", [1 << 16, (1 << 16) + 1, 4096 * 2048 + 3, 100])
+def test_f16_upload_into_f32_widens_exactly(cp, mem, rng, n):
+    """f16 rows into an f32 array (the executor's embedding): widened on the device in place from n = 2^16 (every
+    element equals the host's astype, odd sizes included), on the host below it; on a stream and on the current one."""
+    h = (rng.standard_normal(n) * 8).astype(np.float16)
+    h[:: max(1, n // 7)] = np.float16(np.inf)  # specials and subnormals keep their meaning
+    h[1] = np.float16(6e-8)
+    for stream in (mem.new_stream(), None):
+        dst = mem.alloc((n,), np.float32)
+        dst.fill(np.nan)
+        cp.cuda.Device().synchronize()  # the fill ran on the legacy stream, the upload may run on another
+        mem.upload(dst, h, stream=stream)
+        mem.synchronize(stream)
+        got = mem.download(dst)
+        assert np.array_equal(got, h.astype(np.float32)), f"n={n} seed {rng.seed_value}"
+
+
 def test_absurd_device_allocation_returns_none(mem):
     assert mem.alloc((1 << 50,), np.uint8) is None
 

@@ -159,6 +159,9 @@ def device_pool(cp, hp: ExpertPool, slots: int) -> ExpertPool:
         d = cp.empty((slots, *a.shape[1:]), dtype=a.dtype)
         d.view(cp.uint8).fill(0xFF)
         arrays[name] = d
+    # the fill ran on the legacy stream, which FastMoE's non-blocking streams do not wait for: without this a ring
+    # copy could land first and be overwritten by the fill (NaN weights, a race seen once on the H200)
+    cp.cuda.Device().synchronize()
     return ExpertPool(hp.dtype, arrays)
 
 
@@ -166,6 +169,7 @@ def place(cp, pool: ExpertPool, hp: ExpertPool, experts: np.ndarray, slots: np.n
     """Copy these experts into these slots of the device pool."""
     for name, a in hp.arrays.items():
         pool.arrays[name][cp.asarray(slots)] = cp.asarray(a[experts])
+    cp.cuda.Device().synchronize()  # on the legacy stream too (see device_pool)
 
 
 def poisoned(cp, shape) -> object:

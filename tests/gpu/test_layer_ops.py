@@ -123,10 +123,19 @@ def test_prefill_chunk_through_the_layer_ops(cp, rng, with_ring):
     assert op.counts["prefill_fused"] == L and op.counts["prefill_composed"] == 0
     if with_ring:
         assert m.stats["experts_streamed"] > 0 and m.stats["ring_batches"] > 0
-        m.cache.give_back(ring)
+        # the hottest streamed experts stay: copied from the ring into the cache (its 4 unlent empty slots first)
+        assert op.counts.get("ring_admitted", 0) >= 4, op.counts
     else:
         # without a ring the misses are admitted into the cache (it can take a layer's uncached experts)
         assert m.stats["experts_admitted"] > 0
+    # every expert the cache says it holds is byte for byte the host's (admitted copies landed in their slots)
+    cp.cuda.Device().synchronize()
+    rows = np.flatnonzero(m.cache.slot_of >= 0)
+    for name, a in m.host.arrays.items():
+        held = m.dev.arrays[name][cp.asarray(m.cache.slot_of[rows])].get()
+        assert np.array_equal(held, a[rows]), f"{name}: a cached slot does not hold its expert (seed {rng.seed_value})"
+    if with_ring:
+        m.cache.give_back(ring)
 
 
 def test_decode_steps_replay_one_graph_with_mapped_misses(cp, rng):

@@ -129,3 +129,14 @@ def test_a_loans_buffer_slots_are_one_run_of_the_coldest_adjacent_slots():
     assert run.tolist() == [7, 8]
     assert c.on_loan[[7, 8]].all() and (c.expert_in[[7, 8]] == -1).all(), "lent slots hold no expert"
     c.check()
+
+
+def test_a_loans_buffer_run_takes_empty_slots_before_evicting_experts():
+    # before any lookup every frequency is 0: empty slots must still count colder than held experts, or the run
+    # lands on slot 0 and evicts experts while a cache with room for every expert has empty slots at its end
+    c = ExpertCache(slots=12, layers=1, experts_per_layer=8)
+    c.place(np.arange(8))
+    run = c.lend_run(3)
+    assert run.tolist() == [8, 9, 10], run
+    assert (c.slot_of[np.arange(8)] != -1).all(), "no expert was evicted"
+    c.check()

@@ -129,7 +129,11 @@ def cuda_layer_ops(session: DeviceSession, plan: Any = None) -> Any:
     model shape and largest chunk (so the first request pays no cuBLAS kernel loads)."""
     from .layer_ops import CudaLayerOps  # imported when a session opens, so this module imports without cupy
     shape, tokens = plan_shape(plan)
-    return CudaLayerOps(session.memory, session.kernels, shape=shape, max_tokens=tokens)
+    model = getattr(plan, "model", None)
+    layers = int(getattr(model, "moe_layers", 0) or 0)
+    dtype = "q8_0" if str(getattr(model, "quant", "")).upper() == "Q8_0" else "f16"
+    return CudaLayerOps(session.memory, session.kernels, shape=shape, max_tokens=tokens, layers=layers,
+                        pool_dtype=dtype, slot_bytes=int(getattr(model, "slot_bytes", 0) or 0))
 
 
 def plan_shape(plan: Any) -> tuple[tuple[int, int, int, int] | None, int]:

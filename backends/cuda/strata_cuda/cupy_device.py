@@ -7,6 +7,7 @@ imports without it.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 from typing import Any
 
@@ -145,12 +146,36 @@ class CupyDeviceMemory:
     copies order the same way unless the caller hands out streams and events.
     """
 
+    #: f16 uploads into f32 arrays of at least this many elements are widened on the device (below it the host's
+    #: conversion costs less than the launches)
+    WIDEN_MIN_ELEMENTS = 1 << 16
+
     def __init__(self, device_index: int = 0):
         import cupy
         self._cp = cupy
         self._rt = cupy.cuda.runtime
         self._device = cupy.cuda.Device(device_index)
         self._device.use()
+        self._widen = None
+        try:
+            from .kernels import COMPILE_OPTIONS, kernel_source
+            self._widen = cupy.RawModule(code=kernel_source(), options=COMPILE_OPTIONS).get_function(
+                "strata_widen_f16_f32")
+        except Exception:  # no compiler: f16 uploads into f32 arrays convert on the host, as before
+            self._widen = None
+
+    def _upload_widened(self, dst: Any, src: np.ndarray, stream: Any) -> None:
+        """An f16 host array into an f32 device array: its bytes into dst's first half, then widened in place."""
+        n = int(src.size)
+        ptr = self._stream_ptr(stream)
+        self._rt.memcpyAsync(int(dst.data.ptr), int(src.ctypes.data), 2 * n, self._rt.memcpyHostToDevice, ptr)
+        hi = n
+        with stream if stream is not None else contextlib.nullcontext():
+            while hi > 0:
+                lo = (hi + 1) // 2 if hi > 1 else 0  # [lo, hi) with hi <= 2 lo: see strata_widen_f16_f32
+                blocks = max(1, min(4096, (hi - lo + 255) // 256))
+                self._widen((blocks,), (256,), (dst, np.int64(lo), np.int64(hi)))
+                hi = lo
 
     def _stream_ptr(self, stream: Any) -> int:
         return int((stream if stream is not None else self._cp.cuda.get_current_stream()).ptr)
@@ -172,12 +197,16 @@ class CupyDeviceMemory:
         Pageable (or converted) sources are staged by the runtime before this returns, so they are safe to reuse.
         """
         src = np.asarray(src)
-        if src.dtype != dst.dtype:
-            src = src.astype(dst.dtype, casting="same_kind")
         if src.size != dst.size:
             raise ValueError(f"upload: {src.size} elements into a device array of {dst.size}")
         if not dst.flags.c_contiguous:
             raise ValueError("upload: the device array must be C-contiguous")
+        if (src.dtype == np.float16 and dst.dtype == np.float32 and self._widen is not None
+                and src.size >= self.WIDEN_MIN_ELEMENTS):
+            self._upload_widened(dst, np.ascontiguousarray(src), stream)
+            return
+        if src.dtype != dst.dtype:
+            src = src.astype(dst.dtype, casting="same_kind")
         src = np.ascontiguousarray(src)
         if src.nbytes:
             self._rt.memcpyAsync(int(dst.data.ptr), int(src.ctypes.data), int(src.nbytes),

@@ -162,20 +162,32 @@ def warm_gemms(moe: "FastMoE", tokens: int) -> int:
     w13, w2 = int(w.data.ptr), int(w.data.ptr) + 2 * (2 * f * h)
     xs, gu = int(a.data.ptr), int(a.data.ptr) + 2 * n_max * h
     calls = 0
-    with moe.compute_stream:
-        for n in sizes.tolist():
-            for b in WARM_BATCHES:
-                if b > moe.experts or b * n > 2 * routed:
-                    continue
-                ns = np.full(b, n, dtype=np.int64)
-                one = np.zeros(b, dtype=np.int64)
-                # every problem of the batch reads and writes the same scratch: the values are never used
-                moe._gemm_problems(2 * f, h, h, h, 2 * f, one + w13, one + xs, one + gu, ns)
-                moe._gemm_problems(h, f, f, f, h, one + w2, one + gu, one + xs, ns)
-                moe._ptr_done.synchronize()
-                moe._ptr_cursor = 0
-                calls += 2
-        moe.compute_stream.synchronize()
+    # on the caller's current stream (a run's layers use the session's, the null stream) and, through one call of
+    # mixed sizes, on the side lanes too: cuBLAS takes a workspace per stream it first runs on, which a run would
+    # otherwise allocate inside its first layer, outside the plan's regions
+    st = cupy.cuda.get_current_stream()
+
+    def run(ns: np.ndarray) -> None:
+        one = np.zeros(ns.size, dtype=np.int64)
+        # every problem of the batch reads and writes the same scratch: the values are never used
+        moe._gemm_problems(2 * f, h, h, h, 2 * f, one + w13, one + xs, one + gu, ns)
+        moe._gemm_problems(h, f, f, f, h, one + w2, one + gu, one + xs, ns)
+        moe._ptr_done.synchronize()
+        moe._ptr_cursor = 0
+
+    for n in sizes.tolist():
+        for b in WARM_BATCHES:
+            if b > moe.experts or b * n > 2 * routed:
+                continue
+            run(np.full(b, n, dtype=np.int64))
+            calls += 2
+    mixed = np.resize(sizes[:4], max(SIDE_STREAM_MIN_PROBLEMS, 4 * len(moe._side) + 4))
+    if sizes.size > 1 and mixed.size <= moe.experts:
+        run(mixed.astype(np.int64))
+        calls += 2
+    st.synchronize()
+    for side, _ in moe._side:
+        side.synchronize()
     del w, a
     return calls
 
@@ -298,6 +310,8 @@ class LayerStats:
     routed_rows_hit: int = 0
     routed_rows: int = 0
     copy_groups: int = 0
+    #: ring slot -> the missed expert it holds after the layer (streamed layers only)
+    ring_held: dict | None = None
 
 
 class _Grown:
@@ -314,6 +328,24 @@ class _Grown:
             self.mem = self._cp.cuda.alloc(nbytes)
             self.nbytes = nbytes
         return int(self.mem.ptr)
+
+
+class _Given:
+    """A buffer the caller lent (a view of the plan's memory): its address, refusing a request larger than it."""
+
+    def __init__(self, ptr: int, nbytes: int):
+        self.mem = ptr
+        self.nbytes = int(nbytes)
+
+    def ptr(self, nbytes: int) -> int:
+        """The lent buffer's address (ValueError when nbytes exceeds it)."""
+        if nbytes > self.nbytes:
+            raise ValueError(f"FastMoE: a lent buffer of {self.nbytes} bytes cannot hold {nbytes}")
+        return int(self.mem)
+
+
+#: The prefill work buffers, by name (FastMoE.prefill_buffer_bytes gives their sizes).
+PREFILL_BUFFERS = ("route", "maps", "xs", "gu", "act", "ys", "scratch")
 
 
 class FastMoE:
@@ -585,6 +617,28 @@ class FastMoE:
             return (3 * routed) // 2 + 2 * ROW_ALIGN * self.experts
         return routed + ROW_ALIGN * self.experts
 
+    def prefill_buffer_bytes(self, tokens: int, pool_dtype: str, slot_bytes: int = 0) -> dict[str, int]:
+        """Bytes of each prefill work buffer (PREFILL_BUFFERS) a `tokens`-token chunk can need, any routing: what a
+        caller lends with use_buffers so the layer allocates nothing. Q8_0 pools add the dequantization scratch of
+        the largest group (hit batches of group_experts; streamed groups as miss_groups sizes them)."""
+        h, f, k, e = self.hidden, self.ffn, self.top_k, self.experts
+        rows = self.stack_rows_bound(tokens)
+        out = {"route": 4 * (4 * tokens * k + e), "maps": 8 * e, "xs": 2 * rows * h, "gu": 2 * rows * 2 * f,
+               "act": 2 * rows * f, "ys": 2 * rows * h, "scratch": 0}
+        if pool_dtype == "q8_0":
+            m = max(self.group_experts, COPY_GROUP_BYTES // slot_bytes if slot_bytes > 0 else 0, 1)
+            out["scratch"] = 2 * min(m, e) * (3 * h * f)
+        return out
+
+    def use_buffers(self, buffers: dict[str, tuple[int, int]] | None) -> None:
+        """Run prefill layers in the caller's buffers ({name: (address, bytes)} for PREFILL_BUFFERS), or, with None,
+        in buffers of its own again (grown on demand from cupy's pool)."""
+        if buffers is None:
+            self._ws = self.__dict__.get("_own_ws") or self._ws
+            return
+        self.__dict__.setdefault("_own_ws", self._ws)
+        self._ws = {n: _Given(p, b) for n, (p, b) in buffers.items()}
+
     def _stack_bufs(self, ws: dict, rows: int) -> tuple[int, int, int, int]:
         """(xs, gu, act, ys) f16 stacks of `rows` rows: inputs [rows,H], gate|up [rows,2F], SwiGLU [rows,F], out [rows,H]."""
         h, f = self.hidden, self.ffn
@@ -843,6 +897,13 @@ class FastMoE:
             streamed += queue_copies(g + 1)
         self.stats.bytes_streamed = streamed
         self.stats.copy_groups = len(sizes)
+        # which expert each ring slot holds once the layer has computed (the last group placed there): a caller
+        # may copy hot ones into the cache from here, device to device, instead of over the link again
+        held = {}
+        for g, size in enumerate(sizes):
+            for i in range(size):
+                held[int(ring[place[g] + i])] = int(misses[first_of[g] + i])
+        self.stats.ring_held = held
 
     # -- decode ------------------------------------------------------------------------------------------------
 

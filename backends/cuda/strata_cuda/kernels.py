@@ -25,7 +25,7 @@ SOURCE_NAME = "moe.cu"
 COMPILE_OPTIONS = ("-std=c++17",)
 KERNEL_NAMES = ("strata_route_topk", "strata_gather_f32", "strata_scatter_add_f32", "strata_dequantize_q8_0",
                 "strata_dequantize_q8_0_slots", "strata_rmsnorm_f32", "strata_pack_rows_f16", "strata_swiglu_f16",
-                "strata_unpack_rows_f32", "strata_gemv_f16w_f32")
+                "strata_unpack_rows_f32", "strata_gemv_f16w_f32", "strata_widen_f16_f32")
 #: Block sizes fixed by the source (STRATA_ROUTE_THREADS, STRATA_NORM_THREADS, STRATA_MAX_TOPK).
 ROUTE_THREADS = 128
 NORM_THREADS = 256
@@ -156,32 +156,42 @@ class CupyKernels:
         self._stride_launch("strata_dequantize_q8_0", int(qs.size), (qs, d, np.int64(qs.size), out))
         return out
 
-    def rmsnorm(self, x: Any, w: Any, eps: float = 1e-6) -> Any:
-        """[T,H] f32, w [H] -> x / rms(x) * w, f32."""
+    def _out(self, out: Any, shape: tuple[int, ...]) -> Any:
+        """The caller's output buffer (a C-contiguous f32 device array of this shape), or a new one."""
+        if out is None:
+            return self._cp.empty(shape, dtype=self._cp.float32)
+        if tuple(out.shape) != tuple(shape) or out.dtype != self._cp.float32 or not out.flags.c_contiguous:
+            raise ValueError(f"out must be a C-contiguous float32 array of shape {shape} (got {out.shape} "
+                             f"{out.dtype})")
+        return out
+
+    def rmsnorm(self, x: Any, w: Any, eps: float = 1e-6, out: Any = None) -> Any:
+        """[T,H] f32, w [H] -> x / rms(x) * w, f32 (into `out` when given)."""
         x = self._f32(x)
         w = self._f32(w).reshape(-1)
         t, h = x.shape
-        out = self._cp.empty((t, h), dtype=self._cp.float32)
+        out = self._out(out, (t, h))
         if t:
             self._k["strata_rmsnorm_f32"]((t,), (NORM_THREADS,),
                                           (x, w, np.int32(t), np.int32(h), np.float32(eps), out))
         return out
 
-    def linear(self, x: Any, w: Any) -> Any:
-        """x [T,H] f32, w [O,H] f16 or f32 -> x w^T [T,O] f32 (cuBLAS / hipBLAS in f32; a few rows of x against f16
-        weights through strata_gemv_f16w_f32, which reads the f16 bytes once instead of widening them)."""
+    def linear(self, x: Any, w: Any, out: Any = None) -> Any:
+        """x [T,H] f32, w [O,H] f16 or f32 -> x w^T [T,O] f32 (into `out` when given); cuBLAS / hipBLAS in f32, and
+        a few rows of x against f16 weights through strata_gemv_f16w_f32, which reads the f16 bytes once instead of
+        widening them into an f32 copy."""
         cp = self._cp
         x = self._f32(x)
+        t, o = int(x.shape[0]), int(w.shape[0])
+        out = self._out(out, (t, o))
         if (getattr(w, "dtype", None) == cp.float16 and isinstance(w, cp.ndarray) and w.flags.c_contiguous
-                and x.ndim == 2 and 0 < x.shape[0] <= GEMV_MAX_T and x.shape[1] % 2 == 0 and w.shape[1] == x.shape[1]):
-            t, h = (int(s) for s in x.shape)
-            o = int(w.shape[0])
-            out = cp.empty((t, o), dtype=cp.float32)
+                and x.ndim == 2 and 0 < t <= GEMV_MAX_T and x.shape[1] % 8 == 0 and w.shape[1] == x.shape[1]
+                and w.data.ptr % 16 == 0 and x.data.ptr % 16 == 0):
             if o:
                 self._k["strata_gemv_f16w_f32"]((-(-o // GEMV_ROWS), t), (GEMV_THREADS,),
-                                                (x, w, np.int32(o), np.int32(h), out))
+                                                (x, w, np.int32(o), np.int32(int(x.shape[1])), out))
             return out
-        return cp.matmul(x, cp.asarray(w, dtype=cp.float32).T)
+        return cp.matmul(x, cp.asarray(w, dtype=cp.float32).T, out=out)
 
     def moe_grouped_ffn(self, x: Any, offsets: Any, slots: Any, weights: ExpertPool) -> Any:
         """SwiGLU experts over token groups: rows offsets[g]:offsets[g+1] of x [N,H] f32 run slot slots[g] -> [N,H] f32.

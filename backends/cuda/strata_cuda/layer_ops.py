@@ -7,13 +7,20 @@
   of the runtime's ExpertCache) and the hits and misses are counted with `lookup` once the counts are known. A chunk
   without a ring admits its misses into the cache (copies on the executor's copy stream behind a fence, the compute
   stream waiting for them) when the cache could take every uncached expert of the layer without evicting one of its
-  cached ones; otherwise the composed op runs it.
+  cached ones; otherwise the composed op runs it. The layer's norm and router outputs and FastMoE's stacks, tables
+  and scratch are carved from the chunk's arena (the plan's workspace and the loan's buffer slots; `worst_carves`
+  tells the executor how many buffer slots that takes), so the layer allocates nothing. After a streamed layer the
+  hottest experts the ring still holds replace colder cached ones of the layer (device-to-device copies on the
+  compute stream): the prompt leaves the cache holding what it routed to most.
 - `decode_step`: every layer of the token as one CUDA graph replay (per layer: rmsnorm + router, gate/up, down
   into the residual), no host sync per layer; a missed expert is read by the kernels from mapped page-locked host
   memory (only rows the store has page-locked). After the replay the routed ids of all layers come back in one copy
-  for the hit and miss counts. Decode admits no misses on the critical path; once, when a cache that holds every
-  expert lacks some (a prompt's loan overwrote them) and they cannot be read from host memory, they are copied back
-  before the step (a refill), so later steps replay the graph with every expert cached.
+  for the hit and miss counts (one cache lookup for all layers). Misses are admitted off the critical path: after a
+  step, the hottest experts it read from host memory (every missing one when the cache holds the whole model) are
+  copied into the cache on the copy stream, and their maps say "host" until the copy has landed. When missed rows
+  are not page-locked and the cache holds every expert, they are copied back before the step (a refill).
+  The session warms the plan's shape at open (every GEMM size class on the run's streams, the router and norm), so
+  the first request pays no cuBLAS or cupy first use.
 Where the fused paths do not apply (expert formats other than f16 and Q8_0, shapes off their grid, a chunk without a
 ring in a cache too small to admit its misses, Q8_0 or unmapped host memory in decode) the core's ComposedLayerOps over the same session runs the
 layer, so every model still runs.
@@ -29,6 +36,7 @@ import numpy as np
 
 from strata_core.api.kernels import ExpertPool, LayerWork
 from strata_core.errors import StrataError
+from strata_core.runtime.devmem import DeviceFull
 
 EMPTY = -1
 #: The fused paths' formats (FastMoE's layouts).
@@ -45,7 +53,8 @@ class CudaLayerOps:
     precision = "f16"
 
     def __init__(self, memory: Any, kernels: Any, workspace_bytes: int = 0,
-                 shape: tuple[int, int, int, int] | None = None, max_tokens: int = 0):
+                 shape: tuple[int, int, int, int] | None = None, max_tokens: int = 0, layers: int = 0,
+                 pool_dtype: str = "f16", slot_bytes: int = 0):
         from .fast import FastMoE, precompile, warm_gemms, warm_up
         try:
             warm_up()  # at session open: NVRTC, cuBLAS start-up and handles stay out of the first layer's time
@@ -59,8 +68,13 @@ class CudaLayerOps:
                 # so cuBLAS loads its kernels here and not inside the first request's layers
                 self._fast[tuple(shape)] = FastMoE(*shape)
                 warm_gemms(self._fast[tuple(shape)], max(1, int(max_tokens)))
+                self._fast[tuple(shape)].decode_buffers()
+                self._warm_router(kernels, max(1, int(max_tokens)), e, h)
             except Exception:  # a failed warm-up costs only time (the first request pays it)
                 pass
+        #: the plan's FastMoE shape and expert format (worst_carves sizes a chunk's buffers from them)
+        self._plan_shape = tuple(shape) if shape is not None and tuple(shape) in self._fast else None
+        self._plan_dtype, self._plan_slot_bytes = str(pool_dtype), int(slot_bytes)
         self.memory = memory
         self.kernels = kernels
         self.workspace_bytes = int(workspace_bytes)
@@ -73,9 +87,39 @@ class CudaLayerOps:
         self._maps_dev: Any = None
         self._ids_dev: Any = None
         self._w_dev: Any = None
+        if shape is not None and layers > 0:
+            # the decode graph's small tables, made with the session (before the plan's regions are taken), so a
+            # decode step allocates nothing
+            import cupy as cp
+            self._maps_dev = cp.empty((int(layers), e), dtype=cp.int32)
+            self._ids_dev = cp.empty((int(layers), k), dtype=cp.int32)
+            self._w_dev = cp.empty((int(layers), k), dtype=cp.float32)
+        #: a prompt's streamed layers leave their hottest ring experts in the cache (device-to-device copies)
+        self.admit_from_ring = True
+        #: decode admits at most this many bytes of the experts it read from host memory per step, off the
+        #: critical path (0: decode admits nothing); about one step's worth of the link
+        self.decode_admit_bytes = 64 << 20
+        self._pending: tuple | None = None
+        from cupy.cuda import runtime
+        self._rt = runtime
+        #: the executor carves the LM head's outputs from the plan's arena for these kernels (they take out=)
+        self._takes_out = {"rmsnorm": True, "linear": True}
         #: how many layers each path ran (a test and `strata run` can tell which path ran)
         self.counts = {"prefill_fused": 0, "prefill_composed": 0, "decode_graph_steps": 0, "decode_plain_steps": 0,
                        "decode_composed_steps": 0}
+
+    @staticmethod
+    def _warm_router(kernels: Any, tokens: int, experts: int, hidden: int) -> None:
+        """The norm and router of a `tokens`-token chunk once, as a layer calls them (out= buffers, f32 router):
+        cupy compiles its helper kernels and cuBLAS loads its f32 GEMM at first use, which cost the first layer of
+        the first request ~90 ms on the H200 (bench/results/a_h200/call2_diag_run_h200.json)."""
+        import cupy as cp
+        x = cp.zeros((tokens, hidden), dtype=cp.float32)
+        xn = kernels.rmsnorm(x, cp.ones(hidden, dtype=cp.float32), out=cp.empty_like(x))
+        kernels.linear(xn, cp.zeros((experts, hidden), dtype=cp.float32),
+                       out=cp.empty((tokens, experts), dtype=cp.float32))
+        kernels.linear(xn[:1], cp.zeros((experts, hidden), dtype=cp.float16))
+        cp.cuda.get_current_stream().synchronize()
 
     # --- shapes and fallbacks ------------------------------------------------------------------------------
 
@@ -160,11 +204,15 @@ class CudaLayerOps:
         x = work.x
         x_in = np.asarray(self.memory.download(x)) if observer is not None else None
         fast.compute_stream = cp.cuda.get_current_stream()
-        xn = self.kernels.rmsnorm(x, work.norm_w)
-        logits = self.kernels.linear(xn, work.router_w)
+        xn, logits = self._carve_prefill(work, fast)
+        xn = self.kernels.rmsnorm(x, work.norm_w, out=xn)
+        logits = self.kernels.linear(xn, work.router_w, out=logits)
         ring = np.asarray(work.ring, dtype=np.int64) if with_ring else None
 
+        seen_counts: list = []
+
         def on_counts(counts: np.ndarray) -> np.ndarray:
+            seen_counts.append(counts)
             used = np.flatnonzero(counts > 0)
             work.slots.lookup(work.layer, used, counts[used])
             missed = used[slot_map[used] < 0]
@@ -178,10 +226,105 @@ class CudaLayerOps:
             work.stats["experts_streamed"] += int(st.misses)
             work.stats["bytes_streamed"] += int(st.bytes_streamed)
             work.stats["ring_batches"] += int(st.copy_groups)
+            if self.admit_from_ring and st.ring_held and seen_counts:
+                self._admit_from_ring(work, slot_map, st.ring_held, seen_counts[0])
         self.counts["prefill_fused"] += 1
         work.workspace.reset()
         if observer is not None:
             observer(work.phase, work.layer, x_in, np.asarray(self.memory.download(x)))
+
+    def _admit_from_ring(self, work: LayerWork, slot_map: np.ndarray, held: dict, counts: np.ndarray) -> None:
+        """Swap this layer's cold cached experts for hotter ones the ring still holds, copied device to device on
+        the compute stream after the layer (before the next layer's ring copies, which wait for this stream): the
+        prompt leaves the cache holding what it routed to most, at HBM cost (about 5 us an expert), not the link's.
+
+        Hotter is by the cache's decayed frequency, which the layer's lookup has just raised by this chunk's rows.
+        A held expert replaces a cached one only when its frequency is higher, coldest first; empty usable slots
+        are filled first."""
+        import cupy as cp
+        cache = work.slots
+        freq = getattr(cache, "freq", None)
+        if freq is None or not hasattr(cache, "admit"):
+            return
+        ring_slots = np.fromiter(held.keys(), dtype=np.int64, count=len(held))
+        experts = np.fromiter(held.values(), dtype=np.int64, count=len(held))
+        rows0 = int(cache.row(work.layer, 0))
+        f_cand = freq[rows0 + experts]
+        order = np.argsort(-f_cand, kind="stable")
+        ring_slots, experts, f_cand = ring_slots[order], experts[order], f_cand[order]
+        usable = cache.usable()
+        empty = np.flatnonzero(usable & (cache.expert_in == EMPTY))
+        cached = np.flatnonzero(slot_map >= 0)
+        f_vict = np.sort(freq[rows0 + cached])
+        # the i-th hottest candidate takes an empty slot, else the i-th coldest cached expert when it is colder
+        n = 0
+        for i in range(len(experts)):
+            if i < len(empty):
+                n += 1
+                continue
+            j = i - len(empty)
+            if j >= len(f_vict) or not f_cand[i] > f_vict[j]:
+                break
+            n += 1
+        if n == 0:
+            return
+        victims = cached[np.argsort(freq[rows0 + cached], kind="stable")][: max(0, n - len(empty))]
+        allowed = np.zeros(cache.slots, dtype=bool)
+        allowed[empty[:n]] = True
+        allowed[slot_map[victims]] = True
+        got = cache.admit(work.layer, experts[:n], keep=np.flatnonzero(~allowed))
+        st = cp.cuda.get_current_stream().ptr
+        moved = 0
+        for src, dst in zip(ring_slots[:n], got):
+            if dst < 0:
+                continue
+            for arr in work.pool.arrays.values():
+                per = int(arr.strides[0])
+                self._rt.memcpyAsync(int(arr.data.ptr) + int(dst) * per, int(arr.data.ptr) + int(src) * per, per,
+                                     3, st)  # cudaMemcpyDeviceToDevice
+            moved += 1
+        work.stats["experts_admitted"] += moved
+        self.counts["ring_admitted"] = self.counts.get("ring_admitted", 0) + moved
+
+    def worst_carves(self, tokens: int, vocab: int, top_k: int | None = None) -> list:
+        """The carves of a chunk's layer after its residual and of the LM head, in the order prefill_layer and the
+        executor make them ((shape, dtype) or "fix" / "reset"): the executor replays them on a dry arena and lends
+        only the buffer slots they need. Without the plan's shape: one carve no loan holds (lend them all)."""
+        fast = self._fast.get(self._plan_shape) if self._plan_shape is not None else None
+        if fast is None:
+            return [((1 << 62,), np.uint8)]
+        t, h, e = int(tokens), fast.hidden, fast.experts
+        need = fast.prefill_buffer_bytes(t, self._plan_dtype, self._plan_slot_bytes)
+        return (["fix", ((t, h), np.float32), ((t, e), np.float32)]
+                + [((int(n),), np.uint8) for n in need.values() if n > 0]
+                + ["reset", ((1, h), np.float32), ((1, int(vocab)), np.float32)])
+
+    def _carve_prefill(self, work: LayerWork, fast: Any) -> tuple[Any, Any]:
+        """The layer's norm output and router logits, and FastMoE's work buffers, carved from the chunk's arena (the
+        plan's workspace and the loan's buffer slots), so the fused layer allocates nothing. Where the arena is too
+        small they come from cupy's pool instead, counted in counts["buffers_outside_plan"]."""
+        arena = work.workspace
+        t, h, e = int(work.x.shape[0]), int(work.x.shape[1]), fast.experts
+        mark = arena.mark()
+        try:
+            xn = arena.carve((t, h), np.float32)
+            logits = arena.carve((t, e), np.float32)
+            store = getattr(work.source, "store", None)
+            need = fast.prefill_buffer_bytes(t, work.pool.dtype, int(getattr(store, "row_bytes", 0) or 0))
+            lent = {}
+            for name, nbytes in need.items():
+                if nbytes > 0:
+                    v = arena.carve((int(nbytes),), np.uint8)
+                    lent[name] = (int(v.data.ptr), int(nbytes))
+                else:
+                    lent[name] = (0, 0)
+        except (DeviceFull, AttributeError):
+            arena.release(mark)
+            fast.use_buffers(None)
+            self.counts["buffers_outside_plan"] = self.counts.get("buffers_outside_plan", 0) + 1
+            return None, None
+        fast.use_buffers(lent)
+        return xn, logits
 
     @staticmethod
     def _can_admit(work: LayerWork, slot_map: np.ndarray) -> bool:
@@ -223,24 +366,27 @@ class CudaLayerOps:
         """Per layer, the host addresses the kernels read its missed experts at (None: no miss), or None when some
         missed row is pageable or the device cannot use registered memory at its host address."""
         has = missing.any(axis=1)
-        if not has.any():
-            return [None] * len(works)
+        none = [None] * len(works) if not has.any() else None
         store = getattr(works[0].source, "store", None)
         pinned = getattr(store, "pinned_rows", None)
         if store is None or pinned is None or store.pool.dtype != "f16":
-            return None
-        if np.any(missing & ~pinned[rows].reshape(missing.shape)):
+            return none
+        pinned_here = pinned[rows].reshape(missing.shape)
+        if np.any(missing & ~pinned_here):
             return None
         a13, a2 = store.pool.arrays["w_gate_up"], store.pool.arrays["w_down"]
         if "same_address" not in self.__dict__:
-            r = int(rows.reshape(missing.shape)[missing][0])
+            r = int(rows[0])
             rep = fast.host_mapping_report((int(a13[r].ctypes.data), int(a2[r].ctypes.data)))
             self.same_address = all(x["host_ptr"] and x["device_ptr"] == x["host_ptr"] for x in rep)
         if not self.same_address:
-            return None
+            return none
+        # a layer whose experts are all page-locked gets its host address whether or not it misses now, so the
+        # graph's key (which includes them) stays the same while misses come and go: one capture per decode
+        whole = pinned_here.all(axis=1)
         out = []
         for i, w in enumerate(works):
-            if not has[i]:
+            if not (has[i] or whole[i]):
                 out.append(None)
                 continue
             r0 = int(rows[i * missing.shape[1]])
@@ -289,12 +435,12 @@ class CudaLayerOps:
         table = getattr(works[0].slots, "slot_of", None)
         if table is None:
             raise StrataError("cuda layer ops need the runtime's expert cache (its slot_of table)")
-        maps = table[self._rows].reshape(n, e_n).astype(np.int32)
+        maps = self._masked(table[self._rows].reshape(n, e_n).astype(np.int32))
         hosts = self._hosts(works, fast, self._rows, maps < 0)
         if hosts is None:
             if not self._refill(works, maps):
                 return None
-            maps = table[self._rows].reshape(n, e_n).astype(np.int32)
+            maps = self._masked(table[self._rows].reshape(n, e_n).astype(np.int32))
             hosts = self._hosts(works, fast, self._rows, maps < 0)
             if hosts is None:
                 return None
@@ -315,6 +461,67 @@ class CudaLayerOps:
             key = ("stack", int(works[0].x.data.ptr)) + tuple(lay.key() for lay in layers)
             self._layers_cache = (sig, layers, key)
         return self._layers_cache[1], self._layers_cache[2]
+
+    def _masked(self, maps: np.ndarray) -> np.ndarray:
+        """The slot maps with every expert whose admission copy has not landed yet read from host memory (-1)."""
+        if self._pending is not None:
+            rows, event = self._pending
+            if event.done:
+                self._pending = None
+            else:
+                flat = maps.reshape(-1)
+                hit = np.isin(self._rows, rows)
+                flat[hit] = -1
+        return maps
+
+    def _admit_decode_misses(self, works: list[LayerWork], maps: np.ndarray, ids: np.ndarray) -> None:
+        """Admit the hottest experts this step read from host memory, at most `decode_admit_bytes` a step, copied
+        on the copy stream while the next steps run: until the copy lands their maps say -1 (host reads), so no
+        graph reads a slot being written, and the evicted expert's slot is written only after this step's graph,
+        which the ids' download has waited for."""
+        cache = works[0].slots
+        if self._pending is not None or self.decode_admit_bytes <= 0 or not hasattr(cache, "admit"):
+            return
+        store = getattr(works[0].source, "store", None)
+        row_bytes = int(getattr(store, "row_bytes", 0) or 0)
+        if row_bytes <= 0:
+            return
+        e_n = maps.shape[1]
+        layer_of = np.asarray([w.layer for w in works], dtype=np.int64)
+        routed_missing = np.take_along_axis(maps, ids.astype(np.int64), axis=1) < 0
+        li, ki = np.nonzero(routed_missing)
+        if li.size == 0:
+            return
+        room = int(getattr(cache, "slots", 0)) - int(getattr(cache, "slots_on_loan", 0))
+        if room >= len(works) * e_n:
+            # the cache holds the whole model (a prompt's loan emptied some slots): every missing expert comes
+            # back in one batch, into empty slots, evicting none
+            rows = self._rows[maps.reshape(-1) < 0]
+        else:
+            rows = np.unique(layer_of[li] * e_n + ids[li, ki].astype(np.int64))
+            budget = max(1, self.decode_admit_bytes // row_bytes)
+            rows = rows[np.argsort(-cache.freq[rows], kind="stable")][:budget]
+        import cupy as cp
+        cs = works[0].copy_stream
+        fence = cp.cuda.Event(disable_timing=True)
+        fence.record(cp.cuda.get_current_stream())
+        cs.wait_event(fence)  # the step's graph read the slots that are about to be overwritten
+        admitted = []
+        by_layer = {int(w.layer): w for w in works}
+        for layer in np.unique(rows // e_n).tolist():
+            r_l = rows[rows // e_n == layer]
+            w = by_layer[int(layer)]
+            got = cache.admit(int(layer), r_l - int(layer) * e_n, keep=None)
+            for r, slot in zip(r_l.tolist(), got.tolist()):
+                if slot >= 0:
+                    w.source.upload(int(r), int(slot), cs)
+                    admitted.append(int(r))
+        if admitted:
+            landed = cp.cuda.Event(disable_timing=True)
+            landed.record(cs)
+            self._pending = (np.asarray(admitted, dtype=np.int64), landed)
+            works[0].stats["experts_admitted"] += len(admitted)
+            self.counts["decode_admitted"] = self.counts.get("decode_admitted", 0) + len(admitted)
 
     def decode_step(self, works: list[LayerWork]) -> None:
         """Run every MoE layer of one decode token: one graph replay where the fused decode applies."""
@@ -354,6 +561,7 @@ class CudaLayerOps:
         cnt = np.bincount(rows, minlength=(max(w.layer for w in works) + 1) * e_n)
         used = np.flatnonzero(cnt)
         works[0].slots.lookup(0, used, cnt[used])
+        self._admit_decode_misses(works, self._maps_host, ids)  # after the lookup: this step's experts are warm
         seen = set()
         for w in works:  # the works share one arena: reset each once
             if id(w.workspace) not in seen:

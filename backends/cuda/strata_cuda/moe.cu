@@ -254,27 +254,37 @@ extern "C" __global__ void strata_unpack_rows_f32(const float* __restrict__ yp, 
 #define STRATA_GEMV_THREADS 256
 #define STRATA_GEMV_ROWS 8
 
-// Grid (ceil(O / STRATA_GEMV_ROWS), T); STRATA_GEMV_THREADS threads split H (H even: two halves per 32-bit load)
-// and each keeps STRATA_GEMV_ROWS partial sums, reduced through shared memory. The f16 weights are read once per
-// row of x straight from their bytes, never widened into an f32 copy of the matrix (which cost 3x the bytes).
+// 16-byte loads without vector headers: alignas makes both compilers emit one 128-bit load per struct.
+struct alignas(16) strata_u4 { unsigned int x, y, z, w; };
+struct alignas(16) strata_f4 { float x, y, z, w; };
+
+__device__ inline float strata_dot_h2(unsigned int p, float a, float b) {
+    return strata_h2f((unsigned short)(p & 0xffffu)) * a + strata_h2f((unsigned short)(p >> 16)) * b;
+}
+
+// Grid (ceil(O / STRATA_GEMV_ROWS), T); STRATA_GEMV_THREADS threads split H in chunks of 8 (H % 8 == 0, rows
+// 16-byte aligned: one 128-bit load per row and chunk) and each keeps STRATA_GEMV_ROWS partial sums, reduced
+// through shared memory. The f16 weights are read once per row of x straight from their bytes, never widened into
+// an f32 copy of the matrix (which cost 3x the bytes).
 extern "C" __global__ void strata_gemv_f16w_f32(const float* __restrict__ x, const unsigned short* __restrict__ w,
                                                 int O, int H, float* __restrict__ out) {
     __shared__ float s_acc[STRATA_GEMV_ROWS][STRATA_GEMV_THREADS];
     const int t = blockIdx.y;
     const int o0 = blockIdx.x * STRATA_GEMV_ROWS;
-    const float* xr = x + (long long)t * H;
-    const unsigned int* w2 = (const unsigned int*)w;
-    const int h2 = H / 2;
+    const strata_f4* x4 = (const strata_f4*)(x + (long long)t * H);
+    const strata_u4* w8 = (const strata_u4*)w;
+    const int h8 = H / 8;
     float acc[STRATA_GEMV_ROWS];
 #pragma unroll
     for (int r = 0; r < STRATA_GEMV_ROWS; ++r) acc[r] = 0.0f;
-    for (int c = threadIdx.x; c < h2; c += STRATA_GEMV_THREADS) {
-        const float x0 = xr[2 * c], x1 = xr[2 * c + 1];
+    for (int c = threadIdx.x; c < h8; c += STRATA_GEMV_THREADS) {
+        const strata_f4 xa = x4[2 * c], xb = x4[2 * c + 1];
 #pragma unroll
         for (int r = 0; r < STRATA_GEMV_ROWS; ++r) {
             const int o = o0 + r < O ? o0 + r : O - 1;  // rows past O repeat the last one, never written
-            const unsigned int p = w2[(long long)o * h2 + c];
-            acc[r] += strata_h2f((unsigned short)(p & 0xffffu)) * x0 + strata_h2f((unsigned short)(p >> 16)) * x1;
+            const strata_u4 p = w8[(long long)o * h8 + c];
+            acc[r] += strata_dot_h2(p.x, xa.x, xa.y) + strata_dot_h2(p.y, xa.z, xa.w) + strata_dot_h2(p.z, xb.x, xb.y) +
+                      strata_dot_h2(p.w, xb.z, xb.w);
         }
     }
 #pragma unroll
@@ -289,4 +299,21 @@ extern "C" __global__ void strata_gemv_f16w_f32(const float* __restrict__ x, con
     }
     if (threadIdx.x < STRATA_GEMV_ROWS && o0 + (int)threadIdx.x < O)
         out[(long long)t * O + o0 + threadIdx.x] = s_acc[threadIdx.x][0];
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// widening an upload in place: f16 values copied into the first half of an f32 buffer become f32
+// ---------------------------------------------------------------------------------------------------------------
+
+// f[i] = float(h[i]) for i in [lo, hi), where h aliases the first bytes of f. With hi <= 2 * lo (or hi - lo == 1) no
+// write of this launch touches a half this launch reads (f[i] covers halves 2i and 2i + 1 >= hi), and halves below
+// lo are not written; the caller launches [n/2, n), [n/4, n/2), ... in stream order, so every half is read before
+// it is overwritten.
+extern "C" __global__ void strata_widen_f16_f32(float* f, long long lo, long long hi) {
+    const unsigned short* h = (const unsigned short*)f;
+    for (long long i = lo + blockIdx.x * (long long)blockDim.x + threadIdx.x; i < hi;
+         i += (long long)gridDim.x * blockDim.x) {
+        const float v = strata_h2f(h[i]);
+        f[i] = v;
+    }
 }
