@@ -105,6 +105,11 @@ class HostKernels(ReferenceKernels):
                 or x.dtype != np.float32 or w.dtype != np.float32:
             return super().rmsnorm(x, w, eps, out=out)
         s = np.add.reduce(x * x, 1, None, None, True)
+        if s.size == 1:
+            # one row: np.mean's f32 sum / intp count (computed in f64, cast to f32), + eps, sqrt and 1/ on the f32
+            # scalar: each an IEEE-rounded f32 operation, the same bits as the (1, 1) arrays give, without their calls
+            m = np.float32(float(s[0, 0]) / x.shape[1])
+            return np.multiply(x * (1.0 / np.sqrt(m + eps)), w, out=out)
         np.true_divide(s, np.intp(x.shape[1]), out=s, casting="unsafe")
         return np.multiply(x * (1.0 / np.sqrt(s + eps)), w, out=out)
 

@@ -120,6 +120,7 @@ class ComposedLayerOps:
         #: (tokens, top_k, rows, groups) -> does one ordered call fit the workspace (sizes only: computed once)
         self._direct_fits: dict[tuple, bool] = {}
         self._direct_peak: dict[tuple, int] = {}
+        self._host_consts: dict[int, tuple] = {}
         #: The device is the host (numpy arrays, synchronous calls) and every kernel takes its output buffer: a
         #: decode step runs as `_decode_host`, its buffers carved once a step and the index arrays used in place.
         self._host = (not accounting_only and bool(getattr(getattr(dm, "inner", dm), "host_arrays", False))
@@ -496,28 +497,34 @@ class ComposedLayerOps:
         """
         w0 = works[0]
         k, H, E = int(w0.top_k), self.hidden, self.E
-        f32 = np.float32
         key = (1, k, k, k)
-        ones_k = np.ones(k, np.int64)
-        rows = np.zeros(k, np.int32)
-        offsets = np.arange(k + 1, dtype=np.int32)
-        starts = np.arange(k, dtype=np.int64)
+        consts = self._host_consts.get(k)
+        if consts is None:
+            # ones (lookup's tokens), zero rows (every row reads token 0), offsets and starts (one row a group)
+            consts = self._host_consts[k] = (np.ones(k, np.int64), np.zeros(k, np.int32),
+                                             np.arange(k + 1, dtype=np.int32), np.arange(k, dtype=np.int64))
+        ones_k, rows, offsets, starts = consts
+        fits = self._one_call_fits(w0, key)
         kern = self.k
         rmsnorm, linear, route_topk, gather, ffn, scatter_add = (kern.rmsnorm, kern.linear, kern.route_topk,
                                                                  kern.gather, kern.moe_grouped_ffn, kern.scatter_add)
         bufs = mark = None
+        ran = False
         for w in works:
             ws = w.workspace
-            if w.extras.get("router_bias") is not None or not self._one_call_fits(w, key):
+            if not fits or w.extras.get("router_bias") is not None:
                 if bufs is not None:
                     ws.release(mark)
                     bufs = None
                 self._layer(w)
                 continue
             if bufs is None:
+                # one f32 block and one int32 block for the step (views of them: two carves, not seven)
                 mark = ws.mark()
-                bufs = (ws.carve((1, H), f32), ws.carve((1, E), f32), ws.carve((1, k), np.int32),
-                        ws.carve((1, k), f32), ws.carve((k, H), f32), ws.carve((k, H), f32), ws.carve((k,), np.int32))
+                fb, ib = ws.carve((H + E + k + 2 * k * H,), np.float32), ws.carve((2 * k,), np.int32)
+                bufs = (fb[:H].reshape(1, H), fb[H:H + E].reshape(1, E), ib[:k].reshape(1, k),
+                        fb[H + E:H + E + k].reshape(1, k), fb[H + E + k:H + E + k + k * H].reshape(k, H),
+                        fb[H + E + k + k * H:].reshape(k, H), ib[k:])
                 xn, logits, ids, wts, xg, y, slots32 = bufs
             layer, x, cache = w.layer, w.x, w.slots
             observer = w.extras.get("observer")
@@ -539,7 +546,7 @@ class ComposedLayerOps:
                     ws.release(mark)
                     bufs = None
                     try:
-                        self._after_lookup(w, r, slots, rmsnorm(x, w.norm_w, out=ws.carve((1, H), f32)), x_in)
+                        self._after_lookup(w, r, slots, rmsnorm(x, w.norm_w, out=ws.carve((1, H), np.float32)), x_in)
                     finally:
                         ws.reset()
                     continue
@@ -551,13 +558,15 @@ class ComposedLayerOps:
             slots32[:] = slots
             gather(xn, rows, out=xg)
             scatter_add(x, rows, ffn(xg, offsets, slots32, w.pool, out=y), scales)
-            peak = self._direct_peak_bytes(w, key)
-            if peak > w.stats["workspace_peak_bytes"]:
-                w.stats["workspace_peak_bytes"] = peak
+            ran = True
             if x_in is not None:
                 observer(w.phase, layer, x_in, np.array(x))
         if bufs is not None:
             works[-1].workspace.release(mark)
+        if ran:
+            peak = self._direct_peak_bytes(w0, key)
+            if peak > w0.stats["workspace_peak_bytes"]:
+                w0.stats["workspace_peak_bytes"] = peak
         self._ordered = True
 
     def _share_split(self, r: Routing, misses: np.ndarray, tokens: int) -> np.ndarray:
