@@ -66,13 +66,14 @@ def describe(info: DeviceInfo) -> CpuDevice:
     return CpuDevice(replace(info, backend=NAME))
 
 
-#: reduceat's one segment (every routed row of a one-row residual adds into row 0)
-_ROW0 = np.zeros(1, dtype=np.intp)
-
-
 #: A read-only f16/bf16 weight matrix `linear` multiplies is kept as f32 up to this many bytes of f32 copy
 #: (converting the tiny model's [2048,128] f16 LM head took 0.77-0.86 ms a token, most of a decode step's host time).
 F32_COPY_LIMIT_BYTES = 64 << 20
+
+
+#: reduceat's one segment (every routed row of a one-row residual adds into row 0; np.add.reduce over axis 0
+#: sums in another order, other bits)
+_ROW0 = np.zeros(1, dtype=np.intp)
 
 
 class HostKernels(ReferenceKernels):
@@ -89,6 +90,9 @@ class HostKernels(ReferenceKernels):
 
     def linear(self, x, w, out=None):
         """See the reference; a read-only f16 weight is converted to f32 once, not every call."""
+        if out is not None and type(w) is np.ndarray and w.dtype == np.float32 and type(x) is np.ndarray \
+                and x.dtype == np.float32:
+            return np.matmul(x, w.T, out=out)  # the reference's call, its no-op conversions left out
         if out is None or type(w) is not np.ndarray or w.dtype == np.float32 or w.flags.writeable \
                 or w.size * 4 > F32_COPY_LIMIT_BYTES:
             return super().linear(x, w, out=out)
@@ -123,6 +127,14 @@ class HostKernels(ReferenceKernels):
         e = np.exp(top - top[:1])
         out[0][0] = order
         np.divide(e, e.sum(keepdims=True), out=out[1][0])
+        return out
+
+    def gather(self, x, rows, out=None):
+        """See the reference; from a one-row x every row is row 0: a broadcast copy into `out`."""
+        if out is None or type(x) is not np.ndarray or x.ndim != 2 or x.shape[0] != 1 or type(out) is not np.ndarray \
+                or out.dtype != x.dtype:
+            return super().gather(x, rows, out=out)
+        out[...] = x
         return out
 
     def scatter_add(self, out, rows, y, scale):

@@ -89,3 +89,24 @@ def test_linear_of_a_writeable_weight_converts_every_call():
     w[:] = 0  # a weight that can change is never kept
     assert not host.linear(x, w, out=np.empty((1, 64), np.float32)).any() and first.any()
     assert host.f32_copy_bytes == 0
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_gather_from_one_row_is_the_reference(seed):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((1, 64)).astype(np.float32)
+    rows = np.zeros(int(rng.integers(1, 9)), np.int32)
+    a, b = np.empty((len(rows), 64), np.float32), np.empty((len(rows), 64), np.float32)
+    REF.gather(x, rows, out=a)
+    HOST.gather(x, rows, out=b)
+    assert np.array_equal(_bits(a), _bits(b))
+
+
+def test_linear_of_f32_weights_is_the_reference():
+    rng = np.random.default_rng(4)
+    w = rng.standard_normal((256, 128)).astype(np.float32)
+    x = rng.standard_normal((1, 128)).astype(np.float32)
+    a, b = np.empty((1, 256), np.float32), np.empty((1, 256), np.float32)
+    REF.linear(x, w, out=a)
+    HOST.linear(x, w, out=b)
+    assert np.array_equal(_bits(a), _bits(b))
