@@ -340,6 +340,9 @@ def _compute(device: DeviceInfo, host: HostInfo, model: ModelSpec, settings: Any
             chunk = new
     led.decisions.extend(step_led.decisions)
     led.warnings.extend(step_led.warnings)
+    if not owned and chunk:
+        slots, min_keep, lendable = _room_for_the_loan(model, loans, grid, chunk, usable, slots, lend_fraction,
+                                                       defaults, knobs["expert_cache.slots_cap"], settings, led, bsrc)
     limit, pin_cap, floor, arena, exhausted = pin.limit, pin.cap, pin.floor, pin.arena, pin.exhausted
     if arena < first_pin.arena:
         led.note("host_memory.in_ram_store_bytes", max(resident_experts * model.slot_bytes, arena),
@@ -395,6 +398,31 @@ def _compute(device: DeviceInfo, host: HostInfo, model: ModelSpec, settings: Any
         cpu_share=CpuSharePlan(enabled=enabled, max_chunk=max_share_chunk if enabled else 0, reason=reason),
         loan_model=loans, decisions=tuple(led.decisions), warnings=tuple(led.warnings),
     )
+
+
+def _room_for_the_loan(model: ModelSpec, loans: LoanModel, grid: int, chunk: int, usable: int, slots: int,
+                       lend_fraction: float, defaults: PlatformDefaults, slots_cap: int | None, settings: Any,
+                       led: _Ledger, bsrc: str) -> tuple[int, int, int]:
+    """(slots, min_keep, lendable): a cache that holds every expert grows by the chunk's largest loan when VRAM
+    allows, so the slots a prompt borrows are empty ones and lending evicts no expert."""
+    min_keep = min(defaults.min_keep_slots, max(model.top_k, slots // 4))
+    lendable = max(0, min(int(lend_fraction * slots), slots - min_keep))
+    if slots < model.experts_total or (slots_cap is not None and slots_cap <= model.experts_total):
+        return slots, min_keep, lendable
+    loan = _max_loan_upto(loans, grid, chunk)[0]
+    grown = min(model.experts_total + loan, max(0, usable // model.slot_bytes),
+                slots_cap if slots_cap is not None else model.experts_total + loan)
+    if grown <= slots:
+        return slots, min_keep, lendable
+    from_setting = slots_cap is not None and settings.memory.expert_cache != "auto"
+    led.note("expert_cache.slots", grown, f"every expert ({model.experts_total}) + the {loan} slots a {chunk}-token "
+             f"chunk borrows{', as much as VRAM leaves' if grown < model.experts_total + loan else ''}: the loan takes "
+             "empty slots and evicts no expert", "setting memory.expert_cache" if from_setting else "core")
+    min_keep = min(defaults.min_keep_slots, max(model.top_k, grown // 4))
+    lendable = max(0, min(int(lend_fraction * grown), grown - min_keep))
+    led.note("prompt.lendable_slots", lendable, f"min({lend_fraction:g} x {grown} slots, {grown} - {min_keep} kept "
+             "for decode)", "setting prefill.lend_fraction" if settings.prefill.lend_fraction else bsrc)
+    return grown, min_keep, lendable
 
 
 def _owned_buffers(model: ModelSpec, loans: LoanModel, grid: int, ceiling: int, usable: int, min_keep: int,

@@ -55,7 +55,10 @@ def _independent_checks(plan: Plan) -> None:
     assert v.expert_cache_bytes == c.slots * c.slot_bytes == c.slots * m.slot_bytes
     assert v.reserve_bytes + v.dense_bytes + v.kv_bytes + v.workspace_bytes + v.expert_cache_bytes \
         + v.owned_prompt_bytes <= v.free_bytes <= plan.device.vram_free_bytes
-    assert 0 <= c.slots <= m.experts_total
+    # a cache holding every expert may add the slots the plan's chunk borrows (they are lent empty), never more
+    grow = 0 if p.owned_buffers else max(_loan(d, m, pin.pinned_fraction, k)
+                                         for k in _chunks_upto(p.grid_tokens, p.chunk))
+    assert 0 <= c.slots <= m.experts_total + grow
     # Loans: every grid chunk up to the plan's chunk, from the ring policy directly
     if not p.owned_buffers:
         assert p.chunk > 0
