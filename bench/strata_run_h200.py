@@ -4,7 +4,8 @@ tokens, three cache settings; PyTorch peers in the same run. Writes strata_run_h
 Each setting is one `python3 -m strata_core.cli run --backend cuda --json` subprocess (the product's path: the
 executor drives the session's layer ops, strata_cuda.layer_ops over strata_cuda.fast), F16 experts (the fused decode
 reads f16 pools), `--set prefill.chunk=4096`:
-- all: every expert cached (memory.expert_cache = 48 x 128 slots);
+- all: every expert cached (memory.expert_cache = 48 x 128 slots + the chunk's largest loan, which the plan
+  grants when VRAM allows: the loan takes empty slots and evicts no expert);
 - half_skewed: half the experts cached, weights generated with the sweep's popularity skew (`--skew`: this script's
   wrapper around the run command, which calls the synthetic generator with popularity_skew=1.0; the run command has
   no such flag yet);

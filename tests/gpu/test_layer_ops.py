@@ -15,7 +15,7 @@ import pytest
 from strata_core.api.kernels import ExpertPool, LayerWork
 from strata_core.reference import kernels as ref
 
-from .test_fast_paths import SeededGenerator, _cuda_device_count, pinned, rel
+from .test_fast_paths import SeededGenerator, _cuda_device_count, dense_f64, pinned, rel
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(_cuda_device_count() == 0, reason="no CUDA device")]
 
@@ -29,8 +29,9 @@ def rng():
     return SeededGenerator(secrets.randbits(32))
 
 
-def model(cp, rng):
-    """Host experts (page-locked) of L layers, routers and norms; the runtime's cache, store and source."""
+def model(cp, rng, dtype: str = "f16"):
+    """Host experts (page-locked) of L layers in `dtype` (f16 or Q8_0), routers and norms; the runtime's cache,
+    store and source."""
     from strata_core.runtime.cache import ExpertCache
     from strata_core.runtime.layer_ops import StoreSource, new_counters
     from strata_core.runtime.store import ExpertStore
@@ -40,12 +41,20 @@ def model(cp, rng):
     w13[...] = (rng.standard_normal((L * E, 2 * F, H), dtype=np.float32) / np.sqrt(H)).astype(np.float16)
     w2[...] = (rng.standard_normal((L * E, H, F), dtype=np.float32) / np.sqrt(F)).astype(np.float16)
     host = ExpertPool("f16", {"w_gate_up": w13, "w_down": w2})
+    if dtype == "q8_0":
+        arrays = {}
+        for (nq, nd), w in ((("gate_up_q", "gate_up_d"), w13), (("down_q", "down_d"), w2)):
+            for name, a in zip((nq, nd), ref.quantize_q8_0(w)):
+                arrays[name] = pinned(cp, a.shape, a.dtype)
+                arrays[name][...] = a
+        host = ExpertPool("q8_0", arrays)
     routers = [(rng.standard_normal((E, H)) / np.sqrt(H)).astype(np.float32) for _ in range(L)]
     norms = [(1 + 0.1 * rng.standard_normal(H)).astype(np.float32) for _ in range(L)]
     slots = L * E // 2 + 16
     cache = ExpertCache(slots, L, E)
-    dev = ExpertPool("f16", {"w_gate_up": cp.full((slots, 2 * F, H), np.nan, cp.float16),
-                             "w_down": cp.full((slots, H, F), np.nan, cp.float16)})
+    # unwritten slots read as NaN (f16 weights, Q8_0 scales), so a read of a wrong slot fails the comparison
+    dev = ExpertPool(dtype, {n: cp.full((slots, *a.shape[1:]), np.nan if a.dtype == np.float16 else 0, a.dtype)
+                             for n, a in host.arrays.items()})
     placed_rows = rng.permutation(L * E)[: L * E // 2]
     got = cache.place(placed_rows)
     for name, a in host.arrays.items():
@@ -75,9 +84,9 @@ def reference_layer(m, layer: int, x: np.ndarray) -> np.ndarray:
     x64 = xn.astype(np.float64)
     for e in np.unique(ids):
         rows, ks = np.nonzero(ids == e)
-        r = layer * E + int(e)
-        gu = x64[rows] @ m.host.arrays["w_gate_up"][r].astype(np.float64).T
-        y_e = (gu[:, :F] / (1 + np.exp(-gu[:, :F])) * gu[:, F:]) @ m.host.arrays["w_down"][r].astype(np.float64).T
+        w13, w2 = dense_f64(m.host, layer * E + int(e))
+        gu = x64[rows] @ w13.T
+        y_e = (gu[:, :F] / (1 + np.exp(-gu[:, :F])) * gu[:, F:]) @ w2.T
         np.add.at(y, rows, w[rows, ks, None].astype(np.float64) * y_e)
     return x.astype(np.float64) + y
 
@@ -138,8 +147,9 @@ def test_prefill_chunk_through_the_layer_ops(cp, rng, with_ring):
         m.cache.give_back(ring)
 
 
-def test_decode_steps_replay_one_graph_with_mapped_misses(cp, rng):
-    m = model(cp, rng)
+@pytest.mark.parametrize("dtype", ["f16", "q8_0"])
+def test_decode_steps_replay_one_graph_with_mapped_misses(cp, rng, dtype):
+    m = model(cp, rng, dtype)
     op = ops(m)
     for _ in range(50):  # a token without near-ties in any layer (the reference's f32 drift could flip one)
         x0 = rng.standard_normal((1, H)).astype(np.float32)

@@ -248,6 +248,73 @@ def test_cuda_layer_ops_run_a_gguf_prefill_on_the_quant_moe_path(tmp_path):
     assert stats["experts_streamed"] > 0
 
 
+def test_cuda_layer_ops_decode_a_gguf_model_as_graph_replays_per_format(tmp_path):
+    """CudaLayerOps.decode_step over a 'gguf' model whose layers differ in format (Q4_K_M: down Q4_K, Q4_K, Q6_K):
+    one QuantMoE graph replay per run of layers of one format, every expert cached, the residual after all layers
+    against the float64 reference; no composed step."""
+    import cupy as cp
+    from types import SimpleNamespace
+
+    from strata_core.api.kernels import LayerWork
+    from strata_core.runtime.cache import ExpertCache
+    from strata_core.runtime.layer_ops import StoreSource, new_counters
+    from strata_core.runtime.store import ExpertStore
+    from strata_cuda.cupy_device import CupyDeviceMemory
+    from strata_cuda.kernels import CupyKernels
+    from strata_cuda.layer_ops import CudaLayerOps
+    from strata_cuda.quant_ffn import QuantMoE
+    path = write_moe_gguf(tmp_path / "q.gguf", seed=7, arch="qwen3moe", layers=3, gate_up="q4_k",
+                          down=q4_k_m_down_types(3))
+    host = read_moe_tensors(path).experts
+    layers, e_n, k = 3, 8, 2
+    blob_h = host.arrays["blob"]
+    cache = ExpertCache(layers * e_n, layers, e_n)
+    dev = host.with_arrays({"blob": cp.full((layers * e_n, blob_h.shape[1]), 255, cp.uint8)})
+    got = cache.place(np.arange(layers * e_n))
+    dev.arrays["blob"][cp.asarray(got)] = cp.asarray(blob_h)
+    cp.cuda.Device().synchronize()
+    store = ExpertStore(host, layers, e_n)
+    dm = CupyDeviceMemory(0)
+    stats = new_counters()
+    source = StoreSource(dm, dev, store, None, stats, False)
+    op = CudaLayerOps(dm, CupyKernels(0))
+    h = host.formats[0].hidden
+    rng = np.random.default_rng(41)
+    norms = [(1 + 0.1 * rng.standard_normal(h)).astype(np.float32) for _ in range(layers)]
+    routers = [(rng.standard_normal((e_n, h)) / np.sqrt(h)).astype(np.float32) for _ in range(layers)]
+    norms_d, routers_d = [cp.asarray(v) for v in norms], [cp.asarray(v) for v in routers]
+    ws = SimpleNamespace(reset=lambda: None, carve=lambda shape, dtype: cp.empty(shape, dtype=dtype),
+                         mark=lambda: 0, release=lambda mark: None)
+    for _ in range(50):  # a token without near-ties in any layer
+        x0 = rng.standard_normal((1, h)).astype(np.float32)
+        want, ok = x0.astype(np.float64), True
+        for layer in range(layers):
+            xn = np.asarray(r64.rmsnorm(want.astype(np.float32), norms[layer]), np.float32)
+            logits = r64.linear(xn, routers[layer]).astype(np.float32)
+            ok = ok and _margin(logits, k) > 1e-2
+            want = want + _layer_reference(xn, logits, host.for_layer(layer), layer * e_n + np.arange(e_n), k)
+        if ok:
+            break
+    assert ok, "no token without near-ties in 50 draws"
+    x = cp.empty((1, h), cp.float32)
+    for step in range(2):
+        x.set(x0)
+        cp.cuda.Device().synchronize()
+        works = [LayerWork(phase="decode", layer=i, tokens=1, x=x, norm_w=norms_d[i], router_w=routers_d[i], top_k=k,
+                           pool=dev.for_layer(i), slots=cache, source=source, workspace=ws,
+                           ring=np.zeros(0, np.int32), copy_stream=cp.cuda.Stream(non_blocking=True), stats=stats)
+                 for i in range(layers)]
+        op.decode_step(works)
+        cp.cuda.Device().synchronize()
+        err = r64.relative_error(x.get() - x0, want - x0)
+        print(f"layer ops gguf decode step {step}: rel err {err:.2e} (bound {F16_BOUND:g})")
+        assert err <= F16_BOUND, (step, err)
+    assert op.counts["decode_graph_steps"] == 2 and op.counts["decode_composed_steps"] == 0, op.counts
+    moes = [v for v in op._fast.values() if isinstance(v, QuantMoE)]
+    assert len(moes) == 2, "Q4_K_M's two down formats: two QuantMoE objects"
+    assert all(len(m._graphs) == 1 for m in moes), "one graph per run of layers, replayed"
+
+
 @pytest.mark.parametrize("arch", ["qwen3moe", "gpt-oss", "deepseek2"])
 def test_strata_run_on_cuda_checks_a_quantized_file(tmp_path, arch):
     from strata_core.cli import main

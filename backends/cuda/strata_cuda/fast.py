@@ -14,6 +14,7 @@ executor can call it with the cache's own pool, slot maps and lent ring slots:
 - `decode_layer`: one token: two kernels (route + gate/up GEMV + SwiGLU, then the down GEMV over all top-k
   experts), routing and slot look-up on the device, no host sync, replayed as a CUDA graph per set of buffers.
   A missed expert is read by the kernels straight from page-locked, mapped host memory (no round trip, no copy).
+  f16 and Q8_0 pools (Q8_0: the kernels read the int8 quants and f16 scales themselves, no f16 scratch).
 - `decode_layer_misses`: the alternative for host memory the device cannot map: a one-block routing kernel,
   the ids to the host (one event sync), then the misses' gate/up and down matrices are copied into ring slots
   (two events) while the two kernels run the cached experts; the missed experts' rows are filled as soon as
@@ -39,7 +40,11 @@ SOURCE_NAME = "moe_fast.cu"
 COMPILE_OPTIONS = ("-std=c++17",)
 KERNEL_NAMES = ("strata_fast_route", "strata_fast_positions", "strata_fast_offsets", "strata_fast_gather",
                 "strata_fast_swiglu", "strata_fast_combine", "strata_fast_dequant_q8_0", "strata_fast_decode_gate_up",
-                "strata_fast_decode_down", "strata_fast_decode_norm_route")
+                "strata_fast_decode_down", "strata_fast_decode_norm_route", "strata_fast_decode_gate_up_q8",
+                "strata_fast_decode_down_q8")
+#: The expert formats the fused decode kernels read, and the pool arrays whose host addresses a layer's missed
+#: experts are read at (in the kernels' order).
+DECODE_HOST_ARRAYS = {"f16": ("w_gate_up", "w_down"), "q8_0": ("gate_up_q", "gate_up_d", "down_q", "down_d")}
 #: Threads per block of every kernel (STRATA_FAST_THREADS in the source).
 THREADS = 256
 #: Lanes of a warp on CUDA; the top-k keeps 8 logits per lane in registers, so E <= 8 * warp.
@@ -279,8 +284,9 @@ class _BlasExtra:
 @dataclass
 class DecodeLayer:
     """One layer of a decode stack: its norm and router weights (device f32), its pool and device slot map [E]
-    int32 (-1: read from `host`, the mapped host addresses of its f16 gate|up and down arrays), and where its
-    routed ids and weights [K] land (kept for the hit counts)."""
+    int32 (-1: read from `host`, the mapped host addresses of its pool's arrays in DECODE_HOST_ARRAYS order: f16
+    gate|up and down, or Q8_0 gate|up quants, scales, down quants, scales), and where its routed ids and weights
+    [K] land (kept for the hit counts)."""
 
     norm_w: Any
     router_w: Any
@@ -288,13 +294,13 @@ class DecodeLayer:
     slot_map: Any
     ids: Any
     w: Any
-    host: tuple[int, int] | None = None
+    host: tuple[int, ...] | None = None
     eps: float = 1e-6
 
     def key(self) -> tuple:
-        """The buffers a captured graph of this layer reads and writes."""
+        """The buffers a captured graph of this layer reads and writes (every array of its pool, any format)."""
         a = self.pool.arrays
-        return (self.norm_w.data.ptr, self.router_w.data.ptr, a["w_gate_up"].data.ptr, a["w_down"].data.ptr,
+        return (self.norm_w.data.ptr, self.router_w.data.ptr, *(a[n].data.ptr for n in sorted(a)),
                 self.slot_map.data.ptr, self.ids.data.ptr, self.w.data.ptr, self.host)
 
 
@@ -346,6 +352,14 @@ class _Given:
 
 #: The prefill work buffers, by name (FastMoE.prefill_buffer_bytes gives their sizes).
 PREFILL_BUFFERS = ("route", "maps", "xs", "gu", "act", "ys", "scratch")
+
+
+def _split_host(dtype: str, host: tuple[int, ...] | None) -> tuple[Any, Any]:
+    """A layer's mapped host addresses as the gate/up and down kernels take them: f16 one address each, Q8_0 a
+    (quants, scales) pair each; 0 where the layer reads nothing from host memory."""
+    if not host:
+        return 0, 0
+    return (host[0], host[1]) if dtype != "q8_0" else ((host[0], host[1]), (host[2], host[3]))
 
 
 class FastMoE:
@@ -927,12 +941,13 @@ class FastMoE:
             self._dec = buf
         return buf
 
-    def host_device_ptrs(self, host_pool: ExpertPool | None) -> tuple[int, int] | None:
-        """Device-side addresses of a page-locked f16 host pool's two arrays (the same as the host's under unified
-        addressing), or None when the memory is not mapped for the device (then misses go through copies)."""
-        if host_pool is None or host_pool.dtype != "f16":
+    def host_device_ptrs(self, host_pool: ExpertPool | None) -> tuple[int, ...] | None:
+        """Device-side addresses of a page-locked f16 or Q8_0 host pool's arrays (DECODE_HOST_ARRAYS order; the
+        same as the host's under unified addressing), or None when the memory is not mapped for the device (then
+        misses go through copies)."""
+        if host_pool is None or host_pool.dtype not in DECODE_HOST_ARRAYS:
             return None
-        key = (host_pool.arrays["w_gate_up"].ctypes.data, host_pool.arrays["w_down"].ctypes.data)
+        key = tuple(host_pool.arrays[n].ctypes.data for n in DECODE_HOST_ARRAYS[host_pool.dtype])
         cache = self.__dict__.setdefault("_host_ptrs", {})
         if key not in cache:
             report = self.host_mapping_report(key)
@@ -969,6 +984,16 @@ class FastMoE:
             b["ids"], b["w"] = ids_out, w_out
         h, f, kk = self.hidden, self.ffn, self.top_k
         rows_per_block = (THREADS // WARP_LANES) * self.decode_rows_per_warp
+        if pool.dtype == "q8_0":
+            if refill_from is not None or skip_missing:
+                raise NotImplementedError("Q8_0 decode: misses are read from mapped host memory, not copied")
+            hq, hd = host_w13 if host_w13 else (0, 0)
+            a = pool.arrays
+            self._k["strata_fast_decode_gate_up_q8"](
+                ((f + rows_per_block - 1) // rows_per_block, kk), (THREADS,),
+                (x, logits, np.int32(self.experts), np.int32(kk), slot_map, a["gate_up_q"], a["gate_up_d"],
+                 np.uint64(hq), np.uint64(hd), np.int32(h), np.int32(f), b["act"], b["ids"], b["w"]))
+            return
         self._k["strata_fast_decode_gate_up"](((f + rows_per_block - 1) // rows_per_block, kk), (THREADS,),
                                               (x, logits, np.int32(self.experts), np.int32(kk), slot_map,
                                                refill_from if refill_from is not None else np.uint64(0),
@@ -983,6 +1008,16 @@ class FastMoE:
             b["ids"], b["w"] = ids, w
         h, f, kk = self.hidden, self.ffn, self.top_k
         warps = THREADS // WARP_LANES
+        if pool.dtype == "q8_0":
+            if only_missing_in is not None or skip_missing:
+                raise NotImplementedError("Q8_0 decode: misses are read from mapped host memory, not copied")
+            hq, hd = host_w2 if host_w2 else (0, 0)
+            a = pool.arrays
+            self._k["strata_fast_decode_down_q8"](
+                ((h + warps - 1) // warps,), (THREADS,),
+                (b["act"], b["ids"], b["w"], slot_map, a["down_q"], a["down_d"], np.uint64(hq), np.uint64(hd),
+                 np.int32(h), np.int32(f), np.int32(kk), out, np.int32(accumulate)))
+            return
         self._k["strata_fast_decode_down"](((h + warps - 1) // warps,), (THREADS,),
                                            (b["act"], b["ids"], b["w"], slot_map,
                                             only_missing_in if only_missing_in is not None else np.uint64(0),
@@ -1022,17 +1057,18 @@ class FastMoE:
             self._k["strata_fast_decode_norm_route"](((self.experts + warps - 1) // warps,), (THREADS,),
                                                      (x, lay.norm_w, lay.router_w, np.int32(self.experts),
                                                       np.int32(self.hidden), np.float32(lay.eps), xn, logits))
-            h13, h2 = lay.host or (0, 0)
+            h13, h2 = _split_host(lay.pool.dtype, lay.host)
             self._gate_up(xn, logits, lay.pool, lay.slot_map, None, 0, h13, ids_out=lay.ids, w_out=lay.w)
             self._down(lay.pool, lay.slot_map, None, 0, x, h2, accumulate=1, ids=lay.ids, w=lay.w)
 
     def _check_decode_pool(self, pool: ExpertPool) -> None:
-        if pool.dtype != "f16":
-            raise NotImplementedError("decode_layer: the fused decode kernels read f16 pools only (Q8_0: not yet)")
+        if pool.dtype not in DECODE_HOST_ARRAYS:
+            raise NotImplementedError(f"decode_layer: the fused decode kernels read f16 and Q8_0 pools, not "
+                                      f"{pool.dtype}")
 
     def _decode_pair(self, x: Any, logits: Any, pool: ExpertPool, slot_map: Any, out: Any,
-                     host: tuple[int, int] | None) -> None:
-        h13, h2 = host or (0, 0)
+                     host: tuple[int, ...] | None) -> None:
+        h13, h2 = _split_host(pool.dtype, host)
         self._gate_up(x, logits, pool, slot_map, None, 0, h13)
         self._down(pool, slot_map, None, 0, out, h2)
 
@@ -1055,8 +1091,8 @@ class FastMoE:
             with self.compute_stream:
                 self._decode_pair(x, logits, pool, slot_map, out, host)
             return out
-        key = (x.data.ptr, logits.data.ptr, slot_map.data.ptr, pool.arrays["w_gate_up"].data.ptr,
-               pool.arrays["w_down"].data.ptr, out.data.ptr, host)
+        key = (x.data.ptr, logits.data.ptr, slot_map.data.ptr, *(pool.arrays[n].data.ptr for n in sorted(pool.arrays)),
+               out.data.ptr, host)
         graph = self._graphs.get(key)
         if graph is None:
             if len(self._graphs) >= MAX_DECODE_GRAPHS:
@@ -1086,8 +1122,9 @@ class FastMoE:
                             slot_map: Any, host_pool: ExpertPool, ring: tuple[int, int], out: Any = None) -> Any:
         """One token with possible misses, through copies (see the module docstring): for host memory the device
         cannot map. slot_of_expert is the host copy of slot_map; both are left as they were (the ring is scratch,
-        not cache). Runs on `compute_stream`."""
-        self._check_decode_pool(pool)
+        not cache). Runs on `compute_stream`. f16 pools only."""
+        if pool.dtype != "f16":
+            raise NotImplementedError("decode_layer_misses: f16 pools only (Q8_0 reads misses from mapped memory)")
         b = self.decode_buffers()
         st = self.compute_stream
         kk = self.top_k

@@ -13,8 +13,10 @@
   hottest experts the ring still holds replace colder cached ones of the layer (device-to-device copies on the
   compute stream): the prompt leaves the cache holding what it routed to most.
 - `decode_step`: every layer of the token as one CUDA graph replay (per layer: rmsnorm + router, gate/up, down
-  into the residual), no host sync per layer; a missed expert is read by the kernels from mapped page-locked host
-  memory (only rows the store has page-locked). After the replay the routed ids of all layers come back in one copy
+  into the residual), no host sync per layer, for f16, Q8_0 (kernels that read the quants and scales) and 'gguf'
+  pools (QuantMoE's GEMV kernels); a missed f16 or Q8_0 expert is read by the kernels from mapped page-locked host
+  memory (only rows the store has page-locked); 'gguf' misses are refilled first (a cache that holds every
+  expert) or the step runs composed. After the replay the routed ids of all layers come back in one copy
   for the hit and miss counts (one cache lookup for all layers). Misses are admitted off the critical path: after a
   step, the hottest experts it read from host memory (every missing one when the cache holds the whole model) are
   copied into the cache on the copy stream, and their maps say "host" until the copy has landed. When missed rows
@@ -22,7 +24,8 @@
   The session warms the plan's shape at open (every GEMM size class on the run's streams, the router and norm), so
   the first request pays no cuBLAS or cupy first use.
 Where the fused paths do not apply (expert formats other than f16 and Q8_0, shapes off their grid, a chunk without a
-ring in a cache too small to admit its misses, Q8_0 or unmapped host memory in decode) the core's ComposedLayerOps over the same session runs the
+ring in a cache too small to admit its misses, unmapped host memory in decode, 'gguf' decode misses in a cache
+smaller than the model, a router bias) the core's ComposedLayerOps over the same session runs the
 layer, so every model still runs.
 cupy is imported on first use: this module imports without it.
 """
@@ -38,9 +41,13 @@ from strata_core.api.kernels import ExpertPool, LayerWork
 from strata_core.errors import StrataError
 from strata_core.runtime.devmem import DeviceFull
 
+from .fast import DECODE_HOST_ARRAYS
+
 EMPTY = -1
 #: The fused paths' formats (FastMoE's layouts).
 FUSED_DTYPES = ("f16", "q8_0")
+#: The formats decode_step runs as one graph replay (gguf: QuantMoE's GEMV kernels, every routed expert cached).
+DECODE_DTYPES = ("f16", "q8_0", "gguf")
 #: The CPU share stays off on the fused path's fallback (it would need the runtime's share buffers).
 _NO_SHARE = SimpleNamespace(armed_for=lambda tokens: False, rows_capacity=0)
 
@@ -139,6 +146,8 @@ class CudaLayerOps:
 
     def _fast_for(self, w: LayerWork) -> Any:
         """The FastMoE of this work's shape (built once), or None when the fused paths do not apply."""
+        if w.extras.get("router_bias") is not None:  # the fused routing's top k on the device adds no bias
+            return None
         if w.pool is not None and w.pool.dtype == "gguf":  # Q4_K/Q5_K/Q6_K/MXFP4 rows: f16 scratch per expert group
             from .quant_ffn import quant_moe_for
             return quant_moe_for(self._fast, w)
@@ -369,15 +378,16 @@ class CudaLayerOps:
         none = [None] * len(works) if not has.any() else None
         store = getattr(works[0].source, "store", None)
         pinned = getattr(store, "pinned_rows", None)
-        if store is None or pinned is None or store.pool.dtype != "f16":
-            return none
+        names = DECODE_HOST_ARRAYS.get(getattr(getattr(store, "pool", None), "dtype", None))
+        if store is None or pinned is None or names is None or store.pool.dtype != works[0].pool.dtype:
+            return none  # gguf pools: the GEMV kernels read cached experts only (misses are refilled first)
         pinned_here = pinned[rows].reshape(missing.shape)
         if np.any(missing & ~pinned_here):
             return None
-        a13, a2 = store.pool.arrays["w_gate_up"], store.pool.arrays["w_down"]
+        arrays = [store.pool.arrays[n] for n in names]
         if "same_address" not in self.__dict__:
             r = int(rows[0])
-            rep = fast.host_mapping_report((int(a13[r].ctypes.data), int(a2[r].ctypes.data)))
+            rep = fast.host_mapping_report(tuple(int(a[r].ctypes.data) for a in arrays))
             self.same_address = all(x["host_ptr"] and x["device_ptr"] == x["host_ptr"] for x in rep)
         if not self.same_address:
             return none
@@ -391,7 +401,7 @@ class CudaLayerOps:
                 continue
             r0 = int(rows[i * missing.shape[1]])
             if r0 not in self._bases:
-                self._bases[r0] = (int(a13[r0].ctypes.data), int(a2[r0].ctypes.data))
+                self._bases[r0] = tuple(int(a[r0].ctypes.data) for a in arrays)
             out.append(self._bases[r0])
         return out
 
@@ -523,35 +533,72 @@ class CudaLayerOps:
             works[0].stats["experts_admitted"] += len(admitted)
             self.counts["decode_admitted"] = self.counts.get("decode_admitted", 0) + len(admitted)
 
+    def _decode_runs(self, works: list[LayerWork]) -> list[tuple[Any, int, int]] | None:
+        """(FastMoE, first, end) runs of consecutive works one fused decode object takes (one run for f16 and
+        Q8_0; a 'gguf' model whose layers differ in format gets one QuantMoE per format), or None when some layer
+        takes no fused decode. Cached per set of layers (their router arrays)."""
+        sig = tuple(id(w.router_w) for w in works)
+        got = getattr(self, "_runs_cache", None)
+        if got is not None and got[0] == sig:
+            return got[1]
+        pool0, runs = works[0].pool, []
+        fasts = [self._fast_for(w) for w in works]
+        f0 = fasts[0]
+
+        def same_pool(w: LayerWork) -> bool:
+            # a 'gguf' pool is a per-layer view (its format) of the same arrays
+            return w.pool.dtype == pool0.dtype and (w.pool.arrays is pool0.arrays or all(
+                w.pool.arrays.get(n) is a for n, a in pool0.arrays.items()))
+
+        ok = f0 is not None and pool0.dtype in DECODE_DTYPES and all(
+            f is not None and f.experts == f0.experts and f.top_k == f0.top_k and same_pool(w)
+            for f, w in zip(fasts, works))
+        if ok:
+            for i, f in enumerate(fasts):
+                if runs and runs[-1][0] is f:
+                    runs[-1] = (f, runs[-1][1], i + 1)
+                else:
+                    runs.append((f, i, i + 1))
+        self._runs_cache = (sig, runs if ok else None)
+        return self._runs_cache[1]
+
     def decode_step(self, works: list[LayerWork]) -> None:
-        """Run every MoE layer of one decode token: one graph replay where the fused decode applies."""
+        """Run every MoE layer of one decode token: one graph replay where the fused decode applies (one per run
+        of layers of one format)."""
         if not works:
             return
-        fast = self._fast_for(works[0])
         observer = works[0].extras.get("observer")
-        if fast is None or works[0].pool.dtype != "f16" or any(self._shape(w) != self._shape(works[0])
-                                                               for w in works):
+        runs = self._decode_runs(works)
+        if runs is None:
             self.counts["decode_composed_steps"] += 1
             self._fallback(works[0]).decode_step(works)
             return
         import cupy as cp
+        fast = runs[0][0]
         got = self._decode_layers(works, fast)
         if got is None:
             self.counts["decode_composed_steps"] += 1
             self._fallback(works[0]).decode_step(works)
             return
         layers, key = got
-        fast.compute_stream = cp.cuda.get_current_stream()
         x = works[0].x
+        stream = cp.cuda.get_current_stream()
+        for f, _, _ in runs:
+            f.compute_stream = stream
         if observer is None:
-            fast.decode_stack(x, layers, graph=True, key=key)
+            if len(runs) == 1:
+                fast.decode_stack(x, layers, graph=True, key=key)
+            else:
+                for f, a, b in runs:
+                    f.decode_stack(x, layers[a:b], graph=True)
             self.counts["decode_graph_steps"] += 1
         else:
             # --check: layer by layer, each layer's residual handed to the observer
-            for w, lay in zip(works, layers):
-                x_in = np.asarray(self.memory.download(x))
-                fast.decode_stack(x, [lay], graph=False)
-                observer(w.phase, w.layer, x_in, np.asarray(self.memory.download(x)))
+            for f, a, b in runs:
+                for w, lay in zip(works[a:b], layers[a:b]):
+                    x_in = np.asarray(self.memory.download(x))
+                    f.decode_stack(x, [lay], graph=False)
+                    observer(w.phase, w.layer, x_in, np.asarray(self.memory.download(x)))
             self.counts["decode_plain_steps"] += 1
         ids = self._ids_dev.get(stream=cp.cuda.get_current_stream())
         e_n = fast.experts

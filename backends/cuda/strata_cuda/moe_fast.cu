@@ -466,3 +466,136 @@ strata_fast_decode_norm_route(const float* __restrict__ x, const float* __restri
     acc = warp_sum(acc);
     if (lane == 0) logits[e] = acc;
 }
+
+// Q8_0 decode: the two steps above over Q8_0 pools (int8 quants [rows, cols] and one f16 scale per 32 of a row),
+// each lane reading 16 quants (one 16-byte load) and their scale, so the link and HBM carry 1.06 bytes a weight and
+// no f16 copy exists. x . (q * d) is summed in f32 from the exact quants. A missed expert (slot < 0) is read from
+// page-locked host memory when its host bases are not null, else its outputs are NaN (a check catches it).
+__device__ __forceinline__ float q8_dot4(int w, float4 x) {
+    return (float)(signed char)(w & 0xff) * x.x + (float)(signed char)((w >> 8) & 0xff) * x.y +
+           (float)(signed char)((w >> 16) & 0xff) * x.z + (float)(signed char)((w >> 24) & 0xff) * x.w;
+}
+
+__device__ __forceinline__ float q8_dot16(int4 v, const float4* x4) {
+    return q8_dot4(v.x, x4[0]) + q8_dot4(v.y, x4[1]) + q8_dot4(v.z, x4[2]) + q8_dot4(v.w, x4[3]);
+}
+
+// Step 1 (Q8_0): route as strata_fast_decode_gate_up, then act[k,i] = silu(x . Wg[i]) * (x . Wu[i]).
+// Grid (ceil(F / (warps * STRATA_DEC_ROWS)), K).
+extern "C" __global__ void __launch_bounds__(STRATA_FAST_THREADS)
+strata_fast_decode_gate_up_q8(const float* __restrict__ x, const float* __restrict__ logits, int E, int K,
+                              const int* __restrict__ slot_map, const signed char* __restrict__ q13,
+                              const unsigned short* __restrict__ d13, const signed char* __restrict__ host_q13,
+                              const unsigned short* __restrict__ host_d13, int H, int F, float* __restrict__ act,
+                              int* __restrict__ ids_out, float* __restrict__ w_out) {
+    __shared__ int s_ids[STRATA_FAST_WARPS][STRATA_FAST_MAXK];
+    __shared__ float s_w[STRATA_FAST_WARPS][STRATA_FAST_MAXK];
+    const int warp = threadIdx.x / STRATA_WARP, lane = threadIdx.x % STRATA_WARP;
+    const int k = blockIdx.y;
+    const int row0 = (blockIdx.x * STRATA_FAST_WARPS + warp) * STRATA_DEC_ROWS;
+    if (row0 >= F) return;  // whole warps; no block barrier in this kernel
+    warp_topk(logits, E, K, lane, s_ids[warp], s_w[warp]);
+    warp_sync_lanes();
+    if (blockIdx.x == 0 && k == 0 && warp == 0 && lane < K) {
+        ids_out[lane] = s_ids[0][lane];
+        w_out[lane] = s_w[0][lane];
+    }
+    const int e = s_ids[warp][k];
+    const long long slot = slot_map[e];
+    const long long nq = 2LL * F * H, nd = nq / 32;  // one expert's quants and scales
+    const signed char* qb;
+    const unsigned short* db;
+    if (slot >= 0) {
+        qb = q13 + slot * nq;
+        db = d13 + slot * nd;
+    } else if (host_q13 != 0) {
+        qb = host_q13 + (long long)e * nq;
+        db = host_d13 + (long long)e * nd;
+    } else {
+        if (lane < STRATA_DEC_ROWS && row0 + lane < F)
+            act[(long long)k * F + row0 + lane] = __int_as_float(0x7fc00000);
+        return;
+    }
+    const float4* x4 = (const float4*)x;
+    float acc[2 * STRATA_DEC_ROWS];
+#pragma unroll
+    for (int r = 0; r < 2 * STRATA_DEC_ROWS; ++r) acc[r] = 0.f;
+    const int nd_row = H / 32;
+#pragma unroll 2
+    for (int c = lane; c < H / 16; c += STRATA_WARP) {
+        int4 qv[2 * STRATA_DEC_ROWS];
+        float sv[2 * STRATA_DEC_ROWS];
+#pragma unroll
+        for (int r = 0; r < STRATA_DEC_ROWS; ++r) {
+            const long long row = min(row0 + r, F - 1), row_u = F + row;
+            qv[2 * r] = ((const int4*)(qb + row * H))[c];
+            qv[2 * r + 1] = ((const int4*)(qb + row_u * H))[c];
+            sv[2 * r] = fh2f(db[row * nd_row + c / 2]);
+            sv[2 * r + 1] = fh2f(db[row_u * nd_row + c / 2]);
+        }
+        const float4 xv[4] = {x4[4 * c], x4[4 * c + 1], x4[4 * c + 2], x4[4 * c + 3]};
+#pragma unroll
+        for (int r = 0; r < 2 * STRATA_DEC_ROWS; ++r) acc[r] += sv[r] * q8_dot16(qv[r], xv);
+    }
+#pragma unroll
+    for (int r = 0; r < 2 * STRATA_DEC_ROWS; ++r) acc[r] = warp_sum(acc[r]);
+    if (lane == 0) {
+#pragma unroll
+        for (int r = 0; r < STRATA_DEC_ROWS; ++r)
+            if (row0 + r < F) act[(long long)k * F + row0 + r] = silu(acc[2 * r]) * acc[2 * r + 1];
+    }
+}
+
+// Step 2 (Q8_0): one warp per hidden row h: out[h] (+)= sum_k w_k * (Wd[slot_k, h] . act[k]). Grid ceil(H / warps).
+extern "C" __global__ void __launch_bounds__(STRATA_FAST_THREADS)
+strata_fast_decode_down_q8(const float* __restrict__ act, const int* __restrict__ ids, const float* __restrict__ wts,
+                           const int* __restrict__ slot_map, const signed char* __restrict__ q2,
+                           const unsigned short* __restrict__ d2, const signed char* __restrict__ host_q2,
+                           const unsigned short* __restrict__ host_d2, int H, int F, int K, float* __restrict__ out,
+                           int accumulate) {
+    __shared__ const signed char* s_q[STRATA_FAST_WARPS][STRATA_FAST_MAXK];
+    __shared__ const unsigned short* s_d[STRATA_FAST_WARPS][STRATA_FAST_MAXK];
+    __shared__ float s_w[STRATA_FAST_WARPS][STRATA_FAST_MAXK];
+    __shared__ int s_nan[STRATA_FAST_WARPS];
+    const int warp = threadIdx.x / STRATA_WARP, lane = threadIdx.x % STRATA_WARP;
+    const int h = blockIdx.x * STRATA_FAST_WARPS + warp;
+    if (h >= H) return;  // whole warps; no block barrier in this kernel
+    if (lane == 0) s_nan[warp] = 0;
+    warp_sync_lanes();
+    const long long nq = (long long)H * F, nd = nq / 32;
+    if (lane < K) {
+        const int e = ids[lane];
+        const long long slot = slot_map[e];
+        const signed char* qb = q2;
+        const unsigned short* db = d2;
+        if (slot >= 0) {
+            qb = q2 + slot * nq;
+            db = d2 + slot * nd;
+        } else if (host_q2 != 0) {
+            qb = host_q2 + (long long)e * nq;
+            db = host_d2 + (long long)e * nd;
+        } else {
+            s_nan[warp] = 1;
+        }
+        s_q[warp][lane] = qb;
+        s_d[warp][lane] = db;
+        s_w[warp][lane] = wts[lane];
+    }
+    warp_sync_lanes();
+    if (s_nan[warp]) {
+        if (lane == 0) out[h] = __int_as_float(0x7fc00000);
+        return;
+    }
+    const int per_row = F / 16, nd_row = F / 32;
+    float acc = 0.f;
+#pragma unroll 4
+    for (int i = lane; i < K * per_row; i += STRATA_WARP) {
+        const int k = i / per_row, c = i - k * per_row;
+        const int4 v = ((const int4*)(s_q[warp][k] + (long long)h * F))[c];
+        const float s = fh2f(s_d[warp][k][(long long)h * nd_row + c / 2]);
+        const float4* a4 = (const float4*)(act + (long long)k * F) + 4 * c;
+        acc += s_w[warp][k] * s * q8_dot16(v, a4);
+    }
+    acc = warp_sum(acc);
+    if (lane == 0) out[h] = accumulate ? out[h] + acc : acc;
+}
