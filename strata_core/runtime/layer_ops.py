@@ -594,7 +594,7 @@ class ComposedLayerOps:
 
     def _layer_body(self, w: LayerWork, xn: Any) -> None:
         """The layer after its rmsnorm: route, hits, misses, the CPU share, the ordered sum; buffers from w.workspace."""
-        layer, tokens, x = w.layer, w.tokens, w.x
+        layer, x = w.layer, w.x
         observer = w.extras.get("observer")
         x_in = None
         if observer is not None and not self.accounting_only:
