@@ -21,6 +21,7 @@ import subprocess
 import sys
 import tempfile
 import xml.etree.ElementTree as ET
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -231,7 +232,9 @@ def main(argv: list[str] | None = None) -> int:
     if not (ROOT / args.module).exists() and not Path(args.module).exists():
         print(f"matrix: error: --module {args.module}: no such file", file=sys.stderr)
         return 2
-    lanes = [run_lane(n, args.module) for n in names]
+    # Lanes are independent subprocesses (own temp dir, own install): run one per core, reported in --lanes order.
+    with ThreadPoolExecutor(max_workers=max(1, min(len(names), os.cpu_count() or 1))) as pool:
+        lanes = list(pool.map(lambda n: run_lane(n, args.module), names))
     ok = not any(l["status"] == "failed" for l in lanes)
     doc = {"schema": SCHEMA, "ok": ok, "module": args.module, "lanes": lanes}
     if args.json_out:
