@@ -36,6 +36,19 @@ class ExpertCache:
 
     # --- lookups -------------------------------------------------------------------------------------------
 
+    def seed_frequency(self, rows: np.ndarray, weights: np.ndarray) -> None:
+        """Add `weights` (routed rows expected, e.g. a popularity estimate's counts) to the frequency of `rows`.
+
+        The warm-up calls it: without a start, every frequency is 0 until its layer is first looked up, so the loan
+        and the first misses would evict the warmest experts of the layers not reached yet (ties go by slot number,
+        and the most popular experts sit in the first slots).
+        """
+        rows = np.asarray(rows, dtype=np.int64)
+        weights = np.asarray(weights, dtype=np.float64)
+        if rows.shape != weights.shape or (weights < 0).any() or not np.isfinite(weights).all():
+            raise ValueError("seed_frequency: rows and weights must have one shape, weights finite and >= 0")
+        np.add.at(self.freq, rows, weights)
+
     def tick(self) -> None:
         """Decay every frequency by one step."""
         self.freq *= self.decay

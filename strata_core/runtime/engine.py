@@ -77,6 +77,19 @@ def warm_order(popularity: np.ndarray) -> np.ndarray:
     return rows[np.argsort(-share, kind="stable")]
 
 
+def warm_frequency(popularity: np.ndarray, top_k: int,
+                   sample_tokens: int = POPULARITY_SAMPLE_TOKENS) -> tuple[np.ndarray, np.ndarray]:
+    """(store rows, routed rows) the popularity estimate stands for: the cache's starting frequencies.
+
+    As many routed rows as the estimate's sample of tokens makes (share * top_k * sample_tokens): a prompt's own
+    counts soon outweigh it, but until a layer is reached its popular experts are warmer than its unpopular ones
+    and than empty slots.
+    """
+    pop = np.asarray(popularity, dtype=np.float64)
+    rows = np.arange(pop.size, dtype=np.int64)
+    return rows, pop.reshape(-1) * float(top_k) * float(sample_tokens)
+
+
 class Engine:
     """The runtime objects of one run: store, pinned pool, cache, loans, CPU share and executor."""
 
@@ -204,14 +217,17 @@ class Engine:
         return out
 
     def _warm(self) -> None:
-        """Fill the cache with the most popular experts first (`expert_popularity`), uploading their weights."""
+        """Fill the cache with the most popular experts first (`expert_popularity`), uploading their weights, and seed
+        the cache's frequencies from the same estimate (`warm_frequency`)."""
         try:
             popularity = self.expert_popularity()
         except (ValueError, TypeError, IndexError) as e:  # a model file whose dense tensors do not route here
             self.log.trace(f"warm-up: no popularity estimate ({type(e).__name__}: {e}); experts in id order")
-            popularity = np.ones((self.cache.layers, self.cache.experts_per_layer))
+            E = self.cache.experts_per_layer
+            popularity = np.full((self.cache.layers, E), 1.0 / E)
         order = warm_order(popularity)
         placed = self.cache.place(order[: self.cache.slots])
+        self.cache.seed_frequency(*warm_frequency(popularity, self.plan.model.top_k))
         if not self.accounting_only:
             for slot, row in zip(placed, order[: len(placed)]):
                 for name, src in self.store.expert(int(row)).items():
