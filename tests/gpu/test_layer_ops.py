@@ -175,6 +175,46 @@ def test_decode_steps_replay_one_graph_with_mapped_misses(cp, rng, dtype):
     assert m.cache.misses > 0, "half the experts are not cached: some decode reads came from host memory"
 
 
+def test_decode_over_reused_works_reuses_its_layers_until_the_cache_changes(cp, rng):
+    """The executor hands a session's ops the same works every step: the step's layers come back unchanged
+    (decode_layers_reused) while the cache is, and are rebuilt from the slot table when it changes (every cached
+    expert lent away, the lent slots overwritten with NaN: a stale slot map reads NaN). decode_launch leaves the
+    step uncounted until decode_done (the executor queues the LM head in between)."""
+    m = model(cp, rng, "f16")
+    op = ops(m)
+    op.decode_admit_bytes = 0  # no admissions: the cache changes only where this test changes it
+    for _ in range(50):
+        x0 = rng.standard_normal((1, H)).astype(np.float32)
+        want, ok = x0.astype(np.float64), True
+        for layer in range(L):
+            ok = ok and margin(m, layer, want.astype(np.float32)) > 1e-2
+            want = reference_layer(m, layer, want.astype(np.float32))
+        if ok:
+            break
+    assert ok, f"no token without near-ties in 50 draws (seed {rng.seed_value})"
+    x = cp.empty((1, H), cp.float32)
+    ws = works(cp, m, "decode", x, np.zeros(0, np.int32), cp.cuda.Stream(non_blocking=True))
+    lent = None
+    for step in range(4):
+        if step == 2:
+            lent = m.cache.lend(m.cache.available_slots)
+            assert lent is not None
+            for a in m.dev.arrays.values():
+                a[cp.asarray(lent)] = np.nan if a.dtype == np.float16 else 0
+        x.set(x0)
+        lookups = m.cache.lookups
+        op.decode_launch(ws)
+        assert m.cache.lookups == lookups, "decode_launch counts nothing before decode_done"
+        op.decode_done()
+        assert m.cache.lookups - lookups == L * K, (step, m.cache.lookups - lookups, rng.seed_value)
+        cp.cuda.Device().synchronize()
+        err = rel(x.get() - x0, want - x0)
+        assert err < BOUND, f"step {step}: {err:.2e} (seed {rng.seed_value})"
+    assert op.counts["decode_layers_reused"] == 2, op.counts  # steps 1 and 3; 0 and 2 built them
+    assert op.counts["decode_graph_steps"] == 4, op.counts
+    m.cache.give_back(lent)
+
+
 @pytest.fixture(scope="module")
 def cp():
     """cupy, imported only where a GPU is present."""

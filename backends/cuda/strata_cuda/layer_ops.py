@@ -17,7 +17,9 @@
   pools (QuantMoE's GEMV kernels); a missed f16 or Q8_0 expert is read by the kernels from mapped page-locked host
   memory (only rows the store has page-locked); 'gguf' misses are refilled first (a cache that holds every
   expert) or the step runs composed. After the replay the routed ids of all layers come back in one copy
-  for the hit and miss counts (one cache lookup for all layers). Misses are admitted off the critical path: after a
+  (asynchronous, into a page-locked buffer, on a side stream) for the hit and miss counts (one cache lookup for
+  all layers); the executor calls `decode_launch`, queues the LM head, then `decode_done` counts while the head
+  runs. With the same works as the last step and an unchanged slot table, the step's layers are the last step's. Misses are admitted off the critical path: after a
   step, the hottest experts it read from host memory (every missing one when the cache holds the whole model) are
   copied into the cache on the copy stream, and their maps say "host" until the copy has landed. When missed rows
   are not page-locked and the cache holds every expert, they are copied back before the step (a refill).
@@ -56,6 +58,9 @@ class CudaLayerOps:
     """LayerOps on a cuda session: FastMoE per model shape, ComposedLayerOps where the fused paths do not apply."""
 
     name = "cuda-fused"
+    #: the executor may hand decode_step the same LayerWork objects every step (x and workspace updated): nothing
+    #: here keeps a work past its step except as the key of its cached DecodeLayers
+    takes_reused_works = True
     #: f16 activations and intermediates, f32 accumulation (the --check bound of that path)
     precision = "f16"
 
@@ -107,13 +112,19 @@ class CudaLayerOps:
         #: critical path (0: decode admits nothing); about one step's worth of the link
         self.decode_admit_bytes = 64 << 20
         self._pending: tuple | None = None
+        #: a launched step whose routed ids are on their way to the host: (works, slot maps, copy event)
+        self._ids_pending: tuple | None = None
+        self._ids_host: np.ndarray | None = None
+        self._ids_stream: Any = None
+        #: the last step's (works, x address) when its layers came from the cache unchanged (see _decode_layers)
+        self._quick: tuple | None = None
         from cupy.cuda import runtime
         self._rt = runtime
         #: the executor carves the LM head's outputs from the plan's arena for these kernels (they take out=)
         self._takes_out = {"rmsnorm": True, "linear": True}
         #: how many layers each path ran (a test and `strata run` can tell which path ran)
         self.counts = {"prefill_fused": 0, "prefill_composed": 0, "decode_graph_steps": 0, "decode_plain_steps": 0,
-                       "decode_composed_steps": 0}
+                       "decode_composed_steps": 0, "decode_layers_reused": 0}
 
     @staticmethod
     def _warm_router(kernels: Any, tokens: int, experts: int, hidden: int) -> None:
@@ -200,6 +211,7 @@ class CudaLayerOps:
 
     def prefill_layer(self, work: LayerWork) -> None:
         """Run one MoE layer of a prompt chunk in place on work.x."""
+        self.decode_done()  # a decode step launched and never counted is counted before the prompt reads the cache
         fast = self._fast_for(work)
         with_ring = work.ring is not None and len(work.ring) > 0
         host = self._host_layer(work, fast.experts) if fast is not None and with_ring else None
@@ -446,6 +458,15 @@ class CudaLayerOps:
         if table is None:
             raise StrataError("cuda layer ops need the runtime's expert cache (its slot_of table)")
         maps = self._masked(table[self._rows].reshape(n, e_n).astype(np.int32))
+        quick = self._quick
+        x_ptr = int(works[0].x.data.ptr)
+        if (quick is not None and quick[0] is works and quick[1] == x_ptr and self._pending is None
+                and self._layers_cache is not None and np.array_equal(self._maps_host, maps)):
+            # the same works over the same residual and an unchanged cache: the host addresses, the device maps
+            # and the layers are the last step's (the O(layers) Python below costs ~0.1 ms a step)
+            self.counts["decode_layers_reused"] += 1
+            return self._layers_cache[1], self._layers_cache[2]
+        self._quick = None
         hosts = self._hosts(works, fast, self._rows, maps < 0)
         if hosts is None:
             if not self._refill(works, maps):
@@ -470,6 +491,7 @@ class CudaLayerOps:
                                   ids=self._ids_dev[i], w=self._w_dev[i], host=hosts[i]) for i, w in enumerate(works)]
             key = ("stack", int(works[0].x.data.ptr)) + tuple(lay.key() for lay in layers)
             self._layers_cache = (sig, layers, key)
+        self._quick = (works, x_ptr)
         return self._layers_cache[1], self._layers_cache[2]
 
     def _masked(self, maps: np.ndarray) -> np.ndarray:
@@ -564,7 +586,16 @@ class CudaLayerOps:
 
     def decode_step(self, works: list[LayerWork]) -> None:
         """Run every MoE layer of one decode token: one graph replay where the fused decode applies (one per run
-        of layers of one format)."""
+        of layers of one format); the step's hits and misses are counted before this returns."""
+        self.decode_launch(works)
+        self.decode_done()
+
+    def decode_launch(self, works: list[LayerWork]) -> None:
+        """decode_step without waiting for the device: the replay is queued and the routed ids' copy to the host
+        with it; `decode_done` counts the step (the executor calls it once the LM head is queued behind the
+        replay, so the host's counting overlaps the device's work). A step launched earlier and not yet counted is
+        counted first, so the cache is read in step order."""
+        self.decode_done()
         if not works:
             return
         observer = works[0].extras.get("observer")
@@ -600,17 +631,54 @@ class CudaLayerOps:
                     f.decode_stack(x, [lay], graph=False)
                     observer(w.phase, w.layer, x_in, np.asarray(self.memory.download(x)))
             self.counts["decode_plain_steps"] += 1
-        ids = self._ids_dev.get(stream=cp.cuda.get_current_stream())
-        e_n = fast.experts
-        # store rows of every routed (layer, expert) of the step, counted in one call: row(0, r) is r, so one
-        # lookup over layer 0's numbering is the per-layer lookups at once (48 calls cost ~0.5 ms a step)
-        rows = (ids + (np.asarray([w.layer for w in works], dtype=np.int64) * e_n)[:, None]).ravel()
-        cnt = np.bincount(rows, minlength=(max(w.layer for w in works) + 1) * e_n)
-        used = np.flatnonzero(cnt)
-        works[0].slots.lookup(0, used, cnt[used])
-        self._admit_decode_misses(works, self._maps_host, ids)  # after the lookup: this step's experts are warm
+        self._ids_pending = (works, self._maps_host, self._download_ids(stream), fast.experts)
         seen = set()
         for w in works:  # the works share one arena: reset each once
             if id(w.workspace) not in seen:
                 seen.add(id(w.workspace))
                 w.workspace.reset()
+
+    def _download_ids(self, stream: Any) -> Any:
+        """Copy the step's routed ids into a page-locked host buffer on a side stream that waits for `stream`'s
+        replay (so the LM head queued next is not held behind the copy); the event that marks it landed."""
+        import cupy as cp
+        nbytes = int(self._ids_dev.nbytes)
+        if self._ids_host is None or self._ids_host.shape != tuple(self._ids_dev.shape):
+            # as cupyx.empty_pinned makes it: the array's base keeps the page-locked block alive
+            self._ids_host = np.ndarray(tuple(self._ids_dev.shape), dtype=np.int32,
+                                        buffer=cp.cuda.alloc_pinned_memory(max(nbytes, 1)))
+        if self._ids_stream is None:
+            self._ids_stream = cp.cuda.Stream(non_blocking=True)
+            # two events, recorded again every step (the previous step's copy has landed before this one is queued)
+            self._ids_events = (cp.cuda.Event(disable_timing=True), cp.cuda.Event(disable_timing=True))
+        replayed, landed = self._ids_events
+        replayed.record(stream)
+        self._ids_stream.wait_event(replayed)
+        self._rt.memcpyAsync(int(self._ids_host.ctypes.data), int(self._ids_dev.data.ptr), nbytes,
+                             self._rt.memcpyDeviceToHost, self._ids_stream.ptr)
+        landed.record(self._ids_stream)
+        return landed
+
+    def decode_done(self) -> None:
+        """Count the launched step's routed experts (one cache lookup for all layers) and queue the admission of
+        the experts it read from host memory; waits for the step's ids only. A no-op when no step is pending."""
+        pending = self._ids_pending
+        if pending is None:
+            return
+        self._ids_pending = None
+        works, maps, landed, e_n = pending
+        landed.synchronize()
+        ids = self._ids_host.copy()  # the next step's copy reuses the page-locked buffer
+        # store rows of every routed (layer, expert) of the step, counted in one call: row(0, r) is r, so one
+        # lookup over layer 0's numbering is the per-layer lookups at once (48 calls cost ~0.5 ms a step)
+        layer_ids = tuple(w.layer for w in works)
+        offs = getattr(self, "_row_offsets", None)
+        if offs is None or offs[0] != layer_ids:
+            offs = (layer_ids, np.asarray(layer_ids, dtype=np.int64) * e_n, (max(layer_ids) + 1) * e_n)
+            self._row_offsets = offs
+        rows = (ids + offs[1][:, None]).ravel()
+        cnt = np.bincount(rows, minlength=offs[2])
+        used = np.flatnonzero(cnt)
+        works[0].slots.lookup(0, used, cnt[used])
+        if maps is not None and (maps < 0).any():
+            self._admit_decode_misses(works, maps, ids)  # after the lookup: this step's experts are warm
