@@ -177,6 +177,20 @@ def test_linear(cp, kernels, rng, poisoned, wdtype, t, o):
     close("linear", out, ref.linear(x, w), FP32, rng.seed_value)
 
 
+def test_the_lm_head_gemv_at_qwen3_size_matches_float64(cp, kernels, rng, poisoned):
+    """The LM head of one token at Qwen3-30B-A3B's size (151936 x 2048 f16: 2374 blocks of 64 rows, the last one
+    partial) through strata_gemv_f16w_f32, at the f32 bound against float64 (reference in row chunks)."""
+    o, h = 151936 + 5, 2048  # 5 rows past a multiple of 64: the last block's tail
+    x = rng.standard_normal((1, h)).astype(np.float32)
+    w = (rng.standard_normal((o, h), dtype=np.float32) * 0.05).astype(np.float16)
+    out = kernels.linear(cp.asarray(x), cp.asarray(w)).get()
+    want = np.concatenate([x.astype(np.float64) @ w[a:a + 16384].astype(np.float64).T for a in range(0, o, 16384)],
+                          axis=1)
+    assert out.shape == (1, o) and np.isfinite(out).all(), f"unwritten rows (seed {rng.seed_value})"
+    err = float(np.abs(out - want).max() / np.abs(want).max())
+    assert err < FP32, f"lm head gemv: {err:.3g} (seed {rng.seed_value})"
+
+
 def expert_pool(rng, dtype, slots, hidden, ffn):
     """A host ExpertPool of random SwiGLU experts."""
     w13 = (rng.standard_normal((slots, 2 * ffn, hidden), dtype=np.float32) / np.sqrt(hidden)).astype(np.float32)
