@@ -24,6 +24,8 @@ class ExpertCache:
         self.slot_of = np.full(n, EMPTY, dtype=np.int64)          # expert row -> slot
         self.expert_in = np.full(self.slots, EMPTY, dtype=np.int64)  # slot -> expert row
         self.freq = np.zeros(n, dtype=np.float64)
+        #: the part of freq that seed_frequency put there, decayed alike (observed use is freq - seeded)
+        self.seeded = np.zeros(n, dtype=np.float64)
         self.on_loan = np.zeros(self.slots, dtype=bool)
         self.trimmed = np.zeros(self.slots, dtype=bool)
         self.hits = 0
@@ -48,10 +50,12 @@ class ExpertCache:
         if rows.shape != weights.shape or (weights < 0).any() or not np.isfinite(weights).all():
             raise ValueError("seed_frequency: rows and weights must have one shape, weights finite and >= 0")
         np.add.at(self.freq, rows, weights)
+        np.add.at(self.seeded, rows, weights)
 
     def tick(self) -> None:
         """Decay every frequency by one step."""
         self.freq *= self.decay
+        self.seeded *= self.decay
 
     def lookup(self, layer: int, experts: np.ndarray, tokens: np.ndarray | None = None) -> np.ndarray:
         """Slots of these experts of `layer` (EMPTY for a miss); counts hits and misses, adds `tokens` to frequency."""
@@ -215,7 +219,7 @@ class ExpertCache:
     # --- elastic trimming ----------------------------------------------------------------------------------
 
     def trim_idle(self, max_slots: int, idle_below: float = 0.05) -> np.ndarray:
-        """Empty up to max_slots slots whose expert has gone idle (decayed frequency below idle_below) or that are empty.
+        """Empty up to max_slots slots whose expert has gone idle (decayed observed use below idle_below) or that are empty.
 
         Trimmed slots hold nothing and are the first ones lent; `untrim` makes them usable for experts again.
         """
@@ -224,7 +228,9 @@ class ExpertCache:
             return np.empty(0, dtype=np.int64)
         order = self._coldness_order(self.usable())
         held = self.expert_in[order]
-        heat = np.where(held == EMPTY, -1.0, self.freq[np.maximum(held, 0)])
+        # idle is judged by use seen in this run: a popularity seed orders the candidates, it does not keep them
+        used = self.freq - self.seeded
+        heat = np.where(held == EMPTY, -1.0, used[np.maximum(held, 0)])
         cand = order[heat < idle_below][:want]
         old = self.expert_in[cand]
         self.slot_of[old[old != EMPTY]] = EMPTY
