@@ -76,11 +76,6 @@ void host_unpack(const float* yp, const int* dst, long long P, int H, float* y) 
     strata_launch(G, B, [&] { strata_unpack_rows_f32(yp, dst, P, H, y); }); }
 void host_f2h(const float* in, long long n, unsigned short* out) { for (long long i = 0; i < n; ++i) out[i] = strata_f2h(in[i]); }
 void host_h2f(const unsigned short* in, long long n, float* out) { for (long long i = 0; i < n; ++i) out[i] = strata_h2f(in[i]); }
-void host_h2f_fast(const unsigned short* in, long long n, float* out) { for (long long i = 0; i < n; ++i) out[i] = strata_h2f_fast(in[i]); }
-void host_gemv(const float* x, const unsigned short* w, int T, int O, int H, float* out) {
-    for (int t = 0; t < T; ++t)  // the shim's grid is one-dimensional: one launch per row of x (blockIdx.y = 0)
-        strata_launch((O + STRATA_GEMV_ROWS - 1) / STRATA_GEMV_ROWS, STRATA_GEMV_THREADS,
-                      [&] { strata_gemv_f16w_f32(x + (long long)t * H, w, O, H, out + (long long)t * O); }); }
 }
 """
 
@@ -136,32 +131,6 @@ def test_half_to_float_is_exact_for_every_bit_pattern(lib):
     finite = ~np.isnan(want)
     assert np.array_equal(out[finite].view(np.uint32), want[finite].view(np.uint32))
     assert np.all(np.isnan(out[~finite]))
-
-
-def test_the_gemvs_branchless_half_to_float_gives_the_same_bits_for_every_pattern(lib):
-    bits = np.arange(1 << 16, dtype=np.uint16)
-    fast, exact = np.empty(bits.size, np.float32), np.empty(bits.size, np.float32)
-    lib.host_h2f_fast(_p(bits), LL(bits.size), _p(fast))
-    lib.host_h2f(_p(bits), LL(bits.size), _p(exact))
-    assert np.array_equal(fast.view(np.uint32), exact.view(np.uint32))
-
-
-@pytest.mark.parametrize("t,o,h", [(1, 130, 2048), (3, 64, 520), (2, 1, 264)])
-def test_the_f16_weight_gemv_matches_float64(lib, t, o, h):
-    """Rows off the 64-row blocks (the tail repeats the last row, never written), H off the 32-thread groups'
-    stride (some threads take one chunk fewer), several rows of x; f32 sums against float64."""
-    from strata_cuda.kernels import GEMV_ROWS, GEMV_THREADS
-    src = kernel_source()
-    assert f"#define STRATA_GEMV_ROWS {GEMV_ROWS}" in src and f"#define STRATA_GEMV_THREADS {GEMV_THREADS}" in src
-    rng = np.random.default_rng(11)
-    x = rng.standard_normal((t, h)).astype(np.float32)
-    w = (rng.standard_normal((o, h)) * 0.05).astype(np.float16)
-    w[0, :4] = np.array([6.0e-8, -3.0e-5, 0.0, -0.0], dtype=np.float16)  # subnormal and signed-zero weights
-    out = _poisoned((t, o), np.float32)
-    lib.host_gemv(_p(x), _p(w.view(np.uint16)), I32(t), I32(o), I32(h), _p(out))
-    want = x.astype(np.float64) @ w.astype(np.float64).T
-    err = np.abs(out - want).max() / np.abs(want).max()
-    assert err <= 1e-6, err
 
 
 def test_float_to_half_rounds_like_numpy(lib):

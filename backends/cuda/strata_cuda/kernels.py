@@ -33,10 +33,9 @@ MAX_TOPK = 64
 #: Threads per block and the most blocks of the grid-stride kernels (more blocks than this only add scheduling).
 STRIDE_THREADS = 256
 STRIDE_MAX_BLOCKS = 65535
-#: Output rows per block of the f16-weight GEMV (STRATA_GEMV_ROWS in the source; 8 row groups of 32 threads, 8 rows
-#: each), and the most rows of x it takes: above that the weights are read too many times and the BLAS (on an f32
-#: copy of them) is faster.
-GEMV_ROWS = 64
+#: Output rows per block of the f16-weight GEMV (STRATA_GEMV_ROWS in the source), and the most rows of x it takes:
+#: above that the weights are read too many times and the BLAS (on an f32 copy of them) is faster.
+GEMV_ROWS = 8
 GEMV_THREADS = 256
 GEMV_MAX_T = 8
 

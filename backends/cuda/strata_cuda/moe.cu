@@ -252,54 +252,35 @@ extern "C" __global__ void strata_unpack_rows_f32(const float* __restrict__ yp, 
 // ---------------------------------------------------------------------------------------------------------------
 
 #define STRATA_GEMV_THREADS 256
-#define STRATA_GEMV_ROWS 64
-// threads that share one row's sums (a row group); STRATA_GEMV_THREADS / STRATA_GEMV_GROUP groups per block, each of
-// STRATA_GEMV_ROWS / (STRATA_GEMV_THREADS / STRATA_GEMV_GROUP) rows. Not a warp: the sums meet in shared memory.
-#define STRATA_GEMV_GROUP 32
-#define STRATA_GEMV_GROUP_ROWS (STRATA_GEMV_ROWS / (STRATA_GEMV_THREADS / STRATA_GEMV_GROUP))
+#define STRATA_GEMV_ROWS 8
 
 // 16-byte loads without vector headers: alignas makes both compilers emit one 128-bit load per struct.
 struct alignas(16) strata_u4 { unsigned int x, y, z, w; };
 struct alignas(16) strata_f4 { float x, y, z, w; };
 
-// strata_h2f without branches (the same bits for every pattern; the host build checks all 65536): the 15 low bits
-// moved into a float's exponent and mantissa and scaled by 2^112 rebias the exponent, and subnormal halves come out
-// exact (m 2^-136 2^112 = m 2^-24); inf and nan keep the all-ones exponent. The GEMV converts 8 halves per 16-byte
-// load, so the branchy form's instructions, not the bytes, would set its time. Needs denormals kept (no -ftz).
-__device__ inline float strata_h2f_fast(unsigned int h) {
-    const unsigned int a = (h & 0x7fffu) << 13;
-    float v = __uint_as_float(a) * 5.192296858534828e33f;
-    if ((h & 0x7c00u) == 0x7c00u) v = __uint_as_float(0x7f800000u | a);
-    return __uint_as_float(__float_as_uint(v) | ((h & 0x8000u) << 16));
-}
-
 __device__ inline float strata_dot_h2(unsigned int p, float a, float b) {
-    return strata_h2f_fast(p & 0xffffu) * a + strata_h2f_fast(p >> 16) * b;
+    return strata_h2f((unsigned short)(p & 0xffffu)) * a + strata_h2f((unsigned short)(p >> 16)) * b;
 }
 
-// Grid (ceil(O / STRATA_GEMV_ROWS), T). Each row group of STRATA_GEMV_GROUP threads takes STRATA_GEMV_GROUP_ROWS
-// rows and walks H in chunks of 8 (H % 8 == 0, rows 16-byte aligned: one 128-bit load per row and chunk, a group's
-// loads adjacent), one x chunk serving all its rows; each thread keeps one partial sum per row, and a row's
-// STRATA_GEMV_GROUP sums are reduced through shared memory (log2 of the group's size barriers per block of 64 rows,
-// where 8 rows a block of 256 threads paid 8 barriers). The f16 weights are read once per row of x straight from
-// their bytes, never widened into an f32 copy of the matrix (which cost 3x the bytes).
+// Grid (ceil(O / STRATA_GEMV_ROWS), T); STRATA_GEMV_THREADS threads split H in chunks of 8 (H % 8 == 0, rows
+// 16-byte aligned: one 128-bit load per row and chunk) and each keeps STRATA_GEMV_ROWS partial sums, reduced
+// through shared memory. The f16 weights are read once per row of x straight from their bytes, never widened into
+// an f32 copy of the matrix (which cost 3x the bytes).
 extern "C" __global__ void strata_gemv_f16w_f32(const float* __restrict__ x, const unsigned short* __restrict__ w,
                                                 int O, int H, float* __restrict__ out) {
-    __shared__ float s_acc[STRATA_GEMV_ROWS][STRATA_GEMV_GROUP];
+    __shared__ float s_acc[STRATA_GEMV_ROWS][STRATA_GEMV_THREADS];
     const int t = blockIdx.y;
-    const int lane = (int)threadIdx.x % STRATA_GEMV_GROUP;
-    const int r0 = ((int)threadIdx.x / STRATA_GEMV_GROUP) * STRATA_GEMV_GROUP_ROWS;  // the group's first row
-    const int o0 = blockIdx.x * STRATA_GEMV_ROWS + r0;
+    const int o0 = blockIdx.x * STRATA_GEMV_ROWS;
     const strata_f4* x4 = (const strata_f4*)(x + (long long)t * H);
     const strata_u4* w8 = (const strata_u4*)w;
     const int h8 = H / 8;
-    float acc[STRATA_GEMV_GROUP_ROWS];
+    float acc[STRATA_GEMV_ROWS];
 #pragma unroll
-    for (int r = 0; r < STRATA_GEMV_GROUP_ROWS; ++r) acc[r] = 0.0f;
-    for (int c = lane; c < h8; c += STRATA_GEMV_GROUP) {
+    for (int r = 0; r < STRATA_GEMV_ROWS; ++r) acc[r] = 0.0f;
+    for (int c = threadIdx.x; c < h8; c += STRATA_GEMV_THREADS) {
         const strata_f4 xa = x4[2 * c], xb = x4[2 * c + 1];
 #pragma unroll
-        for (int r = 0; r < STRATA_GEMV_GROUP_ROWS; ++r) {
+        for (int r = 0; r < STRATA_GEMV_ROWS; ++r) {
             const int o = o0 + r < O ? o0 + r : O - 1;  // rows past O repeat the last one, never written
             const strata_u4 p = w8[(long long)o * h8 + c];
             acc[r] += strata_dot_h2(p.x, xa.x, xa.y) + strata_dot_h2(p.y, xa.z, xa.w) + strata_dot_h2(p.z, xb.x, xb.y) +
@@ -307,17 +288,17 @@ extern "C" __global__ void strata_gemv_f16w_f32(const float* __restrict__ x, con
         }
     }
 #pragma unroll
-    for (int r = 0; r < STRATA_GEMV_GROUP_ROWS; ++r) s_acc[r0 + r][lane] = acc[r];
+    for (int r = 0; r < STRATA_GEMV_ROWS; ++r) s_acc[r][threadIdx.x] = acc[r];
     __syncthreads();
-    for (int s = STRATA_GEMV_GROUP / 2; s > 0; s >>= 1) {
-        if (lane < s) {
+    for (int s = STRATA_GEMV_THREADS / 2; s > 0; s >>= 1) {
+        if (threadIdx.x < s) {
 #pragma unroll
-            for (int r = 0; r < STRATA_GEMV_GROUP_ROWS; ++r) s_acc[r0 + r][lane] += s_acc[r0 + r][lane + s];
+            for (int r = 0; r < STRATA_GEMV_ROWS; ++r) s_acc[r][threadIdx.x] += s_acc[r][threadIdx.x + s];
         }
         __syncthreads();
     }
-    if ((int)threadIdx.x < STRATA_GEMV_ROWS && (int)blockIdx.x * STRATA_GEMV_ROWS + (int)threadIdx.x < O)
-        out[(long long)t * O + blockIdx.x * STRATA_GEMV_ROWS + threadIdx.x] = s_acc[threadIdx.x][0];
+    if (threadIdx.x < STRATA_GEMV_ROWS && o0 + (int)threadIdx.x < O)
+        out[(long long)t * O + o0 + threadIdx.x] = s_acc[threadIdx.x][0];
 }
 
 // ---------------------------------------------------------------------------------------------------------------
