@@ -122,18 +122,25 @@ void host_down(unsigned gx, unsigned gy, const float* act, const int* off, const
 """
 
 
+def _host_library(tmp_path_factory, cu_name: str, shim: str, wrappers: str) -> ctypes.CDLL:
+    """backends/cuda/strata_cuda/<cu_name> between its shim and wrappers, built by g++ for the host (skipped only
+    without a C++20 g++; a build error of the source fails)."""
+    if shutil.which("g++") is None:
+        pytest.skip(f"no g++ on this machine: the host build of {cu_name} needs a C++20 compiler")
+    stem = Path(cu_name).stem + "_host"
+    tmp = tmp_path_factory.mktemp(stem)
+    src = tmp / f"{stem}.cpp"
+    src.write_text(shim + (CUDA_DIR / cu_name).read_text() + wrappers)
+    done = subprocess.run(["g++", "-std=c++20", "-O1", "-shared", "-fPIC", "-pthread", "-w", f"-I{CUDA_DIR}",
+                           str(src), "-o", str(tmp / f"{stem}.so")], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return ctypes.CDLL(str(tmp / f"{stem}.so"))
+
+
 @pytest.fixture(scope="module")
 def lib(tmp_path_factory):
-    """moe_quant.cu built for the host (skipped only without a C++20 g++; a build error of the source fails)."""
-    if shutil.which("g++") is None:
-        pytest.skip("no g++ on this machine: the host build of moe_quant.cu needs a C++20 compiler")
-    tmp = tmp_path_factory.mktemp("moe_quant_host")
-    src = tmp / "moe_quant_host.cpp"
-    src.write_text(SHIM + (CUDA_DIR / "moe_quant.cu").read_text() + WRAPPERS)
-    done = subprocess.run(["g++", "-std=c++20", "-O1", "-shared", "-fPIC", "-pthread", "-w", f"-I{CUDA_DIR}",
-                           str(src), "-o", str(tmp / "q.so")], capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return ctypes.CDLL(str(tmp / "q.so"))
+    """moe_quant.cu built for the host."""
+    return _host_library(tmp_path_factory, "moe_quant.cu", SHIM, WRAPPERS)
 
 
 def _p(a: np.ndarray):
@@ -301,16 +308,8 @@ void host_decode_down(unsigned gx, const float* act, const int* ids, const float
 
 @pytest.fixture(scope="module")
 def fast_lib(tmp_path_factory):
-    """quant_fast.cu built for the host (skipped only without a C++20 g++; a build error of the source fails)."""
-    if shutil.which("g++") is None:
-        pytest.skip("no g++ on this machine: the host build of quant_fast.cu needs a C++20 compiler")
-    tmp = tmp_path_factory.mktemp("quant_fast_host")
-    src = tmp / "quant_fast_host.cpp"
-    src.write_text(FAST_SHIM + (CUDA_DIR / "quant_fast.cu").read_text() + FAST_WRAPPERS)
-    done = subprocess.run(["g++", "-std=c++20", "-O1", "-shared", "-fPIC", "-pthread", "-w", f"-I{CUDA_DIR}",
-                           str(src), "-o", str(tmp / "qf.so")], capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return ctypes.CDLL(str(tmp / "qf.so"))
+    """quant_fast.cu built for the host."""
+    return _host_library(tmp_path_factory, "quant_fast.cu", FAST_SHIM, FAST_WRAPPERS)
 
 
 @pytest.mark.parametrize("pad", [0, 3], ids=["aligned", "unaligned"])
