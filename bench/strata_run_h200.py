@@ -37,12 +37,14 @@ def log(msg: str) -> None:
     print(msg, flush=True)
 
 
-def run_strata(extra: list[str], skew: bool, timeout_s: int, decode: int) -> dict:
-    """One `strata run` subprocess; its strata.run/1 JSON plus wall time and stderr tail."""
+def run_strata(extra: list[str], skew: bool, timeout_s: int, decode: int, decode_baseline: bool = False) -> dict:
+    """One `strata run` subprocess; its strata.run/1 JSON plus wall time and stderr tail (decode_baseline: the
+    decode kernels' first forms, launched plainly, as before the second forms and programmatic launches)."""
     argv = [sys.executable, "-m", "strata_core.cli", "run", "--backend", "cuda", "--model", MODEL,
             "--prompt-tokens", str(PROMPT), "--decode-tokens", str(decode), "--json",
             "--set", f"prefill.chunk={PROMPT}", *extra]
-    argv = [sys.executable, __file__, "--child-run", *(["--skew"] if skew else []), "--", *argv[1:]]
+    argv = [sys.executable, __file__, "--child-run", *(["--skew"] if skew else []),
+            *(["--decode-baseline"] if decode_baseline else []), "--", *argv[1:]]
     t0 = time.perf_counter()
     p = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s)
     wall = time.perf_counter() - t0
@@ -63,7 +65,7 @@ def run_strata(extra: list[str], skew: bool, timeout_s: int, decode: int) -> dic
 COUNTS_TAG = "strata-bench layer_ops: "
 
 
-def child_run(argv: list[str], skew: bool) -> int:
+def child_run(argv: list[str], skew: bool, decode_baseline: bool = False) -> int:
     """The run command, with the synthetic generator's popularity skew on when asked (what a run flag would do);
     which paths the cuda layer ops ran (CudaLayerOps.counts) goes to stderr as one tagged line at exit."""
     import atexit
@@ -71,6 +73,9 @@ def child_run(argv: list[str], skew: bool) -> int:
     from strata_core.models import synthetic
     if skew:
         synthetic.generate_weights = functools.partial(synthetic.generate_weights, popularity_skew=1.0)
+    if decode_baseline:
+        from strata_cuda import fast
+        fast.DECODE_FORM, fast.DECODE_PDL = 1, False
     seen: list = []
     try:
         from strata_cuda import layer_ops as lo
@@ -328,7 +333,7 @@ def main() -> int:
     """Run the settings and the peers; write the JSON."""
     if "--child-run" in sys.argv:
         i = sys.argv.index("--")
-        return child_run(sys.argv[i + 1:], "--skew" in sys.argv[:i])
+        return child_run(sys.argv[i + 1:], "--skew" in sys.argv[:i], "--decode-baseline" in sys.argv[:i])
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--out", default=".")
     ap.add_argument("--settings", default="all,half_skewed,smallest")
@@ -346,7 +351,8 @@ def main() -> int:
                  "decode_tokens": args.decode, "runs": {}}
     total = LAYERS * E
     for name in args.settings.split(","):
-        if name == "all":
+        baseline = name == "all_decode_baseline"  # the all setting with the decode kernels of before (A/B)
+        if name in ("all", "all_decode_baseline"):
             # every expert plus the prompt's largest loan: the loan takes empty slots, so no expert is evicted
             loan = int(((plan_json(total).get("prompt") or {}).get("max_loan_slots")) or 0)
             res["all_cache_slots"] = total + loan
@@ -366,7 +372,7 @@ def main() -> int:
             extra, skew = ["--set", f"memory.expert_cache={n}"], False
         else:
             continue
-        d = run_strata(extra, skew, args.timeout, args.decode)
+        d = run_strata(extra, skew, args.timeout, args.decode, decode_baseline=baseline)
         res["runs"][name] = summarize(d)
         log(f"{name}: exit {d.get('_exit')} wall {d['_wall_s']:.1f} s prefill {d.get('prefill_tokens_per_s')} tok/s "
             f"decode {d.get('decode_tokens_per_s')} tok/s hit {d.get('cache_hit_rate')} layer_ops {d.get('layer_ops')}")

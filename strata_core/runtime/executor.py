@@ -284,8 +284,13 @@ class Executor:
         xn = self.k.rmsnorm(x_last, self.dense["final_norm"], out=xn_out) if xn_out is not None else \
             self.k.rmsnorm(x_last, self.dense["final_norm"])
         lg_out = arena.carve((1, self.vocab), np.float32) if takes.get("linear") else None
-        lg = self.k.linear(xn, self.dense["lm_head"], out=lg_out) if lg_out is not None else \
-            self.k.linear(xn, self.dense["lm_head"])
+        # the session's own head GEMV where its ops have one (looked up on the class, as _launches does; None: it
+        # does not apply to these arrays)
+        own = getattr(type(k), "head_linear", None) if lg_out is not None else None
+        lg = own(k, xn, self.dense["lm_head"], lg_out) if own is not None else None
+        if lg is None:
+            lg = self.k.linear(xn, self.dense["lm_head"], out=lg_out) if lg_out is not None else \
+                self.k.linear(xn, self.dense["lm_head"])
         if before_download is not None:
             before_download()
         logits = np.asarray(self.dm.download(lg), dtype=np.float32)[-1]
@@ -328,18 +333,27 @@ class Executor:
             works = self._decode_works(x, arena)
             if self._launches:
                 self.ops.decode_launch(works)
-                logits = None if self.accounting_only else self._head(x, arena, before_download=self.ops.decode_done)
-                self.ops.decode_done()  # a no-op once the head called it (accounting runs have no head)
+                logits = None if self.accounting_only else self._head(x, arena, before_download=self._step_queued)
+                if self.accounting_only:
+                    self._step_queued()
             else:
                 self.ops.decode_step(works)
                 logits = None if self.accounting_only else self._head(x, arena)
-            self._sample()
+                self._sample()
         finally:
             _close(arena)
         self.stats.decode_tokens += 1
         if self.progress:
             self.progress("decode", 1)
         return logits
+
+
+    def _step_queued(self) -> None:
+        """Once a launched decode step and its LM head are queued: count the step (the ops wait for its routed ids
+        only) and sample the device memory (the step has taken all it takes), while the device runs the head, so
+        neither lies between the logits' arrival and the next step's launch."""
+        self.ops.decode_done()
+        self._sample()
 
 
 def _runs(slots: np.ndarray) -> list[tuple[int, int]]:

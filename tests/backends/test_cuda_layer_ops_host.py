@@ -133,3 +133,42 @@ def test_decode_step_counts_before_it_returns(op):
     works = step_works(cache, Dev(np.zeros((1, H), np.float32)))
     op.decode_step(works)
     assert cache.lookups == L * K and op._ids_pending is None
+
+
+class PinnedDouble:
+    """The session's page-locked allocator: records what it lends (host memory standing in for page-locked)."""
+
+    def __init__(self, refuse: bool = False):
+        self.refuse, self.asked, self.freed = refuse, [], []
+
+    def alloc(self, nbytes, from_floor=False):
+        """A buffer of nbytes, or None when refusing."""
+        from strata_core.api import PinnedBuffer
+        self.asked.append((int(nbytes), bool(from_floor)))
+        if self.refuse:
+            return None
+        return PinnedBuffer(array=np.zeros(int(nbytes), np.uint8), nbytes=int(nbytes), kind="alloc",
+                            from_floor=from_floor)
+
+    def free(self, buf):
+        """Record the release."""
+        self.freed.append(buf)
+
+
+@pytest.mark.parametrize("refuse", [False, True], ids=["lent", "refused"])
+def test_the_routed_ids_buffer_comes_from_the_sessions_pinned_allocator(op, refuse):
+    """The decode step's page-locked ids buffer is charged to the plan's pinned budget (its runtime floor); when
+    the allocator refuses, a pageable buffer serves (counted), and the step is counted all the same."""
+    pinned = PinnedDouble(refuse)
+    op._pinned = pinned
+    cache = ExpertCache(L * E, L, E)
+    cache.place(np.arange(L * E))
+    works = step_works(cache, Dev(np.zeros((1, H), np.float32)))
+    for _ in range(2):
+        op.decode_step(works)
+    assert pinned.asked == [(L * K * 4, True)], pinned.asked  # one buffer for the session, from the floor
+    assert cache.lookups == 2 * L * K
+    if refuse:
+        assert op.counts.get("ids_pageable") == 1 and op._ids_buf is None
+    else:
+        assert "ids_pageable" not in op.counts and np.shares_memory(op._ids_host, op._ids_buf.array)

@@ -133,7 +133,8 @@ def cuda_layer_ops(session: DeviceSession, plan: Any = None) -> Any:
     layers = int(getattr(model, "moe_layers", 0) or 0)
     dtype = "q8_0" if str(getattr(model, "quant", "")).upper() == "Q8_0" else "f16"
     return CudaLayerOps(session.memory, session.kernels, shape=shape, max_tokens=tokens, layers=layers,
-                        pool_dtype=dtype, slot_bytes=int(getattr(model, "slot_bytes", 0) or 0))
+                        pool_dtype=dtype, slot_bytes=int(getattr(model, "slot_bytes", 0) or 0),
+                        pinned=getattr(session, "pinned", None))
 
 
 def plan_shape(plan: Any) -> tuple[tuple[int, int, int, int] | None, int]:

@@ -41,7 +41,8 @@ COMPILE_OPTIONS = ("-std=c++17",)
 KERNEL_NAMES = ("strata_fast_route", "strata_fast_positions", "strata_fast_offsets", "strata_fast_gather",
                 "strata_fast_swiglu", "strata_fast_combine", "strata_fast_dequant_q8_0", "strata_fast_decode_gate_up",
                 "strata_fast_decode_down", "strata_fast_decode_norm_route", "strata_fast_decode_gate_up_q8",
-                "strata_fast_decode_down_q8")
+                "strata_fast_decode_down_q8", "strata_fast_decode_norm_route2", "strata_fast_decode_down2",
+                "strata_fast_gemv_f16w")
 #: The expert formats the fused decode kernels read, and the pool arrays whose host addresses a layer's missed
 #: experts are read at (in the kernels' order).
 DECODE_HOST_ARRAYS = {"f16": ("w_gate_up", "w_down"), "q8_0": ("gate_up_q", "gate_up_d", "down_q", "down_d")}
@@ -58,6 +59,13 @@ DECODE_ROWS_PER_WARP = 2
 #: A streamed copy group carries at least this many bytes (small experts go many to a group): each group costs the
 #: host a few launches, so tiny experts in groups of 8 were bound by Python, not by the link.
 COPY_GROUP_BYTES = 64 << 20
+#: The decode stack's norm/router and down kernels (FastMoE.decode_form): 2 the second forms of moe_fast.cu (router
+#: rows loaded before the wait for x; the down loads issued in batches), 1 the first forms.
+DECODE_FORM = 2
+#: Decode kernels as programmatic dependent launches (pdl.py; FastMoE.decode_pdl) where the driver has them.
+DECODE_PDL = True
+#: Output rows per warp of the f16-weight GEMV (STRATA_GEMV_WROWS in the source).
+GEMV_ROWS_PER_WARP = 2
 #: Size classes are spread over side streams only for calls of at least this many experts (a ring group's few
 #: experts gain nothing from the fork and join).
 SIDE_STREAM_MIN_PROBLEMS = 16
@@ -407,6 +415,11 @@ class FastMoE:
         # upload from it has run (an event), so the host never overwrites a table a queued copy still reads
         n_ptr = 16 * max(experts, 64)
         self._ptr_mem = cupy.cuda.alloc_pinned_memory(8 * n_ptr)
+        #: decode kernels launched as programmatic dependent launches (pdl.py) where the driver allows
+        self.decode_pdl = DECODE_PDL
+        #: the decode stack's norm/router and down kernels: 1 the first forms, 2 the second (moe_fast.cu)
+        self.decode_form = DECODE_FORM
+        self._pdl = None
         self._ptr_stage = np.frombuffer(self._ptr_mem, dtype=np.int64, count=n_ptr)
         self._ptr_dev = cupy.cuda.alloc(8 * n_ptr)
         self._ptr_cursor = 0
@@ -989,12 +1002,12 @@ class FastMoE:
                 raise NotImplementedError("Q8_0 decode: misses are read from mapped host memory, not copied")
             hq, hd = host_w13 if host_w13 else (0, 0)
             a = pool.arrays
-            self._k["strata_fast_decode_gate_up_q8"](
-                ((f + rows_per_block - 1) // rows_per_block, kk), (THREADS,),
+            self._dlaunch(
+                "strata_fast_decode_gate_up_q8", ((f + rows_per_block - 1) // rows_per_block, kk), (THREADS,),
                 (x, logits, np.int32(self.experts), np.int32(kk), slot_map, a["gate_up_q"], a["gate_up_d"],
                  np.uint64(hq), np.uint64(hd), np.int32(h), np.int32(f), b["act"], b["ids"], b["w"]))
             return
-        self._k["strata_fast_decode_gate_up"](((f + rows_per_block - 1) // rows_per_block, kk), (THREADS,),
+        self._dlaunch("strata_fast_decode_gate_up", ((f + rows_per_block - 1) // rows_per_block, kk), (THREADS,),
                                               (x, logits, np.int32(self.experts), np.int32(kk), slot_map,
                                                refill_from if refill_from is not None else np.uint64(0),
                                                np.int32(skip_missing), pool.arrays["w_gate_up"], np.uint64(host_w13),
@@ -1013,12 +1026,17 @@ class FastMoE:
                 raise NotImplementedError("Q8_0 decode: misses are read from mapped host memory, not copied")
             hq, hd = host_w2 if host_w2 else (0, 0)
             a = pool.arrays
-            self._k["strata_fast_decode_down_q8"](
-                ((h + warps - 1) // warps,), (THREADS,),
+            self._dlaunch(
+                "strata_fast_decode_down_q8", ((h + warps - 1) // warps,), (THREADS,),
                 (b["act"], b["ids"], b["w"], slot_map, a["down_q"], a["down_d"], np.uint64(hq), np.uint64(hd),
                  np.int32(h), np.int32(f), np.int32(kk), out, np.int32(accumulate)))
             return
-        self._k["strata_fast_decode_down"](((h + warps - 1) // warps,), (THREADS,),
+        if self.decode_form == 2 and only_missing_in is None and not skip_missing:
+            self._dlaunch("strata_fast_decode_down2", ((h + warps - 1) // warps,), (THREADS,),
+                          (b["act"], b["ids"], b["w"], slot_map, pool.arrays["w_down"], np.uint64(host_w2),
+                           np.int64(h * f), np.int32(h), np.int32(f), np.int32(kk), out, np.int32(accumulate)))
+            return
+        self._dlaunch("strata_fast_decode_down", ((h + warps - 1) // warps,), (THREADS,),
                                            (b["act"], b["ids"], b["w"], slot_map,
                                             only_missing_in if only_missing_in is not None else np.uint64(0),
                                             np.int32(skip_missing), pool.arrays["w_down"], np.uint64(host_w2),
@@ -1054,7 +1072,12 @@ class FastMoE:
         xn, logits = b["xn"], b["logits"]
         warps = THREADS // WARP_LANES
         for lay in layers:
-            self._k["strata_fast_decode_norm_route"](((self.experts + warps - 1) // warps,), (THREADS,),
+            if self.decode_form == 2:
+                self._dlaunch("strata_fast_decode_norm_route2", ((self.experts + 3) // 4,), (128,),
+                              (x, lay.norm_w, lay.router_w, np.int32(self.experts), np.int32(self.hidden),
+                               np.float32(lay.eps), xn, logits))
+            else:
+                self._dlaunch("strata_fast_decode_norm_route", ((self.experts + warps - 1) // warps,), (THREADS,),
                                                      (x, lay.norm_w, lay.router_w, np.int32(self.experts),
                                                       np.int32(self.hidden), np.float32(lay.eps), xn, logits))
             h13, h2 = _split_host(lay.pool.dtype, lay.host)
@@ -1099,6 +1122,28 @@ class FastMoE:
                 self._graphs.clear()
             graph = self._capture(lambda: self._decode_pair(x, logits, pool, slot_map, out, host))
             self._graphs[key] = graph
+    def gemv_f16w(self, x: Any, w: Any, out: Any) -> Any:
+        """out [T,O] f32 = x [T,H] f32 . w [O,H] f16 ^T (the LM head of a decode token) on the current stream, through
+        strata_fast_gemv_f16w (a programmatic launch when decode_pdl is on: its first weight loads overlap the
+        kernel before it)."""
+        t, h = int(x.shape[0]), int(x.shape[1])
+        o = int(w.shape[0])
+        rows = (THREADS // WARP_LANES) * GEMV_ROWS_PER_WARP
+        self._dlaunch("strata_fast_gemv_f16w", ((o + rows - 1) // rows, t), (THREADS,),
+                      (x, w, np.int32(o), np.int32(h), out))
+        return out
+
+    def _dlaunch(self, name: str, grid: tuple, block: tuple, args: tuple) -> None:
+        """A decode kernel on the current stream: a programmatic dependent launch when decode_pdl is on."""
+        if self.decode_pdl:
+            if self._pdl is None:
+                from .pdl import Launcher
+                self._pdl = Launcher()
+            if self._pdl.available():
+                self._pdl.launch(self._k[name], grid, block, args, self._cp.cuda.get_current_stream().ptr)
+                return
+        self._k[name](grid, block, args)
+
         graph.launch(self.compute_stream)
         return out
 

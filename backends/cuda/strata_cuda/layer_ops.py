@@ -66,7 +66,7 @@ class CudaLayerOps:
 
     def __init__(self, memory: Any, kernels: Any, workspace_bytes: int = 0,
                  shape: tuple[int, int, int, int] | None = None, max_tokens: int = 0, layers: int = 0,
-                 pool_dtype: str = "f16", slot_bytes: int = 0):
+                 pool_dtype: str = "f16", slot_bytes: int = 0, pinned: Any = None):
         from .fast import FastMoE, precompile, warm_gemms, warm_up
         try:
             warm_up()  # at session open: NVRTC, cuBLAS start-up and handles stay out of the first layer's time
@@ -115,6 +115,10 @@ class CudaLayerOps:
         #: a launched step whose routed ids are on their way to the host: (works, slot maps, copy event)
         self._ids_pending: tuple | None = None
         self._ids_host: np.ndarray | None = None
+        #: the session's page-locked allocator (the plan's pinned budget): the routed ids' host buffer comes from
+        #: its runtime floor, so no page-locked byte of a decode step is outside the plan
+        self._pinned = pinned
+        self._ids_buf: Any = None
         self._ids_stream: Any = None
         #: the last step's (works, x address) when its layers came from the cache unchanged (see _decode_layers)
         self._quick: tuple | None = None
@@ -125,6 +129,23 @@ class CudaLayerOps:
         #: how many layers each path ran (a test and `strata run` can tell which path ran)
         self.counts = {"prefill_fused": 0, "prefill_composed": 0, "decode_graph_steps": 0, "decode_plain_steps": 0,
                        "decode_composed_steps": 0, "decode_layers_reused": 0}
+
+    def head_linear(self, x: Any, w: Any, out: Any) -> Any | None:
+        """The LM head out [T,O] f32 = x [T,H] f32 . w^T through the plan's FastMoE GEMV (warp rows, hardware half
+        conversion, weights loaded before the wait for x), or None when it does not apply (no plan shape, not f16,
+        more than GEMV_MAX_T rows, unaligned): the executor then calls the KernelSet's linear."""
+        import cupy as cp
+        from .kernels import GEMV_MAX_T
+        fast = self._fast.get(self._plan_shape) if self._plan_shape is not None else None
+        if (fast is None or out is None or not isinstance(w, cp.ndarray) or w.dtype != cp.float16
+                or not w.flags.c_contiguous or not isinstance(x, cp.ndarray) or x.dtype != cp.float32 or x.ndim != 2
+                or not x.flags.c_contiguous or not 0 < x.shape[0] <= GEMV_MAX_T or x.shape[1] % 8
+                or w.ndim != 2 or w.shape[1] != x.shape[1] or w.data.ptr % 16 or x.data.ptr % 16
+                or tuple(out.shape) != (x.shape[0], w.shape[0]) or out.dtype != cp.float32
+                or not out.flags.c_contiguous):
+            return None
+        self.counts["head_gemv"] = self.counts.get("head_gemv", 0) + 1
+        return fast.gemv_f16w(x, w, out)
 
     @staticmethod
     def _warm_router(kernels: Any, tokens: int, experts: int, hidden: int) -> None:
@@ -644,9 +665,7 @@ class CudaLayerOps:
         import cupy as cp
         nbytes = int(self._ids_dev.nbytes)
         if self._ids_host is None or self._ids_host.shape != tuple(self._ids_dev.shape):
-            # as cupyx.empty_pinned makes it: the array's base keeps the page-locked block alive
-            self._ids_host = np.ndarray(tuple(self._ids_dev.shape), dtype=np.int32,
-                                        buffer=cp.cuda.alloc_pinned_memory(max(nbytes, 1)))
+            self._ids_host = self._ids_buffer(tuple(self._ids_dev.shape), nbytes)
         if self._ids_stream is None:
             self._ids_stream = cp.cuda.Stream(non_blocking=True)
             # two events, recorded again every step (the previous step's copy has landed before this one is queued)
@@ -658,6 +677,20 @@ class CudaLayerOps:
                              self._rt.memcpyDeviceToHost, self._ids_stream.ptr)
         landed.record(self._ids_stream)
         return landed
+
+    def _ids_buffer(self, shape: tuple, nbytes: int) -> np.ndarray:
+        """The routed ids' host buffer: page-locked from the session's allocator (charged to the plan's pinned budget,
+        its runtime floor), else pageable (then the copy holds the host until the replay ends; counts['ids_pageable'])."""
+        if self._ids_buf is not None:
+            self._pinned.free(self._ids_buf)
+            self._ids_buf = None
+        buf = self._pinned.alloc(max(nbytes, 1), from_floor=True) if self._pinned is not None else None
+        if buf is None:
+            self.counts["ids_pageable"] = 1
+            return np.empty(shape, dtype=np.int32)
+        self._ids_buf = buf
+        self.counts.pop("ids_pageable", None)
+        return np.ndarray(shape, dtype=np.int32, buffer=buf.array)
 
     def decode_done(self) -> None:
         """Count the launched step's routed experts (one cache lookup for all layers) and queue the admission of

@@ -24,6 +24,17 @@
 #define STRATA_SHFL_UP(v, d) __shfl_up_sync(0xffffffffu, (v), (d))
 #endif
 
+// Programmatic dependent launch (sm_90): a decode kernel launched with the attribute may start while the kernel
+// before it drains; it reads only constant weights before STRATA_GRID_WAIT, which returns once the previous
+// kernel's writes are visible (at once when launched without the attribute, and a no-op elsewhere).
+#if !defined(STRATA_HIP) && defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
+#define STRATA_GRID_WAIT() asm volatile("griddepcontrol.wait;" ::: "memory")
+#define STRATA_GRID_LAUNCH_DEPENDENTS() asm volatile("griddepcontrol.launch_dependents;" ::: "memory")
+#else
+#define STRATA_GRID_WAIT()
+#define STRATA_GRID_LAUNCH_DEPENDENTS()
+#endif
+
 #define STRATA_FAST_THREADS 256
 #define STRATA_FAST_WARPS (STRATA_FAST_THREADS / STRATA_WARP)
 // top-k keeps every lane's logits in registers: E <= STRATA_TOPK_PER_LANE * STRATA_WARP (256 on CUDA)
@@ -84,6 +95,9 @@ __device__ void warp_topk(const float* __restrict__ logits, int E, int K, int la
     for (int j = 0; j < STRATA_TOPK_PER_LANE; ++j) {
         const int idx = j * STRATA_WARP + lane;
         v[j] = idx < E ? logits[idx] : 0.0f;
+        // a NaN logit ranks as -inf: every comparison below stays ordered, so the K ids are always valid experts
+        // (a NaN compares false both ways, and K NaN rounds left no lane a candidate: an id past E)
+        if (v[j] != v[j]) v[j] = -__int_as_float(0x7f800000);
     }
     unsigned int taken = 0u;
     float top0 = 0.0f;
@@ -331,6 +345,8 @@ strata_fast_decode_gate_up(const float* __restrict__ x, const float* __restrict_
     const int warp = threadIdx.x / STRATA_WARP, lane = threadIdx.x % STRATA_WARP;
     const int k = blockIdx.y;
     const int row0 = (blockIdx.x * STRATA_FAST_WARPS + warp) * STRATA_DEC_ROWS;
+    STRATA_GRID_LAUNCH_DEPENDENTS();
+    STRATA_GRID_WAIT();  // logits and x are the previous kernel's
     if (row0 >= F) return;  // whole warps; no block barrier in this kernel
     warp_topk(logits, E, K, lane, s_ids[warp], s_w[warp]);
     warp_sync_lanes();
@@ -393,6 +409,8 @@ strata_fast_decode_down(const float* __restrict__ act, const int* __restrict__ i
     __shared__ int s_nan[STRATA_FAST_WARPS];
     const int warp = threadIdx.x / STRATA_WARP, lane = threadIdx.x % STRATA_WARP;
     const int h = blockIdx.x * STRATA_FAST_WARPS + warp;
+    STRATA_GRID_LAUNCH_DEPENDENTS();
+    STRATA_GRID_WAIT();  // act, ids and weights are the previous kernel's
     if (h >= H) return;  // whole warps; no block barrier in this kernel
     // the K look-ups are independent: one per lane, not a chain of dependent loads per expert; an expert this
     // launch leaves out gets weight 0 and reads slot 0's row (harmless)
@@ -448,6 +466,8 @@ strata_fast_decode_norm_route(const float* __restrict__ x, const float* __restri
                               float* __restrict__ logits) {
     __shared__ float s_part[STRATA_FAST_WARPS];
     const int warp = threadIdx.x / STRATA_WARP, lane = threadIdx.x % STRATA_WARP;
+    STRATA_GRID_LAUNCH_DEPENDENTS();
+    STRATA_GRID_WAIT();
     float ss = 0.f;
     for (int i = threadIdx.x; i < H; i += STRATA_FAST_THREADS) ss += x[i] * x[i];
     ss = warp_sum(ss);
@@ -465,6 +485,196 @@ strata_fast_decode_norm_route(const float* __restrict__ x, const float* __restri
     for (int i = lane; i < H; i += STRATA_WARP) acc += (x[i] * inv * norm_w[i]) * r[i];
     acc = warp_sum(acc);
     if (lane == 0) logits[e] = acc;
+}
+
+// Decode, step 0, second form: 4 experts a block of 128 threads (E / 4 blocks spread the 1 MB f32 router over more
+// SMs), each lane's router row chunks loaded (16-byte loads, all in flight) before the wait for x, so under a
+// programmatic launch the router is read while the previous layer's down kernel drains.
+#define STRATA_NR_THREADS 128
+#define STRATA_NR_WARPS (STRATA_NR_THREADS / STRATA_WARP)
+#define STRATA_NR_PREFETCH 16
+extern "C" __global__ void __launch_bounds__(STRATA_NR_THREADS)
+strata_fast_decode_norm_route2(const float* __restrict__ x, const float* __restrict__ norm_w,
+                               const float* __restrict__ router, int E, int H, float eps, float* __restrict__ xn,
+                               float* __restrict__ logits) {
+    __shared__ float s_part[STRATA_NR_WARPS];
+    const int warp = threadIdx.x / STRATA_WARP, lane = threadIdx.x % STRATA_WARP;
+    const int e = blockIdx.x * STRATA_NR_WARPS + warp;
+    const int h4 = H / 4;
+    const float4* r4 = (const float4*)(router + (long long)(e < E ? e : E - 1) * H);
+    float4 rv[STRATA_NR_PREFETCH];
+#pragma unroll
+    for (int j = 0; j < STRATA_NR_PREFETCH; ++j) {
+        const int c = lane + j * STRATA_WARP;
+        rv[j] = c < h4 ? r4[c] : make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+    STRATA_GRID_LAUNCH_DEPENDENTS();
+    STRATA_GRID_WAIT();  // x is the previous kernel's
+    const float4* x4 = (const float4*)x;
+    const float4* n4 = (const float4*)norm_w;
+    float ss = 0.f;
+    for (int c = threadIdx.x; c < h4; c += STRATA_NR_THREADS) {
+        const float4 v = x4[c];
+        ss += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
+    }
+    ss = warp_sum(ss);
+    if (lane == 0) s_part[warp] = ss;
+    __syncthreads();
+    float tot = 0.f;
+    for (int w = 0; w < STRATA_NR_WARPS; ++w) tot += s_part[w];
+    const float inv = 1.0f / sqrtf(tot / (float)H + eps);
+    if (blockIdx.x == 0) {
+        for (int c = threadIdx.x; c < h4; c += STRATA_NR_THREADS) {
+            const float4 v = x4[c], n = n4[c];
+            ((float4*)xn)[c] = make_float4(v.x * inv * n.x, v.y * inv * n.y, v.z * inv * n.z, v.w * inv * n.w);
+        }
+    }
+    if (e >= E) return;
+    float acc = 0.f;
+#pragma unroll
+    for (int j = 0; j < STRATA_NR_PREFETCH; ++j) {
+        const int c = lane + j * STRATA_WARP;
+        if (c < h4) {
+            const float4 v = x4[c], n = n4[c], r = rv[j];
+            acc += (v.x * inv * n.x) * r.x + (v.y * inv * n.y) * r.y + (v.z * inv * n.z) * r.z + (v.w * inv * n.w) * r.w;
+        }
+    }
+    for (int c = lane + STRATA_NR_PREFETCH * STRATA_WARP; c < h4; c += STRATA_WARP) {
+        const float4 v = x4[c], n = n4[c], r = r4[c];
+        acc += (v.x * inv * n.x) * r.x + (v.y * inv * n.y) * r.y + (v.z * inv * n.z) * r.z + (v.w * inv * n.w) * r.w;
+    }
+    acc = warp_sum(acc);
+    if (lane == 0) logits[e] = acc;
+}
+
+// Decode, step 2, second form: as strata_fast_decode_down (hits and mapped misses only), each lane's weight loads
+// issued in batches of STRATA_DOWN_BATCH 16-byte loads before any of them is used, so a warp keeps that many in
+// flight; the sum runs in the same order as the first form (the same bits).
+#define STRATA_DOWN_BATCH 8
+extern "C" __global__ void __launch_bounds__(STRATA_FAST_THREADS)
+strata_fast_decode_down2(const float* __restrict__ act, const int* __restrict__ ids, const float* __restrict__ wts,
+                         const int* __restrict__ slot_map, const unsigned short* __restrict__ w2,
+                         const unsigned short* __restrict__ host_w2, long long slot_stride, int H, int F, int K,
+                         float* __restrict__ out, int accumulate) {
+    __shared__ const unsigned short* s_base[STRATA_FAST_WARPS][STRATA_FAST_MAXK];
+    __shared__ float s_w[STRATA_FAST_WARPS][STRATA_FAST_MAXK];
+    __shared__ int s_nan[STRATA_FAST_WARPS];
+    const int warp = threadIdx.x / STRATA_WARP, lane = threadIdx.x % STRATA_WARP;
+    const int h = blockIdx.x * STRATA_FAST_WARPS + warp;
+    STRATA_GRID_LAUNCH_DEPENDENTS();
+    STRATA_GRID_WAIT();  // act, ids and weights are the previous kernel's
+    if (h >= H) return;  // whole warps; no block barrier in this kernel
+    if (lane == 0) s_nan[warp] = 0;
+    warp_sync_lanes();
+    if (lane < K) {
+        const int e = ids[lane];
+        const long long slot = slot_map[e];
+        const unsigned short* base = w2;
+        if (slot >= 0) {
+            base = w2 + slot * slot_stride;
+        } else if (host_w2 != 0) {
+            base = host_w2 + (long long)e * slot_stride;
+        } else {
+            s_nan[warp] = 1;
+        }
+        s_base[warp][lane] = base;
+        s_w[warp][lane] = wts[lane];
+    }
+    warp_sync_lanes();
+    if (s_nan[warp]) {
+        if (lane == 0) out[h] = __int_as_float(0x7fc00000);
+        return;
+    }
+    const int per_row = F / 8, n = K * per_row;
+    float acc = 0.f;
+    for (int i0 = lane; i0 < n; i0 += STRATA_DOWN_BATCH * STRATA_WARP) {
+        uint4 v[STRATA_DOWN_BATCH];
+#pragma unroll
+        for (int j = 0; j < STRATA_DOWN_BATCH; ++j) {
+            const int i = i0 + j * STRATA_WARP;
+            if (i < n) {
+                const int k = i / per_row, c = i - k * per_row;
+                v[j] = ((const uint4*)(s_base[warp][k] + (long long)h * F))[c];
+            }
+        }
+#pragma unroll
+        for (int j = 0; j < STRATA_DOWN_BATCH; ++j) {
+            const int i = i0 + j * STRATA_WARP;
+            if (i < n) {
+                const int k = i / per_row, c = i - k * per_row;
+                const float4* a4 = (const float4*)(act + (long long)k * F);
+                const float4 xa = a4[2 * c], xb = a4[2 * c + 1];
+                const float xv[8] = {xa.x, xa.y, xa.z, xa.w, xb.x, xb.y, xb.z, xb.w};
+                acc += s_w[warp][k] * dot8(v[j], xv);
+            }
+        }
+    }
+    acc = warp_sum(acc);
+    if (lane == 0) out[h] = accumulate ? out[h] + acc : acc;
+}
+
+// The LM head of a few tokens: out[t, o] = x[t] . w[o] for f16 weights w [O, H], f32 sums; grid (ceil(O / rows a
+// block), T). Each warp takes STRATA_GEMV_WROWS rows; a lane loads 8 chunks of 8 halves (16 bytes each) of every
+// one of its rows before summing any, so a warp has 8 x STRATA_GEMV_WROWS loads in flight, and the first group of
+// loads is issued before the wait for x (weights are constant: under a programmatic launch they stream in while the
+// final norm runs). The sums keep the pairwise shape of a tree: a chunk's 8 products in order, the lane's 8 chunk
+// sums pairwise, then the warp's lanes by butterfly (8 levels over 256 chunks at H = 2048), so the rounding error
+// stays that of a tree reduction. Hardware half conversion (fh2f). H % 8 == 0.
+#define STRATA_GEMV_WROWS 2
+#define STRATA_GEMV_GROUP 8
+extern "C" __global__ void __launch_bounds__(STRATA_FAST_THREADS)
+strata_fast_gemv_f16w(const float* __restrict__ x, const unsigned short* __restrict__ w, int O, int H,
+                      float* __restrict__ out) {
+    const int warp = threadIdx.x / STRATA_WARP, lane = threadIdx.x % STRATA_WARP;
+    const int t = blockIdx.y;
+    const int o0 = (blockIdx.x * STRATA_FAST_WARPS + warp) * STRATA_GEMV_WROWS;
+    const int h8 = H / 8;
+    const float4* x4 = (const float4*)(x + (long long)t * H);
+    const uint4* rows[STRATA_GEMV_WROWS];
+#pragma unroll
+    for (int r = 0; r < STRATA_GEMV_WROWS; ++r) {
+        const int o = o0 + r < O ? o0 + r : O - 1;  // rows past O repeat the last one, never written
+        rows[r] = (const uint4*)(w + (long long)o * H);
+    }
+    float acc[STRATA_GEMV_WROWS];
+#pragma unroll
+    for (int r = 0; r < STRATA_GEMV_WROWS; ++r) acc[r] = 0.f;
+    bool waited = false;
+    for (int c0 = 0; c0 < h8; c0 += STRATA_GEMV_GROUP * STRATA_WARP) {
+        uint4 v[STRATA_GEMV_WROWS][STRATA_GEMV_GROUP];
+#pragma unroll
+        for (int j = 0; j < STRATA_GEMV_GROUP; ++j) {
+            const int c = c0 + j * STRATA_WARP + lane;
+#pragma unroll
+            for (int r = 0; r < STRATA_GEMV_WROWS; ++r)
+                v[r][j] = c < h8 ? rows[r][c] : make_uint4(0u, 0u, 0u, 0u);
+        }
+        if (!waited) {
+            STRATA_GRID_LAUNCH_DEPENDENTS();
+            STRATA_GRID_WAIT();  // x is the previous kernel's
+            waited = true;
+        }
+        float d[STRATA_GEMV_WROWS][STRATA_GEMV_GROUP];
+#pragma unroll
+        for (int j = 0; j < STRATA_GEMV_GROUP; ++j) {
+            const int c = c0 + j * STRATA_WARP + lane;
+            float4 xa = make_float4(0.f, 0.f, 0.f, 0.f), xb = xa;
+            if (c < h8) { xa = x4[2 * c]; xb = x4[2 * c + 1]; }
+            const float xv[8] = {xa.x, xa.y, xa.z, xa.w, xb.x, xb.y, xb.z, xb.w};
+#pragma unroll
+            for (int r = 0; r < STRATA_GEMV_WROWS; ++r) d[r][j] = dot8(v[r][j], xv);
+        }
+#pragma unroll
+        for (int r = 0; r < STRATA_GEMV_WROWS; ++r)
+            acc[r] += ((d[r][0] + d[r][1]) + (d[r][2] + d[r][3])) + ((d[r][4] + d[r][5]) + (d[r][6] + d[r][7]));
+    }
+#pragma unroll
+    for (int r = 0; r < STRATA_GEMV_WROWS; ++r) acc[r] = warp_sum(acc[r]);
+    if (lane == 0) {
+#pragma unroll
+        for (int r = 0; r < STRATA_GEMV_WROWS; ++r)
+            if (o0 + r < O) out[(long long)t * O + o0 + r] = acc[r];
+    }
 }
 
 // Q8_0 decode: the two steps above over Q8_0 pools (int8 quants [rows, cols] and one f16 scale per 32 of a row),
@@ -493,6 +703,8 @@ strata_fast_decode_gate_up_q8(const float* __restrict__ x, const float* __restri
     const int warp = threadIdx.x / STRATA_WARP, lane = threadIdx.x % STRATA_WARP;
     const int k = blockIdx.y;
     const int row0 = (blockIdx.x * STRATA_FAST_WARPS + warp) * STRATA_DEC_ROWS;
+    STRATA_GRID_LAUNCH_DEPENDENTS();
+    STRATA_GRID_WAIT();  // logits and x are the previous kernel's
     if (row0 >= F) return;  // whole warps; no block barrier in this kernel
     warp_topk(logits, E, K, lane, s_ids[warp], s_w[warp]);
     warp_sync_lanes();
@@ -559,6 +771,8 @@ strata_fast_decode_down_q8(const float* __restrict__ act, const int* __restrict_
     __shared__ int s_nan[STRATA_FAST_WARPS];
     const int warp = threadIdx.x / STRATA_WARP, lane = threadIdx.x % STRATA_WARP;
     const int h = blockIdx.x * STRATA_FAST_WARPS + warp;
+    STRATA_GRID_LAUNCH_DEPENDENTS();
+    STRATA_GRID_WAIT();
     if (h >= H) return;  // whole warps; no block barrier in this kernel
     if (lane == 0) s_nan[warp] = 0;
     warp_sync_lanes();

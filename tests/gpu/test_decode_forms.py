@@ -1,0 +1,173 @@
+"""The decode stack's kernel forms and launch kinds on a real GPU (strata_cuda.fast.FastMoE.decode_form, decode_pdl):
+every combination against the float64 reference through the session's layer ops, the same bits on a second step,
+the second down kernel bit for bit the first, the second norm/router kernel and the LM-head GEMV against float64,
+and NaN router logits routed to valid experts (no read outside the slot map). Skipped where there is no CUDA device.
+"""
+
+from __future__ import annotations
+
+import secrets
+
+import numpy as np
+import pytest
+
+from strata_core.reference import kernels as ref
+
+from .test_fast_paths import (SeededGenerator, _cuda_device_count, device_pool, experts_f16, host_pool, place,
+                              poisoned, reference, rel)
+from .test_layer_ops import BOUND, L, H as LH, margin, model, reference_layer, works
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(_cuda_device_count() == 0, reason="no CUDA device")]
+
+E, K, H, F = 64, 4, 256, 128
+FP32 = 1e-5  # f32 sums of exact products (f16 weights widened exactly): the f32 bound
+
+
+@pytest.fixture(scope="module")
+def cp():
+    """cupy, imported only where a GPU is present."""
+    import cupy
+    return cupy
+
+
+@pytest.fixture
+def rng():
+    """A fresh generator per test; its seed is in every assertion message."""
+    return SeededGenerator(secrets.randbits(32))
+
+
+@pytest.fixture(scope="module")
+def moe(cp):
+    """One FastMoE at the test shape."""
+    from strata_cuda.fast import FastMoE
+    return FastMoE(E, K, H, F)
+
+
+@pytest.mark.parametrize("form", [1, 2])
+@pytest.mark.parametrize("pdl", [False, True], ids=["plain", "pdl"])
+def test_every_form_and_launch_kind_decodes_like_the_reference_and_repeats_its_bits(cp, rng, monkeypatch, form, pdl):
+    from strata_cuda import fast
+    from strata_cuda.kernels import CupyKernels
+    from strata_cuda.layer_ops import CudaLayerOps
+    monkeypatch.setattr(fast, "DECODE_FORM", form)
+    monkeypatch.setattr(fast, "DECODE_PDL", pdl)
+    m = model(cp, rng, "f16")
+    op = CudaLayerOps(m.dm, CupyKernels(0))
+    op.decode_admit_bytes = 0  # the cache stays as placed: both steps read the same slots and host rows
+    for _ in range(50):  # a token without near-ties in any layer
+        x0 = rng.standard_normal((1, LH)).astype(np.float32)
+        want, ok = x0.astype(np.float64), True
+        for layer in range(L):
+            ok = ok and margin(m, layer, want.astype(np.float32)) > 1e-2
+            want = reference_layer(m, layer, want.astype(np.float32))
+        if ok:
+            break
+    assert ok, f"no token without near-ties in 50 draws (seed {rng.seed_value})"
+    x = cp.empty((1, LH), cp.float32)
+    got = []
+    for step in range(2):
+        x.set(x0)
+        op.decode_step(works(cp, m, "decode", x, np.zeros(0, np.int32), cp.cuda.Stream(non_blocking=True)))
+        cp.cuda.Device().synchronize()
+        out = x.get()
+        err = rel(out - x0, want - x0)
+        assert err < BOUND, f"form {form} pdl {pdl} step {step}: {err:.2e} (seed {rng.seed_value})"
+        got.append(out)
+    assert np.array_equal(got[0], got[1]), f"form {form} pdl {pdl}: two steps differ (seed {rng.seed_value})"
+    f = next(iter(op._fast.values()))
+    assert (f.decode_form, f.decode_pdl) == (form, pdl)
+    if pdl:
+        assert f._pdl is not None and f._pdl.available(), "the driver should have cuLaunchKernelEx (CUDA >= 12)"
+    assert op.counts["decode_graph_steps"] == 2 and m.cache.misses > 0, op.counts
+
+
+@pytest.mark.parametrize("misses", [0, 2])
+def test_the_second_down_kernel_gives_the_first_ones_bits(cp, moe, rng, misses):
+    """Same products summed in the same order: form 2 (batched loads) and programmatic launches change no bit."""
+    x = rng.standard_normal((1, H)).astype(np.float32)
+    logits = rng.standard_normal((1, E)).astype(np.float32)
+    hp = host_pool(cp, "f16", *experts_f16(rng, E))
+    ids, _ = ref.route_topk(logits, K)
+    slot_of = rng.permutation(E).astype(np.int32)
+    slot_of[ids[0, :misses]] = -1
+    pool = device_pool(cp, hp, E)
+    cached = np.flatnonzero(slot_of >= 0)
+    place(cp, pool, hp, cached, slot_of[cached])
+    outs = {}
+    for form in (1, 2):
+        for pdl in (False, True):
+            moe.decode_form, moe.decode_pdl = form, pdl
+            moe._graphs.clear()
+            out = poisoned(cp, (1, H))
+            moe.decode_layer(cp.asarray(x), cp.asarray(logits), pool, cp.asarray(slot_of), out=out, host_pool=hp)
+            moe.compute_stream.synchronize()
+            outs[(form, pdl)] = out.get()
+    from strata_cuda import fast
+    moe.decode_form, moe.decode_pdl = fast.DECODE_FORM, fast.DECODE_PDL
+    base = outs[(1, False)]
+    assert rel(base, reference(x, logits, hp)) < FP32, f"seed {rng.seed_value}"
+    for k, v in outs.items():
+        assert np.array_equal(v.view(np.uint32), base.view(np.uint32)), f"{k} differs (seed {rng.seed_value})"
+
+
+@pytest.mark.parametrize("e,h", [(128, 2048), (60, 256), (128, 2560)])
+def test_the_second_norm_router_kernel_matches_float64(cp, moe, rng, e, h):
+    """E off the 4-expert blocks (the last block's idle warps), H at, under and over the 16 prefetched chunks."""
+    x = rng.standard_normal((1, h)).astype(np.float32)
+    nw = (1 + 0.1 * rng.standard_normal(h)).astype(np.float32)
+    r = (rng.standard_normal((e, h)) / np.sqrt(h)).astype(np.float32)
+    xn, lg = poisoned(cp, (1, h)), poisoned(cp, (1, e))
+    for pdl in (False, True):
+        moe.decode_pdl = pdl
+        xn.fill(np.nan)
+        lg.fill(np.nan)
+        moe._dlaunch("strata_fast_decode_norm_route2", ((e + 3) // 4,), (128,),
+                     (cp.asarray(x), cp.asarray(nw), cp.asarray(r), np.int32(e), np.int32(h), np.float32(1e-6), xn, lg))
+        cp.cuda.Device().synchronize()
+        x64 = x.astype(np.float64)
+        want_xn = x64 / np.sqrt((x64 ** 2).mean() + 1e-6) * nw
+        assert rel(xn.get(), want_xn) < FP32, f"xn pdl {pdl} (seed {rng.seed_value})"
+        assert rel(lg.get(), want_xn @ r.T.astype(np.float64)) < FP32, f"logits pdl {pdl} (seed {rng.seed_value})"
+    from strata_cuda import fast
+    moe.decode_pdl = fast.DECODE_PDL
+
+
+@pytest.mark.parametrize("t,o,h", [(1, 151936 + 5, 2048), (3, 1003, 264), (8, 17, 520)])
+def test_the_lm_head_gemv_matches_float64(cp, moe, rng, t, o, h):
+    """Qwen3-30B-A3B's head (151936 x 2048 f16, 5 rows past the 16-row blocks) and small shapes whose H leaves
+    lanes without a chunk (264, 520), several rows of x; each row against float64 at the f32 bound."""
+    x = rng.standard_normal((t, h)).astype(np.float32)
+    w = (rng.standard_normal((o, h), dtype=np.float32) * 0.05).astype(np.float16)
+    w[0, :4] = np.array([6.0e-8, -3.0e-5, 0.0, -0.0], dtype=np.float16)  # subnormal and signed-zero weights
+    xd, wd = cp.asarray(x), cp.asarray(w)
+    want = np.concatenate([x.astype(np.float64) @ w[a:a + 16384].astype(np.float64).T for a in range(0, o, 16384)],
+                          axis=1)
+    for pdl in (False, True):
+        moe.decode_pdl = pdl
+        out = poisoned(cp, (t, o))
+        moe.gemv_f16w(xd, wd, out)
+        cp.cuda.Device().synchronize()
+        got = out.get()
+        assert np.isfinite(got).all(), f"unwritten rows (seed {rng.seed_value})"
+        err = float(np.abs(got - want).max() / np.abs(want).max())
+        assert err < FP32, f"lm head gemv t={t} o={o} h={h} pdl {pdl}: {err:.3g} (seed {rng.seed_value})"
+    from strata_cuda import fast
+    moe.decode_pdl = fast.DECODE_PDL
+
+
+def test_nan_router_logits_route_to_valid_experts(cp, moe, rng):
+    """NaN logits (a NaN residual) rank as -inf: the K ids stay experts of the slot map, the kernel reads no
+    address outside the pool (before, K NaN rounds left ids past E: a read far outside the slot map)."""
+    x = rng.standard_normal((1, H)).astype(np.float32)
+    logits = np.full((1, E), np.nan, dtype=np.float32)
+    logits[0, 5] = 1.0
+    hp = host_pool(cp, "f16", *experts_f16(rng, E))
+    pool = device_pool(cp, hp, E)
+    place(cp, pool, hp, np.arange(E), np.arange(E))
+    out = poisoned(cp, (1, H))
+    moe.decode_layer(cp.asarray(x), cp.asarray(logits), pool, cp.asarray(np.arange(E, dtype=np.int32)), out=out)
+    moe.compute_stream.synchronize()
+    ids = moe.decode_buffers()["ids"].get()
+    assert ids[0] == 5 and ((ids >= 0) & (ids < E)).all() and len(set(ids.tolist())) == K, ids
+    # the NaN-ranked experts are the lowest ids after 5, in order (ties to the lower id)
+    assert ids.tolist() == [5] + [i for i in range(E) if i != 5][:K - 1], ids
