@@ -5,16 +5,20 @@ Shape: 128 experts, top-8, hidden 2048, expert FFN 768; a 4096-token prefill chu
 expert is used) and 1-token decode. Every figure is the median of --reps runs between CUDA events after warm-up.
 - link floor: the layer's expert bytes (128 slots of the Q4_K/Q6_K slot bytes) / the measured page-locked H2D rate;
 - prefill, the layer path (strata_cuda.layer_ops -> quant_ffn.QuantMoE.prefill_layer: device routing, compact f16
-  stacks, groups of `group_experts` experts dequantized into f16 scratch on a side stream while the previous group's
-  cuBLAS GEMMs run): warm (every expert cached) against the same layer as an f16 pool through FastMoE.prefill_layer
-  (target <= 1.5x), cold (every expert missing, streamed from page-locked host memory through RING ring slots) against
-  the link floor (target <= 1.10x); for each --variants group size and cuBLAS mode (the targets read the product's
-  default, quant_ffn.GROUP_EXPERTS with FastMoE's default mode);
+  stacks, groups of experts dequantized into f16 scratch on a side stream while the previous group's cuBLAS GEMMs
+  run; the scratch bounded in bytes, quant_ffn.scratch_layout): warm (every expert cached) against the same layer as
+  an f16 pool through FastMoE.prefill_layer (target <= 1.5x), cold (every expert missing, streamed from page-locked
+  host memory through RING ring slots) against the link floor (target <= 1.10x); for each --variants entry
+  `G:MODE` (groups of G experts, a scratch of exactly two such groups, cuBLAS mode MODE) or `auto:MODE` (the
+  product's default scratch budget, quant_ffn.SCRATCH_BUDGET_BYTES = the plan's workspace line); the targets read
+  `auto:classes`;
 - the KernelSet's moe_grouped_ffn over the 4096-token groups (the composed path: QuantGroupedFFN -> QuantMoE);
 - decode with the 8 routed experts cached (target <= 50 us): QuantMoE.decode_layer (route, one GEMV kernel for gate/up
   of all 8 experts, one for down, a CUDA graph replay) and the KernelSet's moe_grouped_ffn of one token (the GEMV
-  kernels; what the composed decode path calls today), beside FastMoE's f16 decode_layer;
-- the old tiled SIMT kernels (moe_quant.cu) once, for the record.
+  kernels; what the composed decode path calls today), beside FastMoE's f16 decode_layer; the graph with the first,
+  one-warp-a-row down kernel too;
+- the tiled kernels of moe_quant.cu (SIMT f32 and tensor-core mma.sync, dequantized per tile, no scratch) once each,
+  for the record.
 Errors: every output against a float64 reference of the same bytes on 8 tokens (strata_core.testing.reference64).
 The experts are --templates distinct experts quantized by strata_core.reference.quants (Q4_K/Q6_K), repeated over
 the 128 slots (quantizing 128 experts in numpy would take minutes).
@@ -154,21 +158,28 @@ def run(args, res: dict) -> None:
     log(f"f16 FastMoE warm prefill {res['warm_f16']['median_ms']:.3f} ms (rel err {res['f16_rel_err']:.2e})")
     x1, l1 = xd[:1].copy(), ld[:1].copy()
     smap = cp.asarray(np.arange(E, dtype=np.int32))
-    f16.decode_layer(x1, l1, f16_pool, smap)
-    res["decode_f16"] = time_ms(cp, lambda: f16.decode_layer(x1, l1, f16_pool, smap), f16.compute_stream,
-                                max(args.reps, 200))
-    log(f"f16 FastMoE decode_layer {res['decode_f16']['median_ms'] * 1e3:.1f} us")
+    try:  # FastMoE's own decode: a figure beside ours, so a failure there leaves the quant figures to run
+        f16.decode_layer(x1, l1, f16_pool, smap)
+        res["decode_f16"] = time_ms(cp, lambda: f16.decode_layer(x1, l1, f16_pool, smap), f16.compute_stream,
+                                    max(args.reps, 200))
+        log(f"f16 FastMoE decode_layer {res['decode_f16']['median_ms'] * 1e3:.1f} us")
+    except Exception:
+        res["decode_f16_error"] = traceback.format_exc()
+        log(f"f16 FastMoE decode_layer FAILED\n{res['decode_f16_error']}")
     f16_pool = f16 = None  # 1.5 GB back before the quant runs
     cp.get_default_memory_pool().free_all_blocks()
 
     res["variants"] = {}
     for spec in args.variants:
         g_s, mode = spec.split(":")
-        g = int(g_s)
-        v: dict = {"group_experts": g, "gemm_mode": mode, "scratch_bytes": scratch_bytes(H, F, g)}
+        kw = {} if g_s == "auto" else {"group_experts": int(g_s),
+                                       "scratch_budget_bytes": scratch_bytes(H, F, int(g_s))}
+        v: dict = {"gemm_mode": mode}
         res["variants"][spec] = v
         try:
-            moe = QuantMoE(E, K, fmt, group_experts=g, gemm_mode=mode)
+            moe = QuantMoE(E, K, fmt, gemm_mode=mode, **kw)
+            g = moe.layout.group_experts
+            v.update(group_experts=g, scratch_bytes=moe.scratch_bytes())
             moe.prefill_layer(xd, ld, pool, warm_map, out=out)
             moe.compute_stream.synchronize()
             yq = cp.asnumpy(out)
@@ -223,6 +234,21 @@ def run(args, res: dict) -> None:
         d["layer_graph"] = time_ms(cp, lambda: moe.decode_layer(x1, l1, pool, smap), moe.compute_stream,
                                    max(args.reps, 200))
         d["layer_graph_us"] = d["layer_graph"]["median_ms"] * 1e3
+        try:
+            narrow = QuantMoE(E, K, fmt)
+            narrow.decode_down_wide = False
+            o2 = narrow.decode_layer(x1, l1, pool, smap)
+            narrow.compute_stream.synchronize()
+            d["layer_narrow_rel_err"] = r64.relative_error(cp.asnumpy(o2), want[:1])
+            d["layer_graph_narrow"] = time_ms(cp, lambda: narrow.decode_layer(x1, l1, pool, smap),
+                                              narrow.compute_stream, max(args.reps, 200))
+            d["layer_graph_narrow_us"] = d["layer_graph_narrow"]["median_ms"] * 1e3
+            narrow = None
+            log(f"decode graph with the one-warp down kernel: {d['layer_graph_narrow_us']:.1f} us "
+                f"(err {d['layer_narrow_rel_err']:.2e})")
+        except Exception:
+            d["narrow_error"] = traceback.format_exc()
+            log(f"decode graph with the one-warp down kernel FAILED\n{d['narrow_error']}")
         k = CupyKernels(fast_grouped_ffn=True)
         k._quant = QuantGroupedFFN(cp)
         from strata_core.reference.kernels import route_topk
@@ -268,12 +294,25 @@ def run(args, res: dict) -> None:
         k._quant = QuantGroupedFFN(cp, fast=False)
         d["tiled_simt_prefill_grouped"] = time_ms(cp, grouped_all, st, 3, warmup=1)
         log(f"tiled SIMT moe_grouped_ffn over the chunk: {d['tiled_simt_prefill_grouped']['median_ms']:.3f} ms")
+        try:
+            k._quant = QuantGroupedFFN(cp, fast=False, mma=True)
+            n0 = int(offs[1])  # the first expert's rows: one expert's float64 reference, not 128
+            with st:
+                ym = cp.asnumpy(k.moe_grouped_ffn(xgg, offs, ex.astype(np.int32), pool)[:n0])
+            st.synchronize()
+            ref_rows = r64.moe_grouped_ffn(x[rows][:n0], np.array([0, n0]), ex[:1].astype(np.int32), ref_pool)
+            d["tiled_mma_rel_err_first_expert"] = r64.relative_error(ym, ref_rows)
+            d["tiled_mma_prefill_grouped"] = time_ms(cp, grouped_all, st, 3, warmup=1)
+            log(f"tiled mma.sync moe_grouped_ffn over the chunk: {d['tiled_mma_prefill_grouped']['median_ms']:.3f} ms"
+                f" (first expert's rows err {d['tiled_mma_rel_err_first_expert']:.2e})")
+        except Exception:
+            d["tiled_mma_error"] = traceback.format_exc()
+            log(f"tiled mma.sync FAILED\n{d['tiled_mma_error']}")
     except Exception:
         d["error"] = traceback.format_exc()
         log(f"decode FAILED\n{d['error']}")
-    # the product's default (quant_ffn.GROUP_EXPERTS, FastMoE's default gemm mode) is what the targets are read from
-    from strata_cuda.quant_ffn import GROUP_EXPERTS
-    default = f"{GROUP_EXPERTS}:classes"
+    # the product's default (QuantMoE's own scratch budget, FastMoE's default gemm mode): what the targets read
+    default = "auto:classes"
     res["default_variant"] = default
     ok = {k: v for k, v in res["variants"].items() if "targets" in v}
     res["fastest_warm_variant"] = min(ok, key=lambda k: ok[k]["warm"]["median_ms"]) if ok else None
@@ -285,8 +324,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="bench/results")
     ap.add_argument("--reps", type=int, default=15)
-    ap.add_argument("--variants", nargs="+", default=["32:classes", "16:classes", "32:grouped", "16:grouped"],
-                    help="QuantMoE group_experts:gemm_mode pairs to time (the first is the product's default)")
+    ap.add_argument("--variants", nargs="+", default=["auto:classes", "32:classes", "8:classes", "4:classes"],
+                    help="QuantMoE G:MODE (groups of G experts in a scratch of two groups) or auto:MODE (the "
+                         "product's scratch budget) to time; the targets read auto:classes")
     ap.add_argument("--templates", type=int, default=4, help="distinct quantized experts (default 4)")
     args = ap.parse_args()
     res: dict = {"schema": "strata.bench.quant_layer/2", "python": platform.python_version(),

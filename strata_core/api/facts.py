@@ -279,6 +279,10 @@ class PlatformDefaults:
     cpu_share_reason: str = "the platform default"
     #: Fraction of the reported free VRAM trusted (drivers that over-report free memory get < 1.0).
     free_vram_trust: float = 1.0
+    #: Device bytes a prefill may dequantize K-quant / MXFP4 expert weights into (f16 scratch, whole experts or
+    #: pieces of one); the workspace line counts it for such models (planner.buffers.dequant_scratch_bytes).
+    #: 0: the backend's kernels read those quants directly.
+    dequant_scratch_bytes: int = 0
     #: Where these defaults came from, for the plan's decisions.
     source: str = "core"
 

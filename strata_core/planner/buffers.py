@@ -30,3 +30,26 @@ def prompt_bytes_per_token(hidden: int, experts: int, top_k: int, expert_ffn: in
 def chunk_buffer_bytes(chunk_tokens: int, hidden: int, experts: int, top_k: int, expert_ffn: int) -> int:
     """Device bytes of a chunk's prompt buffers."""
     return int(chunk_tokens) * prompt_bytes_per_token(hidden, experts, top_k, expert_ffn)
+
+
+#: Expert quant types a 'gguf' pool keeps in the file's own bytes and a backend may compute through f16
+#: dequantization scratch (PlatformDefaults.dequant_scratch_bytes); F16, BF16 and Q8_0 need none of it here.
+SCRATCH_QUANTS = frozenset({"Q4_K", "Q5_K", "Q6_K", "MXFP4"})
+
+#: Bytes of one f16 weight.
+F16_BYTES = 2
+
+
+def f16_expert_bytes(hidden: int, expert_ffn: int) -> int:
+    """Bytes of one expert's gate, up and down matrices in f16."""
+    return 3 * int(hidden) * int(expert_ffn) * F16_BYTES
+
+
+def dequant_scratch_bytes(model, defaults) -> int:
+    """Device bytes of a prefill's dequantization scratch, a part of the workspace line: the backend's budget for
+    models whose experts are in SCRATCH_QUANTS, no more than two groups of every expert of a layer take; else 0."""
+    budget = int(getattr(defaults, "dequant_scratch_bytes", 0) or 0)
+    if budget <= 0 or str(getattr(model, "quant", "")).upper() not in SCRATCH_QUANTS:
+        return 0
+    per = f16_expert_bytes(model.hidden, model.expert_ffn)
+    return min(budget, 2 * int(model.experts_per_layer) * per) if per > 0 else budget

@@ -12,6 +12,7 @@ from strata_core.errors import PlanRefused
 from strata_core.api.facts import GIB, MIB, DeviceInfo, HostInfo, PlatformDefaults
 from strata_core.models.spec import ModelSpec, kv_bytes_per_token
 from strata_core.api.plan_draft import PlanDraft
+from strata_core.planner.buffers import dequant_scratch_bytes
 from strata_core.planner.chunks import grid_chunks, halve
 from strata_core.planner.invariants import check_all
 from strata_core.planner.pin_caps import REGISTRATION_SLICE_BYTES, platform_pin_cap
@@ -155,10 +156,12 @@ def _cache_step(device: DeviceInfo, model: ModelSpec, settings: Any, defaults: P
                  else "setting kv.max_context")
     stream_min = settings.prefill.stream_min_tokens if settings.prefill.stream_min_tokens is not None \
         else defaults.stream_min_tokens
-    workspace = stream_min * model.prompt_bytes_per_token
+    scratch = dequant_scratch_bytes(model, defaults)
+    workspace = stream_min * model.prompt_bytes_per_token + scratch
     led.note("vram.workspace_bytes", workspace, f"owned buffers of prompts shorter than {stream_min} tokens and of "
-             "decode: never lent", "setting prefill.stream_min_tokens"
-             if settings.prefill.stream_min_tokens is not None else bsrc)
+             "decode: never lent" + (f"; {_mib(scratch)} of it the prefill's dequantization scratch of "
+                                     f"{model.quant} experts" if scratch else ""),
+             "setting prefill.stream_min_tokens" if settings.prefill.stream_min_tokens is not None else bsrc)
     usable = free - reserve - model.dense_bytes - kv - workspace
     per_slot = model.slot_bytes
     fit = max(0, usable // per_slot)

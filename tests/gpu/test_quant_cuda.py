@@ -121,14 +121,16 @@ def _margin(logits, k):
     return float((s[:, k - 1] - s[:, k]).min())
 
 
-@pytest.mark.parametrize("group_experts", [1, 3])
-def test_quant_moe_layer_warm_cold_and_decode_match_the_float64_reference(tmp_path, group_experts):
+@pytest.mark.parametrize("group_experts,pieces", [(1, False), (3, False), (3, True)])
+def test_quant_moe_layer_warm_cold_and_decode_match_the_float64_reference(tmp_path, group_experts, pieces):
     """QuantMoE (the layer path of a 'gguf' model): a warm prefill chunk (every expert cached, groups of
-    group_experts dequantized to f16 scratch on the side stream, two buffers in turn), a cold one (every expert
-    streamed from page-locked host memory through 8 ring slots) and a decode step replayed as a graph."""
+    group_experts dequantized to f16 scratch on the side stream, two buffers in turn; with `pieces`, a scratch
+    budget smaller than one expert: gate/up in 32-row blocks, down in 64-column K blocks added with beta = 1), a
+    cold one (every expert streamed from page-locked host memory through 8 ring slots) and a decode step replayed
+    as a graph; the scratch is the plan's lent buffer, never grown."""
     import cupy as cp
     from strata_core.api.kernels import ExpertPool
-    from strata_cuda.quant_ffn import QuantMoE
+    from strata_cuda.quant_ffn import QuantMoE, scratch_layout
     path = write_moe_gguf(tmp_path / "q.gguf", seed=5, arch="qwen3moe", layers=3, gate_up="q4_k",
                           down=q4_k_m_down_types(3))
     layer, e_n, k = 2, 8, 2
@@ -149,7 +151,16 @@ def test_quant_moe_layer_warm_cold_and_decode_match_the_float64_reference(tmp_pa
     assert _margin(logits, k) > 1e-5
     slot_of = layer * e_n + np.arange(e_n)
     want = _layer_reference(x, logits, lp, slot_of, k)
-    moe = QuantMoE(e_n, k, lp.fmt, group_experts=group_experts)
+    budget = 2 * h * 64 if pieces else 1 << 30
+    lay = scratch_layout(h, lp.fmt.ffn, e_n, budget, group_experts)
+    assert (lay.group_experts == 0 and lay.gate_up_rows < lp.fmt.ffn and lay.down_cols < lp.fmt.ffn) if pieces \
+        else lay.group_experts == group_experts
+    moe = QuantMoE(e_n, k, lp.fmt, group_experts=group_experts, scratch_budget_bytes=budget)
+    # every prefill buffer lent, as layer_ops carves them from the plan's arena: a buffer grown past it raises
+    need = moe.prefill_buffer_bytes(300, "gguf")
+    assert need["scratch"] == lay.nbytes <= budget
+    lent_mem = {n: cp.cuda.alloc(max(b, 16)) for n, b in need.items()}
+    moe.use_buffers({n: (int(m.ptr), need[n]) for n, m in lent_mem.items()})
     xd, ld = cp.asarray(x), cp.asarray(logits)
     cp.cuda.Device().synchronize()  # the inputs land before QuantMoE's non-blocking streams read them
     # QuantMoE runs on its own non-blocking stream: synchronize it before reading an output on the null stream
@@ -171,7 +182,8 @@ def test_quant_moe_layer_warm_cold_and_decode_match_the_float64_reference(tmp_pa
     moe.compute_stream.synchronize()
     dec2 = cp.asnumpy(out)
     err_d = r64.relative_error(dec, want[:1])
-    print(f"QuantMoE group_experts={group_experts}: warm {err_w:.2e}, cold {err_c:.2e} (bound {F16_BOUND:g}); "
+    print(f"QuantMoE group_experts={group_experts} pieces={pieces}: warm {err_w:.2e}, cold {err_c:.2e} "
+          f"(bound {F16_BOUND:g}); "
           f"decode {err_d:.2e} (bound {GEMV_BOUND:g})")
     assert err_w <= F16_BOUND and err_c <= F16_BOUND, (err_w, err_c)
     assert err_d <= GEMV_BOUND and np.array_equal(dec, dec2), err_d

@@ -16,6 +16,7 @@ from strata_core import __version__
 from strata_core.api import (API_VERSION, Backend, DeviceCaps, DeviceInfo, DeviceSession, HostInfo, PinnedBudget,
                              PlatformDefaults, ProbeResult, hookimpl)
 from strata_core.errors import BadInput, StrataError
+from strata_core.planner.buffers import SCRATCH_QUANTS
 
 from .cupy_device import CupyDeviceMemory, CupyPinnedAllocator
 from .kernels import CupyKernels
@@ -131,7 +132,8 @@ def cuda_layer_ops(session: DeviceSession, plan: Any = None) -> Any:
     shape, tokens = plan_shape(plan)
     model = getattr(plan, "model", None)
     layers = int(getattr(model, "moe_layers", 0) or 0)
-    dtype = "q8_0" if str(getattr(model, "quant", "")).upper() == "Q8_0" else "f16"
+    quant = str(getattr(model, "quant", "")).upper()
+    dtype = "q8_0" if quant == "Q8_0" else "gguf" if quant in SCRATCH_QUANTS else "f16"
     return CudaLayerOps(session.memory, session.kernels, shape=shape, max_tokens=tokens, layers=layers,
                         pool_dtype=dtype, slot_bytes=int(getattr(model, "slot_bytes", 0) or 0),
                         pinned=getattr(session, "pinned", None))

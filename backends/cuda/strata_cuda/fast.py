@@ -655,6 +655,9 @@ class FastMoE:
         if pool_dtype == "q8_0":
             m = max(self.group_experts, COPY_GROUP_BYTES // slot_bytes if slot_bytes > 0 else 0, 1)
             out["scratch"] = 2 * min(m, e) * (3 * h * f)
+        elif pool_dtype == "gguf":  # quant_ffn.QuantMoE's f16 dequantization scratch, bounded by the plan's budget
+            from .quant_ffn import scratch_layout
+            out["scratch"] = scratch_layout(h, f, e).nbytes
         return out
 
     def use_buffers(self, buffers: dict[str, tuple[int, int]] | None) -> None:

@@ -51,17 +51,36 @@ __device__ __forceinline__ float qf_small(unsigned int q) {
 }
 
 // 32 bytes at p as 8 little-endian words: two 16-byte loads where p is 16-aligned (q4_k/q5_k rows of aligned slots),
-// byte loads otherwise (a q6_k block is 210 bytes, so its fields are often unaligned).
+// else nine aligned 4-byte words funnel-shifted into place (a q6_k block is 210 bytes, so its fields are often
+// unaligned; byte loads took 32 load instructions a field and most of the dequantization's time). The ninth word
+// holds byte p+31, so no load leaves the words the 32 bytes touch.
+#if defined(QF_HOST)
+#define QF_LDG(p) (*(p))
+#else
+#define QF_LDG(p) __ldg(p)  // read-only path: the pointer came through an integer, so say it is global memory
+#endif
+
 __device__ __forceinline__ void qf_load32(const unsigned char* p, unsigned int w[8]) {
-    if ((((unsigned long long)p) & 15ull) == 0ull) {
-        const uint4 a = ((const uint4*)p)[0], b = ((const uint4*)p)[1];
-        w[0] = a.x; w[1] = a.y; w[2] = a.z; w[3] = a.w; w[4] = b.x; w[5] = b.y; w[6] = b.z; w[7] = b.w;
+    const unsigned long long a = (unsigned long long)p;
+    if ((a & 15ull) == 0ull) {
+        const uint4 x = ((const uint4*)p)[0], y = ((const uint4*)p)[1];
+        w[0] = x.x; w[1] = x.y; w[2] = x.z; w[3] = x.w; w[4] = y.x; w[5] = y.y; w[6] = y.z; w[7] = y.w;
         return;
     }
+    const unsigned int* q = (const unsigned int*)(a & ~3ull);
+    const unsigned int sh = 8u * (unsigned int)(a & 3ull);
+    if (sh == 0u) {
 #pragma unroll
-    for (int i = 0; i < 8; ++i)
-        w[i] = (unsigned int)p[4 * i] | ((unsigned int)p[4 * i + 1] << 8) | ((unsigned int)p[4 * i + 2] << 16) |
-               ((unsigned int)p[4 * i + 3] << 24);
+        for (int i = 0; i < 8; ++i) w[i] = QF_LDG(q + i);
+        return;
+    }
+    unsigned int lo = QF_LDG(q);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+        const unsigned int hi = QF_LDG(q + i + 1);
+        w[i] = (unsigned int)((((unsigned long long)hi << 32) | lo) >> sh);
+        lo = hi;
+    }
 }
 
 __device__ __forceinline__ unsigned int qf_byte(const unsigned int w[8], int l) {
@@ -159,25 +178,68 @@ __device__ __forceinline__ float qf_warp_sum(float v) {
 
 __device__ __forceinline__ float qf_silu(float v) { return v / (1.0f + expf(-v)); }
 
-// out[e] = f16 of the [rows, cols] matrix at mat_off bytes into slot slots[e] (rows of rb bytes); blockIdx.y is e,
-// a thread per chunk, grid-stride in 32-bit indices. out is 16-byte aligned and cols a multiple of 32.
+// Select word q (0..3) of four uint4 without a runtime index (one would put them in local memory).
+__device__ __forceinline__ uint4 qf_pick(const uint4 p[4], unsigned int q) {
+    return q == 0u ? p[0] : q == 1u ? p[1] : q == 2u ? p[2] : p[3];
+}
+
+// out[e] = f16 of rows r0 .. r0+rows-1, chunks c0 .. c0+ccols-1 of the matrix at mat_off bytes into slot slots[e]
+// (rows of rb bytes), as [rows, 32 * ccols]; blockIdx.y is e, a lane per chunk, a warp per 32 consecutive chunks,
+// grid-stride in 32-bit indices. Chunk i's 64 output bytes are at 64 i, so a warp's 32 chunks are 2 KB in a row:
+// they go through shared memory (each lane's four 16-byte words written in a lane-rotated order, free of bank
+// conflicts) and out as four stores of 512 consecutive bytes, not 32 lanes each writing 64 bytes apart.
+// out is 16-byte aligned. blockDim.x is QF_THREADS.
+__device__ __forceinline__ void qf_dequant_part(const unsigned char* __restrict__ blob, long long slot_bytes,
+                                                const int* __restrict__ slots, long long mat_off, long long rb,
+                                                int rows, int r0, int c0, int ccols, int fmt,
+                                                unsigned short* __restrict__ out) {
+    __shared__ uint4 s_out[QF_WARPS][4 * QF_WARP];
+    const int e = blockIdx.y, per = rows * ccols;
+    const int warp = threadIdx.x / QF_WARP, lane = threadIdx.x % QF_WARP;
+    const unsigned char* mat = blob + (long long)slots[e] * slot_bytes + mat_off + (long long)r0 * rb;
+    uint4* dst0 = (uint4*)(out + (long long)e * per * 32);
+    for (int i0 = blockIdx.x * QF_THREADS + warp * QF_WARP; i0 < per; i0 += gridDim.x * QF_THREADS) {
+        const int i = i0 + lane;
+        if (i < per) {
+            const int r = i / ccols, c = i - r * ccols;
+            float v[32];
+            qf_chunk(mat + (long long)r * rb, c0 + c, fmt, v);
+            uint4 p[4];
+#pragma unroll
+            for (int q = 0; q < 4; ++q)
+                p[q] = make_uint4(qf_pack_h2(v[8 * q], v[8 * q + 1]), qf_pack_h2(v[8 * q + 2], v[8 * q + 3]),
+                                  qf_pack_h2(v[8 * q + 4], v[8 * q + 5]), qf_pack_h2(v[8 * q + 6], v[8 * q + 7]));
+#pragma unroll
+            for (int q = 0; q < 4; ++q) {
+                const unsigned int w = (unsigned int)(q + (lane >> 1)) & 3u;
+                s_out[warp][4 * lane + w] = qf_pick(p, w);
+            }
+        }
+        __syncwarp();
+        const int words = 4 * min(QF_WARP, per - i0);  // 16-byte words of the warp's chunks
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+            const int j = q * QF_WARP + lane;
+            if (j < words) dst0[4 * (long long)i0 + j] = s_out[warp][j];
+        }
+        __syncwarp();
+    }
+}
+
+// out[e] = f16 of the whole [rows, cols] matrix at mat_off bytes into slot slots[e]; cols a multiple of 32.
 extern "C" __global__ void __launch_bounds__(QF_THREADS)
 strata_qf_dequant_f16(const unsigned char* __restrict__ blob, long long slot_bytes, const int* __restrict__ slots,
                       int m, long long mat_off, long long rb, int rows, int cols, int fmt,
                       unsigned short* __restrict__ out) {
-    const int e = blockIdx.y, cpr = cols / 32, per = rows * cpr;
-    const unsigned char* mat = blob + (long long)slots[e] * slot_bytes + mat_off;
-    unsigned short* dst0 = out + (long long)e * rows * cols;
-    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < per; i += gridDim.x * blockDim.x) {
-        const int r = i / cpr, c = i - r * cpr;
-        float v[32];
-        qf_chunk(mat + (long long)r * rb, c, fmt, v);
-        uint4* dst = (uint4*)(dst0 + (long long)r * cols + 32 * c);
-#pragma unroll
-        for (int q = 0; q < 4; ++q)
-            dst[q] = make_uint4(qf_pack_h2(v[8 * q], v[8 * q + 1]), qf_pack_h2(v[8 * q + 2], v[8 * q + 3]),
-                                qf_pack_h2(v[8 * q + 4], v[8 * q + 5]), qf_pack_h2(v[8 * q + 6], v[8 * q + 7]));
-    }
+    qf_dequant_part(blob, slot_bytes, slots, mat_off, rb, rows, 0, 0, cols / 32, fmt, out);
+}
+
+// A piece of each matrix (QuantMoE's scratch when one expert's f16 does not fit it): rows r0.., chunks c0.. .
+extern "C" __global__ void __launch_bounds__(QF_THREADS)
+strata_qf_dequant_f16_part(const unsigned char* __restrict__ blob, long long slot_bytes,
+                           const int* __restrict__ slots, int m, long long mat_off, long long rb, int rows, int r0,
+                           int c0, int ccols, int fmt, unsigned short* __restrict__ out) {
+    qf_dequant_part(blob, slot_bytes, slots, mat_off, rb, rows, r0, c0, ccols, fmt, out);
 }
 
 // The group of blockIdx.y: its rows [r0, r1) and slot. offsets null: group g is row g alone (decode: act row k);
@@ -323,3 +385,60 @@ strata_qf_decode_down(const float* __restrict__ act, const int* __restrict__ ids
         out[h] = (accumulate ? out[h] : 0.0f) + acc + b;
     }
 }
+
+// A host build whose shim has no block barrier (QF_HOST without QF_HOST_SYNCTHREADS: the warp kernels' tests) leaves
+// out the one kernel below that needs __syncthreads.
+#if !defined(QF_HOST) || defined(QF_HOST_SYNCTHREADS)
+#define QF_DW 4                    // warps of strata_qf_decode_down_wide that share one output h
+#define QF_DROWS (QF_WARPS / QF_DW)  // outputs h a block of it computes
+
+// strata_qf_decode_down with QF_DW warps per output h: the K * F/32 (expert, chunk) pairs of a row dealt over
+// QF_DW * 32 lanes, so four times the loads are in flight and each lane decodes a quarter of the chunks (the
+// one-warp kernel left most of the H200's warp slots empty at H = 2048); the warps' partial sums are added in
+// warp order through shared memory. Same arguments; grid ceil(H / QF_DROWS) blocks of QF_THREADS.
+extern "C" __global__ void __launch_bounds__(QF_THREADS)
+strata_qf_decode_down_wide(const float* __restrict__ act, const int* __restrict__ ids, const float* __restrict__ wts,
+                           const int* __restrict__ slot_map, int n_slots, int K, int H, int F,
+                           const unsigned char* __restrict__ blob, long long slot_bytes, long long down_off,
+                           long long rb, int fmt, long long bias_off, int accumulate, float* __restrict__ out) {
+    __shared__ long long s_slot[16];
+    __shared__ float s_w[16];
+    __shared__ float s_part[QF_WARPS];
+    const int warp = threadIdx.x / QF_WARP, lane = threadIdx.x % QF_WARP;
+    const int hr = warp / QF_DW, part = warp % QF_DW;
+    const int h = blockIdx.x * QF_DROWS + hr;
+    if (threadIdx.x < K) {
+        s_slot[threadIdx.x] = slot_map[ids[threadIdx.x]];
+        s_w[threadIdx.x] = wts[threadIdx.x];
+    }
+    __syncthreads();
+    bool bad = false;
+    for (int k = 0; k < K; ++k) bad |= s_slot[k] < 0 || s_slot[k] >= n_slots;
+    const int chunks = F / 32;
+    float acc = 0.0f;
+    if (h < H && !bad) {
+        for (int i = part * QF_WARP + lane; i < K * chunks; i += QF_DW * QF_WARP) {
+            const int k = i / chunks, c = i - k * chunks;
+            const unsigned char* wd = blob + s_slot[k] * slot_bytes + down_off + (long long)h * rb;
+            float v[32];
+            qf_chunk(wd, c, fmt, v);
+            acc += s_w[k] * qf_dot32(v, act + (long long)k * F + 32 * c);
+        }
+    }
+    acc = qf_warp_sum(acc);
+    if (lane == 0) s_part[warp] = acc;
+    __syncthreads();
+    if (part == 0 && lane == 0 && h < H) {
+        if (bad) {
+            out[h] = __int_as_float(0x7fc00000);
+            return;
+        }
+        float sum = 0.0f;
+        for (int p = 0; p < QF_DW; ++p) sum += s_part[hr * QF_DW + p];
+        float b = 0.0f;
+        if (bias_off >= 0)
+            for (int k = 0; k < K; ++k) b += s_w[k] * dq_f32(blob + s_slot[k] * slot_bytes + bias_off, 2 * F + h);
+        out[h] = (accumulate ? out[h] : 0.0f) + sum + b;
+    }
+}
+#endif

@@ -6,25 +6,32 @@
   experts dequantized to f16 scratch, then cuBLAS tensor-core GEMMs); formats with biases (gpt-oss) and shapes off
   that path run moe_quant.cu's portable tiled kernels (dequantize per tile into shared memory, f32 accumulation).
 - QuantMoE: strata_cuda.fast.FastMoE (device routing, compact stacks, cuBLAS GEMMs, ring streaming of misses)
-  over a 'gguf' pool: at most `group_experts` experts' matrices are dequantized to f16 at a time into one of two
-  scratch buffers (scratch_bytes() says how big), on a side stream, so the dequantization of group i+1 overlaps
-  the GEMMs of group i; never an f16 copy of a whole layer. decode_layer / decode_stack: route, one GEMV kernel for
-  gate/up of all K experts and one for down with the routing weights, no host sync, captured as a CUDA graph.
+  over a 'gguf' pool, its f16 dequantization scratch bounded in bytes (scratch_layout: the plan's budget,
+  PlatformDefaults.dequant_scratch_bytes, counted in the workspace line and lent as prefill buffer "scratch"):
+  groups of whole experts dequantized into one of two halves on a side stream, so the dequantization of group i+1
+  overlaps the GEMMs of group i; where one expert's f16 does not fit a half (Mixtral 8x7B: 352 MB), pieces of it
+  on the compute stream: gate/up by blocks of output columns, down by blocks of K accumulated with beta = 1.
+  Never an f16 copy of a whole layer. decode_layer / decode_stack: route, one GEMV kernel for gate/up of all K
+  experts and one for down with the routing weights (QF_DW warps a row), no host sync, captured as a CUDA graph.
   strata_cuda.layer_ops takes QuantMoE (quant_moe_for) for prefill chunks of a 'gguf' model.
 cupy is imported by the caller (or inside the constructors).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from importlib.resources import files
 from typing import Any
 
 import numpy as np
 
 from strata_core.api.kernels import ExpertFormat, ExpertPool
+from strata_core.planner.buffers import f16_expert_bytes
 from strata_core.reference.quants import GGML_TYPES
 
-from .fast import DecodeLayer, FastMoE, _Grown
+from .fast import (_CUBLAS_COMPUTE_32F, _CUBLAS_GEMM_DEFAULT, _CUBLAS_OP_N, _CUBLAS_OP_T,
+                   _CUBLAS_POINTER_MODE_HOST, _CUDA_R_16F, CLASS_MODES, THREADS, DecodeLayer, FastMoE, _Grown)
+from .rules import DEQUANT_SCRATCH_BYTES
 
 SOURCE_NAME = "moe_quant.cu"
 KERNEL_NAMES = ("strata_quant_gate_up", "strata_quant_down")
@@ -39,15 +46,23 @@ MMA_THREADS = 128
 #: for it on a GPU (its fragment layout is checked here only by an emulation of the instruction on the host).
 MMA_BY_DEFAULT = False
 FAST_SOURCE_NAME = "quant_fast.cu"
-FAST_KERNEL_NAMES = ("strata_qf_dequant_f16", "strata_qf_gemv_gate_up", "strata_qf_gemv_down",
-                     "strata_qf_decode_down")
+FAST_KERNEL_NAMES = ("strata_qf_dequant_f16", "strata_qf_dequant_f16_part", "strata_qf_gemv_gate_up",
+                     "strata_qf_gemv_down", "strata_qf_decode_down", "strata_qf_decode_down_wide")
 #: QF_THREADS, QF_WARPS of quant_fast.cu (a warp per output row)
 FAST_THREADS = 256
 FAST_WARPS = 8
+#: QF_DROWS of quant_fast.cu: outputs h a block of strata_qf_decode_down_wide computes (QF_DW = 4 warps each)
+DECODE_DOWN_ROWS = 2
 #: Groups of at most this many rows take the GEMV kernels (they decode the weights once per 4 rows).
 GEMV_MAX_ROWS = 8
-#: Experts dequantized to f16 per group of QuantMoE's prefill (two such groups of scratch in flight).
+#: Most experts dequantized to f16 per group of QuantMoE's prefill (two such groups of scratch in flight); the
+#: scratch budget may allow fewer (scratch_layout).
 GROUP_EXPERTS = 32
+#: QuantMoE's scratch budget where no plan lends one: the cuda PlatformDefaults' figure (the planner's line).
+SCRATCH_BUDGET_BYTES = DEQUANT_SCRATCH_BYTES
+#: Row granularity of a gate/up piece and column granularity of a down piece (32-weight chunks; 256 where the
+#: piece is at least that wide, whole K-quant super-blocks).
+PIECE_ROWS, PIECE_COLS, PIECE_COLS_WIDE = 32, 32, 256
 #: Types quant_fast.cu decodes (quants.cuh's).
 FAST_TYPES = frozenset(GGML_TYPES)
 
@@ -102,9 +117,41 @@ def tile_list(offsets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def scratch_bytes(hidden: int, ffn: int, group_experts: int = GROUP_EXPERTS) -> int:
-    """Device bytes of QuantMoE's f16 dequantization scratch: two buffers of group_experts experts' gate|up and
-    down matrices (the planner counts this as a workspace line of a 'gguf' model's prefill)."""
-    return 2 * int(group_experts) * 2 * 3 * int(hidden) * int(ffn)
+    """Device bytes of two scratch buffers of group_experts whole experts' f16 gate|up and down matrices."""
+    return 2 * int(group_experts) * f16_expert_bytes(hidden, ffn)
+
+
+@dataclass(frozen=True)
+class ScratchLayout:
+    """How QuantMoE's prefill uses a scratch budget: groups of whole experts in two halves, or pieces of one."""
+
+    #: whole experts a half holds (two halves in turn); 0: pieces of one expert, one at a time in the whole buffer
+    group_experts: int
+    #: gate (and as many up) output rows a gate/up piece dequantizes (ffn: the whole matrix)
+    gate_up_rows: int
+    #: K columns of down a piece dequantizes (ffn: the whole matrix)
+    down_cols: int
+    #: bytes of the budget the layout uses (what the prefill carves as its "scratch" buffer)
+    nbytes: int
+
+
+def scratch_layout(hidden: int, ffn: int, experts: int, budget_bytes: int = SCRATCH_BUDGET_BYTES,
+                   most_experts: int = GROUP_EXPERTS) -> ScratchLayout:
+    """The layout of a scratch of at most budget_bytes for experts of this shape (ValueError when the budget
+    cannot hold even a piece: a 32-row gate/up piece and a 32-column down piece)."""
+    h, f = int(hidden), int(ffn)
+    per = f16_expert_bytes(h, f)
+    g = min(int(experts), int(most_experts), int(budget_bytes) // 2 // per)
+    if g >= 1:
+        return ScratchLayout(g, f, f, 2 * g * per)
+    rows = min(f, int(budget_bytes) // (2 * 2 * h) // PIECE_ROWS * PIECE_ROWS)  # gate rows and as many up rows
+    cols = int(budget_bytes) // (2 * h)
+    cols = min(f, cols // PIECE_COLS_WIDE * PIECE_COLS_WIDE if cols >= PIECE_COLS_WIDE else
+               cols // PIECE_COLS * PIECE_COLS)
+    if rows <= 0 or cols <= 0:
+        raise ValueError(f"a dequantization scratch of {budget_bytes} bytes cannot hold a piece of an expert at hidden "
+                         f"{h}: at least {2 * h * max(2 * PIECE_ROWS, PIECE_COLS)} bytes")
+    return ScratchLayout(0, rows, cols, max(2 * 2 * rows * h, 2 * h * cols))
 
 
 def fast_path_takes(fmt: ExpertFormat) -> bool:
@@ -246,7 +293,8 @@ class QuantDecodeLayer(DecodeLayer):
 class QuantMoE(FastMoE):
     """FastMoE over 'gguf' pools of one ExpertFormat (see the module docstring); f16 and Q8_0 pools still work."""
 
-    def __init__(self, experts: int, top_k: int, fmt: ExpertFormat, group_experts: int = GROUP_EXPERTS, **kw: Any):
+    def __init__(self, experts: int, top_k: int, fmt: ExpertFormat, group_experts: int = GROUP_EXPERTS,
+                 scratch_budget_bytes: int = SCRATCH_BUDGET_BYTES, **kw: Any):
         super().__init__(experts, top_k, fmt.hidden, fmt.ffn, group_experts=group_experts, **kw)
         import cupy
         if not gemv_takes(fmt):
@@ -255,8 +303,12 @@ class QuantMoE(FastMoE):
         self._qk = fast_kernels(cupy)
         #: the side stream the dequantization of the next group runs on
         self.dequant_stream = cupy.cuda.Stream(non_blocking=True)
-        self._scratch = [_Grown(cupy), _Grown(cupy)]
+        #: how the prefill uses its scratch (groups of whole experts, or pieces of one)
+        self.layout = scratch_layout(fmt.hidden, fmt.ffn, experts, scratch_budget_bytes, group_experts)
         self._ready: tuple | None = None
+        self._beta = (np.zeros(1, np.float32), np.ones(1, np.float32))  # host scalars cuBLAS reads at enqueue
+        #: decode's down projection with QF_DW warps a row (False: one warp a row, the first kernel)
+        self.decode_down_wide = True
         # page-locked staging of the slot tables the dequantization reads, used from a cursor that restarts once
         # its last upload has run (as FastMoE's pointer staging)
         n = 64 * max(experts, 64)
@@ -267,8 +319,19 @@ class QuantMoE(FastMoE):
         self._slot_done = cupy.cuda.Event(disable_timing=True)
 
     def scratch_bytes(self) -> int:
-        """The dequantization scratch this object grows to (both buffers)."""
-        return scratch_bytes(self.hidden, self.ffn, self.group_experts)
+        """The dequantization scratch a prefill layer takes (both halves, or the one buffer of pieces)."""
+        return self.layout.nbytes
+
+    def prefill_buffer_bytes(self, tokens: int, pool_dtype: str, slot_bytes: int = 0) -> dict[str, int]:
+        """FastMoE's prefill buffers; a 'gguf' pool's "scratch" is the layout's (at most the plan's budget)."""
+        out = super().prefill_buffer_bytes(tokens, pool_dtype, slot_bytes)
+        if pool_dtype == "gguf":
+            out["scratch"] = self.layout.nbytes
+        return out
+
+    def _scratch_base(self) -> int:
+        """The scratch's address: a buffer the plan lent (use_buffers) or one of this object's own."""
+        return self._ws.setdefault("scratch", _Grown(self._cp)).ptr(self.layout.nbytes)
 
     def _upload_slots(self, slots: np.ndarray) -> int:
         """An int32 slot table on the device (async on the current stream); its address."""
@@ -293,8 +356,9 @@ class QuantMoE(FastMoE):
         fmt = pool.fmt  # a shared QuantMoE (QuantGroupedFFN's) sees every format of its shape
         h, f = self.hidden, self.ffn
         n13, n2 = 2 * f * h, h * f
-        base = self._scratch[buf].ptr(2 * self.group_experts * (n13 + n2) if m <= self.group_experts
-                                      else 2 * m * (n13 + n2))
+        if not 0 < m <= self.layout.group_experts:
+            raise ValueError(f"QuantMoE: {m} experts do not fit a scratch half of {self.layout.group_experts}")
+        base = self._scratch_base() + buf * (self.layout.nbytes // 2)
         s13, s2 = base, base + 2 * m * n13
         blob = pool.arrays["blob"]
         slot_b = int(blob.shape[1])
@@ -317,19 +381,74 @@ class QuantMoE(FastMoE):
         return self._dequant(pool, self._upload_slots(np.asarray(slots, dtype=np.int32)), len(slots), 0)
 
     def _group(self, pool: ExpertPool, slots: np.ndarray, blk0: int, lay: Any, bufs: tuple) -> None:
-        if pool.dtype == "gguf" and self._ready is None and len(slots) > self.group_experts:
-            for sub in range(0, len(slots), self.group_experts):  # the scratch holds group_experts experts
-                super()._group(pool, slots[sub:sub + self.group_experts], blk0 + sub, lay, bufs)
+        g = self.layout.group_experts
+        if pool.dtype == "gguf" and self._ready is None and g == 0:
+            table = self._upload_slots(np.asarray(slots, dtype=np.int32))
+            for i in range(len(slots)):
+                self._pieces(pool, table + 4 * i, blk0 + i, lay, bufs)
+            return
+        if pool.dtype == "gguf" and self._ready is None and len(slots) > g:
+            for sub in range(0, len(slots), g):  # a half of the scratch holds g experts
+                super()._group(pool, slots[sub:sub + g], blk0 + sub, lay, bufs)
             return
         super()._group(pool, slots, blk0, lay, bufs)
+
+    def _gemm(self, m: int, n: int, k: int, a: int, lda: int, b: int, ldb: int, c: int, ldc: int,
+              accumulate: bool) -> None:
+        """One GEMM of FastMoE._gemm_tn's layout (row-major C_rows (+)= B_rows @ A_rows^T) on the current stream."""
+        cb = self._cublas
+        cb.setStream(self._handle, self._cp.cuda.get_current_stream().ptr)
+        cb.setPointerMode(self._handle, _CUBLAS_POINTER_MODE_HOST)
+        cb.gemmStridedBatchedEx(self._handle, _CUBLAS_OP_T, _CUBLAS_OP_N, m, n, k, self._beta[1].ctypes.data,
+                                a, _CUDA_R_16F, lda, 0, b, _CUDA_R_16F, ldb, 0,
+                                self._beta[int(bool(accumulate))].ctypes.data, c, _CUDA_R_16F, ldc, 0, 1,
+                                _CUBLAS_COMPUTE_32F, _CUBLAS_GEMM_DEFAULT)
+
+    def _dequant_part(self, pool: ExpertPool, table: int, off: int, rb: int, rows: int, r0: int, c0: int,
+                      ccols: int, typ: str, dst: int) -> None:
+        """Rows r0.. and 32-weight chunks c0.. of one matrix of the expert at the slot table into dst (f16)."""
+        blob = pool.arrays["blob"]
+        self._qk["strata_qf_dequant_f16_part"](
+            (max(1, min(4096, -(-rows * ccols // FAST_THREADS))), 1), (FAST_THREADS,),
+            (blob, np.int64(blob.shape[1]), np.uint64(table), np.int32(1), np.int64(off), np.int64(rb),
+             np.int32(rows), np.int32(r0), np.int32(c0), np.int32(ccols), np.int32(GGML_TYPES[typ]), np.uint64(dst)))
+
+    def _pieces(self, pool: ExpertPool, table: int, blk: int, lay: Any, bufs: tuple) -> None:
+        """One expert too big for a scratch half, on the current stream in pieces of the scratch: gate/up by blocks
+        of output rows (gate's and up's), SwiGLU, then down by blocks of K, each added to the last (beta = 1)."""
+        fmt, h, f = pool.fmt, self.hidden, self.ffn
+        xs, gu, act, ys = bufs
+        row0 = int(lay.row0[blk])
+        n = int(lay.cap[blk] if self.gemm_mode in CLASS_MODES else lay.count[blk])
+        if n <= 0:
+            return
+        base = self._scratch_base()
+        fb, kb = self.layout.gate_up_rows, self.layout.down_cols
+        for f0 in range(0, f, fb):
+            r = min(fb, f - f0)
+            for half, first in ((0, f0), (1, f + f0)):  # gate rows f0.., then up rows F + f0..
+                dst = base + half * 2 * r * h
+                self._dequant_part(pool, table, 0, fmt.gate_up_row_bytes, r, first, 0, h // 32, fmt.gate_up, dst)
+                self._gemm(r, n, h, dst, h, xs + 2 * row0 * h, h, gu + 2 * (row0 * 2 * f + first), 2 * f, False)
+        self._k["strata_fast_swiglu"]((self._stride_blocks(n * (f // 8)),), (THREADS,),
+                                      (np.uint64(gu), np.int64(row0), np.int64(n), np.int32(f), np.uint64(act)))
+        for k0 in range(0, f, kb):
+            c = min(kb, f - k0)
+            self._dequant_part(pool, table, fmt.down_offset, fmt.down_row_bytes, h, 0, k0 // 32, c // 32, fmt.down,
+                               base)
+            self._gemm(h, n, c, base, c, act + 2 * (row0 * f + k0), f, ys + 2 * row0 * h, h, k0 > 0)
 
     def _run_blocks(self, pool: ExpertPool, block_slots: np.ndarray, blk0: int, lay: Any, bufs: tuple) -> None:
         if pool.dtype != "gguf":
             return super()._run_blocks(pool, block_slots, blk0, lay, bufs)
         cp = self._cp
-        n, step = len(block_slots), max(1, self.group_experts)
+        n, step = len(block_slots), self.layout.group_experts
         main, side = cp.cuda.get_current_stream(), self.dequant_stream
         table = self._upload_slots(np.asarray(block_slots, dtype=np.int32))
+        if step == 0:  # pieces of one expert at a time, on this stream
+            for i in range(n):
+                self._pieces(pool, table + 4 * i, blk0 + i, lay, bufs)
+            return
         fork = cp.cuda.Event(disable_timing=True)
         fork.record(main)
         side.wait_event(fork)  # the table has landed and earlier readers of the scratch are done
@@ -390,8 +509,10 @@ class QuantMoE(FastMoE):
         ids, w = (b["ids"], b["w"]) if ids is None else (ids, w)
         fmt, blob = pool.fmt, pool.arrays["blob"]
         h, f = self.hidden, self.ffn
-        self._qk["strata_qf_decode_down"](
-            ((h + FAST_WARPS - 1) // FAST_WARPS,), (FAST_THREADS,),
+        name, rows = (("strata_qf_decode_down_wide", DECODE_DOWN_ROWS) if self.decode_down_wide
+                      else ("strata_qf_decode_down", FAST_WARPS))
+        self._qk[name](
+            ((h + rows - 1) // rows,), (FAST_THREADS,),
             (b["act"], ids, w, slot_map, np.int32(blob.shape[0]), np.int32(self.top_k), np.int32(h), np.int32(f),
              blob, np.int64(blob.shape[1]), np.int64(fmt.down_offset), np.int64(fmt.down_row_bytes),
              np.int32(GGML_TYPES[fmt.down]), np.int64(fmt.bias_offset if fmt.bias else -1), np.int32(accumulate),

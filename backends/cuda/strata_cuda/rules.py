@@ -33,6 +33,11 @@ HEADLESS_VRAM_RESERVE_MIB = 512
 #: the rocm backend: the rule is about the host CPU, not the GPU.)
 CPU_SHARE_FLAGS = ("avx2", "fma")
 
+#: The f16 scratch a prefill of Q4_K/Q5_K/Q6_K/MXFP4 experts dequantizes into before cuBLAS' GEMMs
+#: (strata_cuda.quant_ffn.scratch_layout: two groups of whole experts, or pieces of one expert where one does not fit
+#: half of it); the planner counts it in the workspace line.
+DEQUANT_SCRATCH_BYTES = 256 * (1 << 20)
+
 
 def chunk_ceiling_tokens(device: DeviceInfo) -> int:
     """The auto prompt chunk's ceiling: 32768 tokens on cards of 16 GiB or more, 8192 below."""
@@ -73,5 +78,6 @@ def nvidia_defaults(device: DeviceInfo, host: HostInfo) -> PlatformDefaults:
         cpu_share_reason=share_why,
         # NVIDIA drivers report free VRAM that can be allocated (no spill into host memory)
         free_vram_trust=1.0,
+        dequant_scratch_bytes=DEQUANT_SCRATCH_BYTES,
         source="cuda backend",
     )
