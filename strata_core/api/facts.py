@@ -134,6 +134,12 @@ class DeviceInfo:
     device_type: DeviceType = DeviceType.GPU
     #: versionadded 2.0
     caps: DeviceCaps = field(default_factory=DeviceCaps)
+    #: The driver's device-allocation granularity, measured by the backend's probe (an allocation of n bytes takes
+    #: n rounded up to it); 0: not measured, the plan adds no rounding line. versionadded 2.1
+    alloc_granularity_bytes: int = 0
+    #: Device bytes the driver takes per GiB of page-locked host memory (the page tables that map it for the
+    #: device), measured by the backend's probe; 0: not measured (or none). versionadded 2.1
+    pinned_map_bytes_per_gib: int = 0
 
     def to_json(self) -> dict:
         """The DeviceInfo JSON of profiles and plans."""
@@ -162,6 +168,8 @@ class DeviceInfo:
                 unified_memory=bool(d.get("unified_memory", False)),
                 device_type=DeviceType(str(d.get("device_type", "simulated" if be == "sim" else "gpu"))),
                 caps=DeviceCaps.from_json(d.get("caps")),
+                alloc_granularity_bytes=_bytes(d, "alloc_granularity_bytes", where, required=False, hi=GIB) or 0,
+                pinned_map_bytes_per_gib=_bytes(d, "pinned_map_bytes_per_gib", where, required=False, hi=GIB) or 0,
             )
         except (TypeError, ValueError) as e:
             raise BadInput(f"{where}: {e}") from None

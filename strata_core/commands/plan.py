@@ -258,7 +258,11 @@ def print_plan(console: Console, plan, inputs: PlanInputs, report: dict) -> None
     for label, n in (("free", v.free_bytes), ("reserve", v.reserve_bytes), ("dense weights", v.dense_bytes),
                      ("KV cache", v.kv_bytes), ("workspace", v.workspace_bytes),
                      ("owned prompt buffers", getattr(v, "owned_prompt_bytes", 0)),
-                     ("expert cache", v.expert_cache_bytes), ("left", v.left_bytes)):
+                     ("expert cache", v.expert_cache_bytes),
+                     *((label, n) for label, n in (("driver: allocation rounding", v.alloc_rounding_bytes),
+                                                   ("driver: page tables of pinned memory", v.pinned_map_bytes))
+                       if n),
+                     ("left", v.left_bytes)):
         t.add_row(label, _mib(n))
     t.add_row("expert cache slots", f"{plan.expert_cache.slots:,} x {plan.expert_cache.slot_bytes / MIB:.2f} MiB "
                                     f"(of {m.experts_total:,} experts)")

@@ -7,12 +7,13 @@ from strata_core.planner.pin_caps import REGISTRATION_LIMIT_BYTES
 
 
 def check_vram(plan) -> None:
-    """reserve + dense + KV + workspace + cache (+ owned prompt buffers) <= free; cache = slots x slot bytes."""
+    """reserve + dense + KV + workspace + cache (+ owned prompt buffers) + the driver's lines <= free; cache = slots x
+    slot bytes."""
     v, c = plan.vram, plan.expert_cache
     if v.expert_cache_bytes != c.slots * c.slot_bytes:
         raise InvariantBroken(f"vram: cache bytes {v.expert_cache_bytes} != {c.slots} slots x {c.slot_bytes}")
     total = v.reserve_bytes + v.dense_bytes + v.kv_bytes + v.workspace_bytes + v.expert_cache_bytes \
-        + v.owned_prompt_bytes
+        + v.owned_prompt_bytes + getattr(v, "alloc_rounding_bytes", 0) + getattr(v, "pinned_map_bytes", 0)
     if total > v.free_bytes or v.left_bytes < 0:
         raise InvariantBroken(f"vram: planned {total} bytes > free {v.free_bytes}")
 

@@ -50,6 +50,21 @@ class VramPlan:
     expert_cache_bytes: int
     owned_prompt_bytes: int
     left_bytes: int
+    #: the driver's rounding of the one start-up block that holds every line above (planner.driver_memory)
+    alloc_rounding_bytes: int = 0
+    #: the driver's page tables for the page-locked host memory the plan pins (planner.driver_memory)
+    pinned_map_bytes: int = 0
+
+    @property
+    def regions_bytes(self) -> int:
+        """The lines the runtime takes as regions: dense weights, KV, workspace, expert cache, owned buffers."""
+        return self.dense_bytes + self.kv_bytes + self.workspace_bytes + self.expert_cache_bytes \
+            + self.owned_prompt_bytes
+
+    @property
+    def device_bytes(self) -> int:
+        """Every device byte of the plan: the regions and the driver's lines (the reserve is kept free)."""
+        return self.regions_bytes + self.alloc_rounding_bytes + self.pinned_map_bytes
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,8 @@ from strata_core.models.spec import ModelSpec, kv_bytes_per_token
 from strata_core.api.plan_draft import PlanDraft
 from strata_core.planner.buffers import dequant_scratch_bytes
 from strata_core.planner.chunks import grid_chunks, halve
+from strata_core.planner.driver_memory import (alignment_allowance_bytes, alloc_rounding_bound_bytes,
+                                               alloc_rounding_bytes, pinned_map_bytes, staging_bytes)
 from strata_core.planner.invariants import check_all
 from strata_core.planner.pin_caps import REGISTRATION_SLICE_BYTES, platform_pin_cap
 from strata_core.planner.plan import (CachePlan, CpuSharePlan, Decision, HostPlan, LoanModel, LoanRow, PinnedPlan,
@@ -137,8 +139,8 @@ def _pinned_step(device: DeviceInfo, host: HostInfo, model: ModelSpec, settings:
 
 
 def _cache_step(device: DeviceInfo, model: ModelSpec, settings: Any, defaults: PlatformDefaults, knobs: dict,
-                led: _Ledger, bsrc: str) -> tuple[int, int, int, int, int, int]:
-    """Step 1: VRAM -> (free, reserve, kv, workspace, usable, slots)."""
+                led: _Ledger, bsrc: str, driver_bytes: int = 0) -> tuple[int, int, int, int, int, int]:
+    """Step 1: VRAM -> (free, reserve, kv, workspace, usable, slots); `driver_bytes` bounds the driver's lines."""
     free = int(device.vram_free_bytes * defaults.free_vram_trust) - defaults.context_overhead_bytes
     if defaults.free_vram_trust < 1.0:
         led.note("vram.free_bytes", free, f"the driver's free figure trusted at {defaults.free_vram_trust:.0%} "
@@ -162,7 +164,7 @@ def _cache_step(device: DeviceInfo, model: ModelSpec, settings: Any, defaults: P
              "decode: never lent" + (f"; {_mib(scratch)} of it the prefill's dequantization scratch of "
                                      f"{model.quant} experts" if scratch else ""),
              "setting prefill.stream_min_tokens" if settings.prefill.stream_min_tokens is not None else bsrc)
-    usable = free - reserve - model.dense_bytes - kv - workspace
+    usable = free - reserve - model.dense_bytes - kv - workspace - driver_bytes
     per_slot = model.slot_bytes
     fit = max(0, usable // per_slot)
     slots = min(fit, model.experts_total)
@@ -214,7 +216,15 @@ def _compute(device: DeviceInfo, host: HostInfo, model: ModelSpec, settings: Any
     pinned_fraction = first_pin.arena / model.host_arena_bytes if model.host_arena_bytes else 1.0
 
     # Step 1: VRAM and the expert cache.
-    free, reserve, kv, workspace, usable, slots = _cache_step(device, model, settings, defaults, knobs, led, bsrc)
+    # the driver's lines are known once the cache is: the cache is sized beside their bound
+    kv_pinned_bound = 0
+    if settings.kv.resident_cells is not None and settings.kv.resident_cells < settings.kv.max_context:
+        kv_pinned_bound = kv_bytes_per_token(model, settings.kv.dtype) * (settings.kv.max_context
+                                                                          - settings.kv.resident_cells)
+    driver_bound = alloc_rounding_bound_bytes(device, model) + pinned_map_bytes(
+        device, first_pin.arena + first_pin.floor + kv_pinned_bound)
+    free, reserve, kv, workspace, usable, slots = _cache_step(device, model, settings, defaults, knobs, led, bsrc,
+                                                              driver_bound)
     slots_cap = knobs["expert_cache.slots_cap"]
     if slots_cap is not None and slots_cap < model.top_k:
         raise PlanRefused(f"expert cache: memory.expert_cache={slots_cap} slots cannot hold the {model.top_k} experts (top_k) one "
@@ -378,7 +388,21 @@ def _compute(device: DeviceInfo, host: HostInfo, model: ModelSpec, settings: Any
 
     _, rows = _max_loan_upto(loans, grid, chunk) if not owned else (0, [])
     cache_bytes = slots * model.slot_bytes
-    left = free - reserve - model.dense_bytes - kv - workspace - cache_bytes - owned_bytes
+    regions = model.dense_bytes + kv + workspace + cache_bytes + owned_bytes
+    rounding = alloc_rounding_bytes(device, model, regions)
+    staging = min(max(0, floor - share_bytes), staging_bytes(arena, model.host_arena_bytes, rows, model.slot_bytes))
+    pinned_total = arena + share_bytes + staging + kv_pinned
+    pin_map = pinned_map_bytes(device, pinned_total)
+    probe_src = f"backend {device.backend} probe (measured)"
+    if rounding:
+        led.note("vram.alloc_rounding_bytes", rounding, f"the one start-up block of {_mib(regions)} of lines and "
+                 f"{alignment_allowance_bytes(model)} bytes of alignment, rounded up to the driver's "
+                 f"{_mib(device.alloc_granularity_bytes)} allocation granularity", probe_src)
+    if pin_map:
+        led.note("vram.pinned_map_bytes", pin_map, f"the driver's page tables for {_mib(pinned_total)} of page-locked "
+                 f"host memory (arena, CPU share, staging, pinned KV) at {device.pinned_map_bytes_per_gib:,} bytes a "
+                 "GiB", probe_src)
+    left = free - reserve - regions - rounding - pin_map
     stream_min = (settings.prefill.stream_min_tokens if settings.prefill.stream_min_tokens is not None
                   else defaults.stream_min_tokens)
     settings_json = settings.model_dump(mode="json") if hasattr(settings, "model_dump") else dict(settings or {})
@@ -387,7 +411,7 @@ def _compute(device: DeviceInfo, host: HostInfo, model: ModelSpec, settings: Any
         limits=RuntimeLimits.from_settings(settings, stream_min), defaults=defaults,
         vram=VramPlan(free_bytes=free, reserve_bytes=reserve, dense_bytes=model.dense_bytes, kv_bytes=kv,
                       workspace_bytes=workspace, expert_cache_bytes=cache_bytes, owned_prompt_bytes=owned_bytes,
-                      left_bytes=left),
+                      left_bytes=left, alloc_rounding_bytes=rounding, pinned_map_bytes=pin_map),
         expert_cache=CachePlan(slots=slots, slot_bytes=model.slot_bytes),
         prompt=PromptPlan(chunk=chunk, chunk_source=source, ceiling=ceiling, min_keep_slots=min_keep,
                           lendable_slots=lendable, owned_buffers=owned, grid_tokens=grid,

@@ -1,7 +1,9 @@
 """Device memory from the plan only: the regions the runtime takes at start, and the arenas buffers are carved from.
 
 At start the engine takes one region per plan line (the expert cache pool, the dense weights, the workspace, owned
-prompt buffers, KV when the plan has it) through `PlanMemory`, then seals it. While serving, every buffer is a view
+prompt buffers, KV when the plan has it) through `PlanMemory`, then seals it. Where the plan has the driver's
+rounding line (a backend that measured its allocation granularity), those regions are carved from one block taken
+first (`reserve`): the driver then rounds one allocation, which that line plans, instead of every array. While serving, every buffer is a view
 carved from an `Arena` over those regions (the workspace region, a loan's buffer slots of the cache pool): an
 allocation after the seal is outside the plan. In strict mode (tests) it raises `OutsidePlan`; in a run it is
 refused (None, as a device with no room would answer) and reported once as a fallback.
@@ -206,6 +208,10 @@ class PlanMemory:
         self._used0 = self._device_used()
         self._sampled_peak = 0
         self._samples = True  # until the seal decides whether the backend's own figure makes sampling moot
+        self._block: Any = None
+        self._block_used = 0
+        self._carves: list[list] = []  # [end offset, freed] of each array carved from the block, in order
+        self._carved: dict[int, int] = {}  # id(array) -> its index in _carves
         # the calls of every layer go straight to the backend (no __getattr__ on the hot path)
         for name in ("upload", "download", "new_stream", "new_event", "record", "wait", "synchronize"):
             f = getattr(inner, name, None)
@@ -224,6 +230,48 @@ class PlanMemory:
         """One flat uint8 region of nbytes for the plan line `name` (None when the device refuses it)."""
         self.region(name)
         return self.alloc((max(1, int(nbytes)),), np.uint8) if nbytes > 0 else None
+
+    def reserve(self, nbytes: int) -> bool:
+        """Take one device block of nbytes for the start-up lines: until the seal, alloc and to_device carve their
+        arrays from it. False (each array its own allocation, as before) when the device refuses it."""
+        if self.sealed or self._block is not None or int(nbytes) <= 0:
+            return False
+        block = self.inner.alloc((int(nbytes),), np.uint8)
+        if block is None:
+            return False
+        self._block, self._block_used = block, 0
+        return True
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of the start-up block (0: none was taken)."""
+        return 0 if self._block is None else int(self._block.nbytes)
+
+    def _carve(self, shape: tuple[int, ...], dtype: Any) -> Any | None:
+        """An array carved from the start-up block, or None when there is none or it has no room left."""
+        if self._block is None:
+            return None
+        n = nbytes_of(shape, dtype)
+        off = _align(self._block_used)
+        if off + n > int(self._block.nbytes):
+            return None
+        arr = typed_view(self.inner, self._block, off, shape, dtype)
+        self._block_used = off + n
+        self._carved[id(arr)] = len(self._carves)
+        self._carves.append([off + n, False])
+        return arr
+
+    def _uncarve(self, arr: Any) -> None:
+        """Give a carved array's bytes back: the block's end moves back over the freed arrays at its top."""
+        i = self._carved.pop(id(arr), None)
+        if i is None:
+            return
+        self._carves[i][1] = True
+        while self._carves and self._carves[-1][1]:
+            self._carves.pop()
+        self._block_used = self._carves[-1][0] if self._carves else 0
+        if not self._carves and self.sealed:
+            self._block = None  # every array is freed after start-up: the block goes back with them
 
     def seal(self) -> None:
         """Start-up is over: from now on every buffer is carved from a region."""
@@ -266,21 +314,31 @@ class PlanMemory:
         if self.sealed:
             self._outside(nbytes_of(tuple(np.atleast_1d(shape)), dtype), "an array")
             return None
-        return self._count(self.inner.alloc(shape, dtype))
+        carved = self._carve(tuple(int(d) for d in np.atleast_1d(shape)), dtype)
+        return self._count(carved if carved is not None else self.inner.alloc(shape, dtype))
 
     def to_device(self, src):
         """Allocate and fill through the backend (start-up only), counted under the current region."""
         if self.sealed:
             self._outside(int(src.nbytes), "a host array's copy")
             return None
-        return self._count(self.inner.to_device(src))
+        src = np.asarray(src)
+        carved = self._carve(tuple(src.shape), src.dtype)
+        if carved is None:
+            return self._count(self.inner.to_device(src))
+        self.inner.upload(carved, src)
+        self.inner.synchronize()
+        return self._count(carved)
 
     def free(self, arr):
         """Release an array this wrapper handed out."""
         n = self._sizes.pop(id(arr), None)
         if n is not None:
             self.live_bytes -= n
-            self.inner.free(arr)
+            if id(arr) in self._carved:
+                self._uncarve(arr)
+            else:
+                self.inner.free(arr)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)

@@ -115,6 +115,9 @@ class Engine:
         self.store = ExpertStore(host_pool, model.moe_layers, model.experts_per_layer)
         self.store.pin(allocator, budget, plan.pinned.arena_bytes, log, plan.pinned.registration_slice_bytes)
         self.arena_pinned_bytes = self.store.pinned_bytes
+        # the plan's rounding line stands for one block holding every line (the driver rounds it once)
+        if getattr(plan.vram, "alloc_rounding_bytes", 0) and not accounting_only:
+            self.dm.reserve(plan.vram.regions_bytes + plan.vram.alloc_rounding_bytes)
         # the fixed lines first: the cache pool is the one that can shrink when the device is short at start
         self.regions = self._take_regions()
         self.dm.region("expert_cache")
@@ -299,10 +302,12 @@ class Engine:
 
     @property
     def device_bytes_planned(self) -> int:
-        """Every device line of the plan: cache, dense weights, workspace, KV, owned prompt buffers."""
+        """Every device line of the plan: cache, dense weights, workspace, KV, owned prompt buffers, and the driver's
+        lines (its rounding of the start-up block, the page tables of pinned memory)."""
         v = self.plan.vram
         return (v.expert_cache_bytes + v.dense_bytes + v.workspace_bytes + v.kv_bytes
-                + getattr(v, "owned_prompt_bytes", 0))
+                + getattr(v, "owned_prompt_bytes", 0) + getattr(v, "alloc_rounding_bytes", 0)
+                + getattr(v, "pinned_map_bytes", 0))
 
     @property
     def device_bytes_peak_estimate(self) -> int:

@@ -2,8 +2,10 @@
 
 Devices are enumerated through cupy's runtime (cudaGetDeviceCount and cudaGetDeviceProperties create no context,
 and they honour the CUDA device order the process was given); the memory, display and driver-model facts come from
-NVML (nvidia-ml-py), matched by PCI bus id, so probing creates no CUDA context either. Without NVML the probe falls
-back to cudaMemGetInfo, which does create one.
+NVML (nvidia-ml-py), matched by PCI bus id, read before any CUDA context exists. Without NVML the probe falls back
+to cudaMemGetInfo. Then the probe measures two facts of the driver with a context (`driver_memory_facts`, once per
+process and device): its allocation granularity and the device bytes its page tables take per GiB of page-locked
+host memory, which the plan makes lines of (strata_core.planner.driver_memory).
 
 The helpers under "cupy probing" serve the rocm backend's probe too: cupy's runtime API is the same on its CUDA
 and ROCm builds.
@@ -195,6 +197,69 @@ def _nvml_facts(nvml: Any, bus_id: str, os_name: str) -> dict:
     return out
 
 
+#: The probe's odd-sized allocation: the driver's delta above it, less one byte, is its allocation granularity.
+GRANULARITY_PROBE_BYTES = (32 << 20) + 1
+#: Page-locked GiB the probe takes one at a time: the largest device delta of one is the page tables' cost of a GiB.
+PINNED_PROBE_GIB = 2
+#: cudaHostAllocPortable: the pinned allocator's flag, so the probe maps memory as a run does.
+_HOST_ALLOC_PORTABLE = 0x01
+
+_DRIVER_FACTS: dict[tuple[int, int], tuple[int, int]] = {}
+
+
+def _granularity(runtime: Any) -> int:
+    """The driver's allocation granularity: an allocation of 32 MiB + 1 byte takes 32 MiB + one granule (the
+    smaller of two tries, so a first allocation's own start-up cost does not count); 0 when the figure is not one."""
+    deltas = []
+    for _ in range(2):
+        free0 = int(runtime.memGetInfo()[0])
+        ptr = runtime.malloc(GRANULARITY_PROBE_BYTES)
+        try:
+            deltas.append(free0 - int(runtime.memGetInfo()[0]))
+        finally:
+            runtime.free(ptr)
+    g = min(deltas) - (GRANULARITY_PROBE_BYTES - 1)
+    return g if 0 < g <= GRANULARITY_PROBE_BYTES - 1 and g & (g - 1) == 0 else 0
+
+
+def _pinned_map_per_gib(runtime: Any) -> int:
+    """Device bytes the driver takes for one GiB of page-locked host memory: the largest memGetInfo delta of
+    PINNED_PROBE_GIB page-locked GiB taken one after another (the first may fit page tables the context has)."""
+    deltas, ptrs = [], []
+    try:
+        for _ in range(PINNED_PROBE_GIB):
+            free0 = int(runtime.memGetInfo()[0])
+            ptrs.append(runtime.hostAlloc(GIB, _HOST_ALLOC_PORTABLE))
+            deltas.append(free0 - int(runtime.memGetInfo()[0]))
+    finally:
+        for p in ptrs:
+            runtime.freeHost(p)
+    most = max(0, max(deltas))
+    return most if most <= GIB // 64 else 0  # more than 16 MiB a GiB is another process's allocation, not tables
+
+
+def driver_memory_facts(runtime: Any, index: int) -> tuple[int, int]:
+    """(allocation granularity, device bytes per page-locked GiB) of device `index`, measured once per process
+    through the runtime (it makes the device's context); (0, 0) where the runtime cannot say (a test double, no
+    host memory to page-lock)."""
+    key = (id(runtime), int(index))
+    if not all(hasattr(runtime, f) for f in ("malloc", "free", "hostAlloc", "freeHost")):
+        return 0, 0  # a runtime that only enumerates (a test double): nothing to measure with, no context made
+    if key not in _DRIVER_FACTS:
+        facts = (0, 0)
+        try:
+            prev = runtime.getDevice()
+            runtime.setDevice(index)
+            try:
+                facts = (_granularity(runtime), _pinned_map_per_gib(runtime))
+            finally:
+                runtime.setDevice(prev)
+        except Exception:  # the facts stay unmeasured: the plan then has no driver lines
+            facts = (0, 0)
+        _DRIVER_FACTS[key] = facts
+    return _DRIVER_FACTS[key]
+
+
 def device_info(index: int, runtime: Any, nvml: Any | None, os_name: str, wsl: bool, count: int = 1) -> DeviceInfo:
     """DeviceInfo of CUDA device `index` (of `count`): NVML's facts where it has them, cupy's runtime for the rest."""
     props = runtime.getDeviceProperties(index)
@@ -215,11 +280,13 @@ def device_info(index: int, runtime: Any, nvml: Any | None, os_name: str, wsl: b
     if "drives_display" not in facts:
         # the kernel watchdog is on exactly when the card runs a display
         facts["drives_display"] = bool(int(props.get("kernelExecTimeoutEnabled", 0)))
+    granularity, pinned_map = driver_memory_facts(runtime, index)
     return DeviceInfo(backend=NAME, vendor="nvidia", name=facts.get("name") or text(props.get("name", "")),
                       arch=arch, vram_total_bytes=facts["vram_total_bytes"], vram_free_bytes=facts["vram_free_bytes"],
                       driver_model=facts["driver_model"], drives_display=facts["drives_display"], index=index,
                       unified_memory=bool(int(props.get("integrated", 0))), device_type=device_type(props),
-                      caps=DeviceCaps(peer_copies=peer_copies(runtime, index, count)))
+                      caps=DeviceCaps(peer_copies=peer_copies(runtime, index, count)),
+                      alloc_granularity_bytes=granularity, pinned_map_bytes_per_gib=pinned_map)
 
 
 def device_type(props: dict) -> DeviceType:
