@@ -67,7 +67,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--out", default=".")
     ap.add_argument("--reps", type=int, default=20)
-    ap.add_argument("--rows", default="2,4", help="decode_rows_per_warp values for gate/up")
+    ap.add_argument("--rows", default="2", help="decode_rows_per_warp values for gate/up (the first: every variant)")
     args = ap.parse_args()
     import cupy as cp
     from strata_core.api.kernels import ExpertPool
@@ -161,6 +161,9 @@ def main() -> int:
                     row[f"{name}_us"] = sec * 1e6
                     row[f"{name}_bytes_per_s"] = nbytes / sec
                 variants.append(row)
+                res["variants"] = variants
+                Path(args.out).mkdir(parents=True, exist_ok=True)
+                (Path(args.out) / "decode_kernels_h200.json").write_text(json.dumps(res, indent=1))
                 print(f"rows {rows} form {form} pdl {pdl!s:5}: stack {row['stack_s'] * 1e3:.3f} ms "
                       f"({row['stack_us_per_layer']:.1f} us/layer, {row['stack_routed_bytes_per_s'] / 1e12:.2f} TB/s); "
                       f"alone x48: norm+route {row['norm_route_us']:.1f} us, gate/up {row['gate_up_us']:.1f} us "
@@ -180,8 +183,21 @@ def main() -> int:
     lg_out = cp.empty((1, VOCAB), cp.float32)
     st = cp.cuda.get_current_stream()
     hs = events_seconds(cp, st, lambda: k.linear(xh, head, out=lg_out), args.reps)
-    res["lm_head_s"] = hs
+    res["lm_head_s"] = hs  # moe.cu's strata_gemv_f16w_f32 (CupyKernels.linear), the head before
     res["lm_head_bytes_per_s"] = head.nbytes / hs
+    want = lg_out.get()
+    moe = FastMoE(E, K, H, F)
+    for pdl in (False, True):
+        moe.decode_pdl = pdl
+        tag = "pdl" if pdl else "plain"
+        lg2 = cp.empty((1, VOCAB), cp.float32)
+        sec = events_seconds(cp, st, lambda: moe.gemv_f16w(xh, head, lg2), args.reps)
+        got = lg2.get()
+        res[f"lm_head_fast_{tag}_s"] = sec
+        res[f"lm_head_fast_{tag}_bytes_per_s"] = head.nbytes / sec
+        res[f"lm_head_fast_{tag}_vs_before_rel"] = float(np.abs(got - want).max() / np.abs(want).max())
+        print(f"LM head, moe_fast GEMV ({tag}): {sec * 1e6:.1f} us ({head.nbytes / sec / 1e12:.2f} TB/s), "
+              f"max diff from moe.cu's {res[f'lm_head_fast_{tag}_vs_before_rel']:.2e}", flush=True)
     nb = lg_out.nbytes
     t = []
     for _ in range(20):

@@ -73,9 +73,11 @@ def child_run(argv: list[str], skew: bool, decode_baseline: bool = False) -> int
     from strata_core.models import synthetic
     if skew:
         synthetic.generate_weights = functools.partial(synthetic.generate_weights, popularity_skew=1.0)
-    if decode_baseline:
+    if decode_baseline:  # the decode kernels' first forms, plain launches, the KernelSet's LM head (as before)
         from strata_cuda import fast
+        from strata_cuda import layer_ops as lo_base
         fast.DECODE_FORM, fast.DECODE_PDL = 1, False
+        lo_base.CudaLayerOps.head_linear = lambda self, x, w, out: None
     seen: list = []
     try:
         from strata_cuda import layer_ops as lo

@@ -171,3 +171,21 @@ def test_nan_router_logits_route_to_valid_experts(cp, moe, rng):
     assert ids[0] == 5 and ((ids >= 0) & (ids < E)).all() and len(set(ids.tolist())) == K, ids
     # the NaN-ranked experts are the lowest ids after 5, in order (ties to the lower id)
     assert ids.tolist() == [5] + [i for i in range(E) if i != 5][:K - 1], ids
+
+
+def test_an_error_inside_a_capture_ends_it_and_the_stream_serves_the_next_capture(cp, moe):
+    """A launch that raises while a decode graph is captured (a driver error, a bad argument) must not leave the
+    capture stream capturing: every later call on it would fail with cudaErrorStreamCaptureUnsupported and hide
+    the first error (seen on the H200 when the programmatic launcher raised inside a capture)."""
+    def broken():
+        raise RuntimeError("planted")
+
+    with pytest.raises(RuntimeError, match="planted"):
+        moe._capture(broken)
+    x = cp.ones(1024, dtype=cp.float32)
+    x *= 2  # the kernel compiled and loaded outside the capture
+    cp.cuda.Device().synchronize()
+    g = moe._capture(lambda: x.__imul__(2))
+    g.launch(moe.compute_stream)
+    moe.compute_stream.synchronize()
+    assert float(x.get().min()) == 4.0 and float(x.get().max()) == 4.0

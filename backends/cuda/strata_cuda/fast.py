@@ -362,6 +362,19 @@ class _Given:
 PREFILL_BUFFERS = ("route", "maps", "xs", "gu", "act", "ys", "scratch")
 
 
+_LAUNCHERS: dict[int, Any] = {}
+
+
+def _launcher(cupy: Any) -> Any:
+    """The programmatic-launch Launcher of the current device, made once per device (enabled from sm_90 on)."""
+    from .pdl import Launcher
+    dev = cupy.cuda.Device()
+    got = _LAUNCHERS.get(dev.id)
+    if got is None:
+        got = _LAUNCHERS[dev.id] = Launcher(enabled=int(dev.compute_capability) >= 90)
+    return got
+
+
 def _split_host(dtype: str, host: tuple[int, ...] | None) -> tuple[Any, Any]:
     """A layer's mapped host addresses as the gate/up and down kernels take them: f16 one address each, Q8_0 a
     (quants, scales) pair each; 0 where the layer reads nothing from host memory."""
@@ -398,6 +411,12 @@ class FastMoE:
         self._module = cupy.RawModule(code=kernel_source(),
                                       options=COMPILE_OPTIONS + (f"-DSTRATA_DEC_ROWS={self.decode_rows_per_warp}",))
         self._k = {n: self._module.get_function(n) for n in KERNEL_NAMES}
+        #: decode kernels launched as programmatic dependent launches (pdl.py) where the driver allows
+        self.decode_pdl = DECODE_PDL
+        #: the decode stack's norm/router and down kernels: 1 the first forms, 2 the second (moe_fast.cu)
+        self.decode_form = DECODE_FORM
+        # made here, outside any capture (the device query and the driver library load are not stream work)
+        self._pdl = _launcher(cupy)
         self.compute_stream = cupy.cuda.Stream(non_blocking=True)
         self.copy_stream = cupy.cuda.Stream(non_blocking=True)
         self._handle = cupy.cuda.device.get_cublas_handle()
@@ -415,11 +434,6 @@ class FastMoE:
         # upload from it has run (an event), so the host never overwrites a table a queued copy still reads
         n_ptr = 16 * max(experts, 64)
         self._ptr_mem = cupy.cuda.alloc_pinned_memory(8 * n_ptr)
-        #: decode kernels launched as programmatic dependent launches (pdl.py) where the driver allows
-        self.decode_pdl = DECODE_PDL
-        #: the decode stack's norm/router and down kernels: 1 the first forms, 2 the second (moe_fast.cu)
-        self.decode_form = DECODE_FORM
-        self._pdl = None
         self._ptr_stage = np.frombuffer(self._ptr_mem, dtype=np.int64, count=n_ptr)
         self._ptr_dev = cupy.cuda.alloc(8 * n_ptr)
         self._ptr_cursor = 0
@@ -1087,6 +1101,27 @@ class FastMoE:
             self._gate_up(xn, logits, lay.pool, lay.slot_map, None, 0, h13, ids_out=lay.ids, w_out=lay.w)
             self._down(lay.pool, lay.slot_map, None, 0, x, h2, accumulate=1, ids=lay.ids, w=lay.w)
 
+    def gemv_f16w(self, x: Any, w: Any, out: Any) -> Any:
+        """out [T,O] f32 = x [T,H] f32 . w [O,H] f16 ^T (the LM head of a decode token) on the current stream, through
+        strata_fast_gemv_f16w (a programmatic launch when decode_pdl is on: its first weight loads overlap the
+        kernel before it)."""
+        t, h = int(x.shape[0]), int(x.shape[1])
+        o = int(w.shape[0])
+        rows = (THREADS // WARP_LANES) * GEMV_ROWS_PER_WARP
+        self._dlaunch("strata_fast_gemv_f16w", ((o + rows - 1) // rows, t), (THREADS,),
+                      (x, w, np.int32(o), np.int32(h), out))
+        return out
+
+    def _dlaunch(self, name: str, grid: tuple, block: tuple, args: tuple) -> None:
+        """A decode kernel on the current stream: a programmatic dependent launch when decode_pdl is on."""
+        if self.decode_pdl:
+            if self._pdl is None:  # made at construction; here only for objects built around __init__
+                self._pdl = _launcher(self._cp)
+            if self._pdl.available():
+                self._pdl.launch(self._k[name], grid, block, args, self._cp.cuda.get_current_stream().ptr)
+                return
+        self._k[name](grid, block, args)
+
     def _check_decode_pool(self, pool: ExpertPool) -> None:
         if pool.dtype not in DECODE_HOST_ARRAYS:
             raise NotImplementedError(f"decode_layer: the fused decode kernels read f16 and Q8_0 pools, not "
@@ -1125,28 +1160,6 @@ class FastMoE:
                 self._graphs.clear()
             graph = self._capture(lambda: self._decode_pair(x, logits, pool, slot_map, out, host))
             self._graphs[key] = graph
-    def gemv_f16w(self, x: Any, w: Any, out: Any) -> Any:
-        """out [T,O] f32 = x [T,H] f32 . w [O,H] f16 ^T (the LM head of a decode token) on the current stream, through
-        strata_fast_gemv_f16w (a programmatic launch when decode_pdl is on: its first weight loads overlap the
-        kernel before it)."""
-        t, h = int(x.shape[0]), int(x.shape[1])
-        o = int(w.shape[0])
-        rows = (THREADS // WARP_LANES) * GEMV_ROWS_PER_WARP
-        self._dlaunch("strata_fast_gemv_f16w", ((o + rows - 1) // rows, t), (THREADS,),
-                      (x, w, np.int32(o), np.int32(h), out))
-        return out
-
-    def _dlaunch(self, name: str, grid: tuple, block: tuple, args: tuple) -> None:
-        """A decode kernel on the current stream: a programmatic dependent launch when decode_pdl is on."""
-        if self.decode_pdl:
-            if self._pdl is None:
-                from .pdl import Launcher
-                self._pdl = Launcher()
-            if self._pdl.available():
-                self._pdl.launch(self._k[name], grid, block, args, self._cp.cuda.get_current_stream().ptr)
-                return
-        self._k[name](grid, block, args)
-
         graph.launch(self.compute_stream)
         return out
 
@@ -1154,7 +1167,16 @@ class FastMoE:
         s = self._capture_stream
         with s:
             s.begin_capture()
-            body()
+            try:
+                body()
+            except BaseException:
+                # end the capture before the error leaves: a stream left capturing fails every later call on it
+                # (cudaErrorStreamCaptureUnsupported), hiding the first error
+                try:
+                    s.end_capture()
+                except Exception:  # an invalidated capture: the first error is the one to report
+                    pass
+                raise
             return s.end_capture()
 
     def capture_decode(self, x: Any, logits: Any, pool: ExpertPool, slot_map: Any,
@@ -1173,6 +1195,16 @@ class FastMoE:
         not cache). Runs on `compute_stream`. f16 pools only."""
         if pool.dtype != "f16":
             raise NotImplementedError("decode_layer_misses: f16 pools only (Q8_0 reads misses from mapped memory)")
+        # plain launches here: the kernels wait on copy events between them, and a programmatic launch's relaxed
+        # ordering is meant for kernel-after-kernel only
+        pdl, self.decode_pdl = self.decode_pdl, False
+        try:
+            return self._decode_layer_misses(x, logits, pool, slot_of_expert, slot_map, host_pool, ring, out)
+        finally:
+            self.decode_pdl = pdl
+
+    def _decode_layer_misses(self, x: Any, logits: Any, pool: ExpertPool, slot_of_expert: np.ndarray,
+                             slot_map: Any, host_pool: ExpertPool, ring: tuple[int, int], out: Any) -> Any:
         b = self.decode_buffers()
         st = self.compute_stream
         kk = self.top_k

@@ -6,7 +6,7 @@ are visible. The decode stack is 3 kernels a layer; launched plainly each bounda
 blocks finish and the next grid ramps up. Captured into a CUDA graph the launches keep their programmatic edges.
 
 cupy launches through cuLaunchKernel, which takes no launch attributes, so this module calls the driver through
-ctypes with the CUfunction cupy compiled (`Function.ptr`). `Launcher.available()` is False where the driver lacks the
+ctypes with the CUfunction cupy compiled (`RawKernel.kernel.ptr`). `Launcher.available()` is False where the driver lacks the
 entry point; callers then launch plainly (the kernels' wait is a no-op without the attribute).
 """
 
@@ -53,8 +53,10 @@ def _c_value(v: Any) -> Any:
 class Launcher:
     """Launches cupy-compiled kernels with the programmatic-serialization attribute set."""
 
-    def __init__(self) -> None:
+    def __init__(self, enabled: bool = True) -> None:
         self._fn = None
+        if not enabled:  # a device without programmatic launches (before sm_90)
+            return
         try:
             lib = ctypes.CDLL("libcuda.so.1")
             fn = lib.cuLaunchKernelEx
@@ -79,6 +81,8 @@ class Launcher:
                       ctypes.pointer(self._attr), 1)
         values = [_c_value(a) for a in args]
         params = (ctypes.c_void_p * max(1, len(values)))(*[ctypes.addressof(v) for v in values])
-        rc = self._fn(ctypes.byref(cfg), ctypes.c_void_p(int(kernel.ptr)), params, None)
+        # cupy's RawModule hands out RawKernels, whose compiled Function (with the CUfunction) is .kernel
+        fn = getattr(kernel, "kernel", kernel)
+        rc = self._fn(ctypes.byref(cfg), ctypes.c_void_p(int(fn.ptr)), params, None)
         if rc != 0:
             raise RuntimeError(f"cuLaunchKernelEx failed with CUresult {rc}")
