@@ -74,6 +74,11 @@ F32_COPY_LIMIT_BYTES = 64 << 20
 #: reduceat's one segment (every routed row of a one-row residual adds into row 0; np.add.reduce over axis 0
 #: sums in another order, other bits)
 _ROW0 = np.zeros(1, dtype=np.intp)
+#: route_topk of one row takes up to this many argmaxes instead of a stable sort of the row
+TOPK_BY_ARGMAX = 8
+_NEG_INF = np.float32(-np.inf)
+#: compared with an array's dtype (a dtype against a dtype: no conversion of np.float32 on every call)
+_F32 = np.dtype(np.float32)
 
 
 class HostKernels(ReferenceKernels):
@@ -93,23 +98,27 @@ class HostKernels(ReferenceKernels):
 
     def linear(self, x, w, out=None):
         """See the reference; a read-only f16 weight is converted to f32 once, not every call."""
-        if out is not None and type(w) is np.ndarray and w.dtype == np.float32 and type(x) is np.ndarray \
-                and x.dtype == np.float32:
+        got = self._f32.get(id(w))
+        if got is not None and got[0]() is w and out is not None and type(x) is np.ndarray and x.dtype == _F32 \
+                and not w.flags.writeable:
+            return np.matmul(x, got[2], out=out)  # a weight seen before (decode's router and LM head)
+        if out is not None and type(w) is np.ndarray and w.dtype == _F32 and type(x) is np.ndarray \
+                and x.dtype == _F32:
             return np.matmul(x, w.T, out=out)  # the reference's call, its no-op conversions left out
-        if out is None or type(w) is not np.ndarray or w.dtype == np.float32 or w.flags.writeable \
+        if out is None or type(w) is not np.ndarray or w.dtype == _F32 or w.flags.writeable \
                 or w.size * 4 > F32_COPY_LIMIT_BYTES:
             return super().linear(x, w, out=out)
-        got = self._f32.get(id(w))
         if got is None or got[0]() is not w:
-            got = (weakref.ref(w), w.astype(np.float32))
+            w32 = w.astype(np.float32)
+            got = (weakref.ref(w), w32, w32.T)
             self._f32[id(w)] = got
-            self.f32_copy_bytes += int(got[1].nbytes)
-        return np.matmul(np.asarray(x, dtype=np.float32), got[1].T, out=out)
+            self.f32_copy_bytes += int(w32.nbytes)
+        return np.matmul(np.asarray(x, dtype=np.float32), got[2], out=out)
 
     def rmsnorm(self, x, w, eps=1e-6, out=None):
         """See the reference; f32 arrays into `out`: np.mean's own sum and divide, spelled out."""
         if out is None or type(x) is not np.ndarray or type(w) is not np.ndarray or x.ndim != 2 \
-                or x.dtype != np.float32 or w.dtype != np.float32:
+                or x.dtype != _F32 or w.dtype != _F32:
             return super().rmsnorm(x, w, eps, out=out)
         s = np.add.reduce(x * x, 1, None, None, True)
         if s.size == 1:
@@ -122,9 +131,26 @@ class HostKernels(ReferenceKernels):
 
     def route_topk(self, logits, k, out=None):
         """See the reference; one row of f32 logits into `out`: the same sort, exp and sum on the row itself."""
-        if out is None or type(logits) is not np.ndarray or logits.dtype != np.float32 or logits.shape[0] != 1:
+        if out is None or type(logits) is not np.ndarray or logits.dtype != _F32 or logits.shape[0] != 1:
             return super().route_topk(logits, k, out=out)
         row = logits[0]
+        if k <= TOPK_BY_ARGMAX and k < row.shape[0]:
+            # k argmaxes: each takes the largest value left, ties to the lower id (argmax's first), which is the
+            # stable sort's order; a NaN (argmax's first pick, the sort's last) or a -inf reaching the top k (where
+            # an argmax may pick a taken id again): the sort decides
+            left, ids = row.copy(), out[0][0]
+            pick = left.argmax
+            for j in range(k - 1):
+                i = pick()
+                ids[j] = i
+                left[i] = _NEG_INF
+            i = pick()
+            ids[k - 1] = i
+            top = row[ids]
+            if top[0] == top[0] and left[i] != _NEG_INF:
+                e = np.exp(top - top[:1])
+                np.divide(e, e.sum(keepdims=True), out=out[1][0])
+                return out
         order = np.argsort(-row, kind="stable")[:k]
         top = row[order]
         e = np.exp(top - top[:1])
@@ -143,7 +169,7 @@ class HostKernels(ReferenceKernels):
     def scatter_add(self, out, rows, y, scale):
         """See the reference; into a one-row `out` every row adds to row 0, summed in the given order."""
         if type(out) is not np.ndarray or out.shape[0] != 1 or type(y) is not np.ndarray or len(rows) == 0 \
-                or type(scale) is not np.ndarray or y.dtype != np.float32 or scale.dtype != np.float32:
+                or type(scale) is not np.ndarray or y.dtype != _F32 or scale.dtype != _F32:
             return super().scatter_add(out, rows, y, scale)
         out += np.add.reduceat(y * scale[:, None], _ROW0, axis=0)
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 import numpy as np
 
 EMPTY = -1
+#: An admit of at most this many positions takes its slots one argmin at a time (decode's few misses).
+FEW_ROWS = 16
 
 
 class ExpertCache:
@@ -67,6 +69,23 @@ class ExpertCache:
         self.misses += slots.size - n_hit
         self.freq[rows] += 1.0 if tokens is None else np.asarray(tokens, dtype=np.float64)
         return slots
+
+    def lookup_distinct(self, layer: int, experts: list[int]) -> list[int]:
+        """`lookup(layer, experts)` for distinct experts as Python ints (one decode token's top k): the same
+        counts, frequencies (+1.0 each) and slots, without an array op per step of it (k is a handful)."""
+        base = layer * self.experts_per_layer
+        slot_of, freq = self.slot_of, self.freq
+        out = []
+        hits = 0
+        for e in experts:
+            r = base + e
+            s = int(slot_of[r])
+            out.append(s)
+            hits += s != EMPTY
+            freq[r] += 1.0
+        self.hits += hits
+        self.misses += len(out) - hits
+        return out
 
     @property
     def lookups(self) -> int:
@@ -126,6 +145,8 @@ class ExpertCache:
         """
         rows = self.row(layer, np.asarray(experts, dtype=np.int64))
         out = self.slot_of[rows].copy()  # experts already resident keep their slot
+        if len(rows) <= FEW_ROWS:
+            return self._admit_few(rows, out, keep)
         mask = self.usable()
         if keep is not None and len(keep):
             mask[np.asarray(keep, dtype=np.int64)] = False
@@ -151,6 +172,62 @@ class ExpertCache:
         served = new[: first[m]] if m < len(first) else new
         out[served] = self.slot_of[rows[served]]
         return out
+
+    def _heat_blocked(self, *blocked_slots) -> tuple[np.ndarray, int]:
+        """Every slot's coldness key for admission (empty -1, else its expert's decayed frequency; +inf for a slot
+        on loan, trimmed or in one of `blocked_slots`) and how many slots are left to take."""
+        held = self.expert_in
+        heat = self.freq[held]  # EMPTY (-1) reads the last row's value: overwritten next
+        heat[held == EMPTY] = -1.0
+        heat[self.on_loan | self.trimmed] = np.inf
+        for b in blocked_slots:
+            if b is not None and len(b):
+                heat[b] = np.inf
+        return heat, int(np.count_nonzero(heat < np.inf))
+
+    def _take_coldest(self, heat: np.ndarray, row: int) -> int:
+        """Put store row `row` into the coldest slot left under `heat` (argmin: ties to the lower slot, as the
+        stable coldness order breaks them), evicting what it held; that slot, now blocked in `heat`."""
+        s = int(heat.argmin())
+        old = int(self.expert_in[s])
+        if old != EMPTY:
+            self.slot_of[old] = EMPTY
+            self.evictions += 1
+        self.expert_in[s] = row
+        self.slot_of[row] = s
+        heat[s] = np.inf
+        return s
+
+    def _admit_few(self, rows: np.ndarray, out: np.ndarray, keep) -> np.ndarray:
+        """`admit` for a handful of positions (decode): the same pass, each distinct missing expert taking the
+        coldest slot left by one argmin instead of a partition, a sort and np.unique over the slots."""
+        new = [i for i, s in enumerate(out.tolist()) if s == EMPTY]
+        if not new:
+            return out
+        # resident experts of the call keep their slot and are not evicted for its other experts
+        heat, left = self._heat_blocked(None if keep is None else np.asarray(keep, dtype=np.int64),
+                                        out[out != EMPTY])
+        placed: dict[int, int] = {}
+        for i in new:
+            r = int(rows[i])
+            s = placed.get(r)
+            if s is None:
+                if left <= 0:
+                    break  # the first distinct expert without a slot ends the pass (later positions stay EMPTY)
+                s = placed[r] = self._take_coldest(heat, r)
+                left -= 1
+            out[i] = s
+        return out
+
+    def admit_distinct(self, layer: int, experts: list[int], keep: list[int]) -> list[int] | None:
+        """`admit(layer, experts, keep)` for distinct experts that are not resident (a decode token's misses, as
+        Python ints; `keep` its hits' slots): their slots, or None, with nothing changed, when the usable slots
+        beside `keep` are fewer than the experts (the caller's general path decides then)."""
+        heat, left = self._heat_blocked(keep)
+        if left < len(experts):
+            return None
+        base = layer * self.experts_per_layer
+        return [self._take_coldest(heat, base + e) for e in experts]
 
     # --- loans ---------------------------------------------------------------------------------------------
 

@@ -84,8 +84,14 @@ class StoreSource:
         if not self.accounting_only:
             t0 = time.perf_counter()
             staged = self.staging.stage(row, lambda: self.dm.synchronize(stream)) if self.staging else None
-            for name, src in (staged or self.store.expert(row)).items():
-                self.dm.upload(self.pool.arrays[name][slot], src, stream)
+            if not staged:
+                # straight from the store's arrays: the same copies as through store.expert(row), without its dict
+                dst, upload = self.pool.arrays, self.dm.upload
+                for name, a in self.store.pool.arrays.items():
+                    upload(dst[name][slot], a[row], stream)
+            else:
+                for name, src in staged.items():
+                    self.dm.upload(self.pool.arrays[name][slot], src, stream)
             self.copy_s += time.perf_counter() - t0
         self.stats["experts_streamed"] += 1
         self.stats["bytes_streamed"] += self.store.row_bytes
@@ -513,6 +519,7 @@ class ComposedLayerOps:
                                                                  kern.gather, kern.moe_grouped_ffn, kern.scatter_add)
         bufs = mark = None
         ran = False
+        ks = range(k)
         for w in works:
             ws = w.workspace
             if not fits or w.extras.get("router_bias") is not None:
@@ -535,29 +542,39 @@ class ComposedLayerOps:
             rmsnorm(x, w.norm_w, out=xn)
             linear(xn, w.router_w, out=logits)
             route_topk(logits, k, out=(ids, wts))
-            order = np.argsort(ids[0], kind="stable")
-            experts = ids[0][order].astype(np.int64)
+            # k Python ints: sorting, the lookup and the admission of a handful of experts cost less as scalars
+            # than as array calls (each of which costs a microsecond or more here)
+            id_l = ids[0].tolist()
+            order = sorted(ks, key=id_l.__getitem__)
+            experts = [id_l[i] for i in order]
+            if len(set(experts)) < k:
+                # a top k with repeats (outside the kernel contract): the general path, from this layer's input
+                ws.release(mark)
+                bufs = None
+                self._layer(w)
+                continue
             scales = wts[0][order]
-            slots = cache.lookup(layer, experts, ones_k)
-            miss = slots == EMPTY
-            n_miss = int(np.count_nonzero(miss))
-            if n_miss:
-                slots = slots.copy()
-                hit_slots = slots[~miss]
-                if cache.usable_slots() - len(hit_slots) < n_miss:
-                    r = Routing(experts, ones_k, starts, rows, scales)
+            slots = cache.lookup_distinct(layer, experts)
+            if EMPTY in slots:
+                miss = [i for i in ks if slots[i] == EMPTY]
+                got = cache.admit_distinct(layer, [experts[i] for i in miss], [s for s in slots if s != EMPTY])
+                if got is None:
+                    # more misses than free slots beside the hits: the general path takes it from the lookup
+                    r = Routing(np.array(experts, np.int64), ones_k, starts, rows, scales)
                     ws.release(mark)
                     bufs = None
                     try:
-                        self._after_lookup(w, r, slots, rmsnorm(x, w.norm_w, out=ws.carve((1, H), np.float32)), x_in)
+                        self._after_lookup(w, r, np.array(slots, np.int64),
+                                           rmsnorm(x, w.norm_w, out=ws.carve((1, H), np.float32)), x_in)
                     finally:
                         ws.reset()
                     continue
-                got = cache.admit(layer, experts[miss], keep=hit_slots)
-                slots[miss] = got
-                for e, slot in zip(experts[miss].tolist(), got.tolist()):
-                    w.source.upload(int(cache.row(layer, e)), slot, w.copy_stream)
-                w.stats["experts_admitted"] += n_miss
+                base = cache.row(layer, 0)
+                upload = w.source.upload
+                for i, slot in zip(miss, got):
+                    slots[i] = slot
+                    upload(base + experts[i], slot, w.copy_stream)
+                w.stats["experts_admitted"] += len(miss)
             slots32[:] = slots
             gather(xn, rows, out=xg)
             scatter_add(x, rows, ffn(xg, offsets, slots32, w.pool, out=y), scales)
