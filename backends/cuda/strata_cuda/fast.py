@@ -60,10 +60,12 @@ DECODE_ROWS_PER_WARP = 2
 #: host a few launches, so tiny experts in groups of 8 were bound by Python, not by the link.
 COPY_GROUP_BYTES = 64 << 20
 #: The decode stack's norm/router and down kernels (FastMoE.decode_form): 2 the second forms of moe_fast.cu (router
-#: rows loaded before the wait for x; the down loads issued in batches), 1 the first forms.
+#: rows loaded before the wait for x; the down loads issued in batches), 1 the first forms. H200, 48-layer graph
+#: (bench/results/k1_h200/call2_decode_kernels_h200.json): 1.995 ms with 2, 2.226 ms with 1.
 DECODE_FORM = 2
-#: Decode kernels as programmatic dependent launches (pdl.py; FastMoE.decode_pdl) where the driver has them.
-DECODE_PDL = True
+#: Decode kernels as programmatic dependent launches (pdl.py; FastMoE.decode_pdl) where the driver has them. Off:
+#: measured slower on the H200 (48-layer graph 2.024 ms against 1.995 ms plain, same file), kept as an option.
+DECODE_PDL = False
 #: Output rows per warp of the f16-weight GEMV (STRATA_GEMV_WROWS in the source).
 GEMV_ROWS_PER_WARP = 2
 #: Size classes are spread over side streams only for calls of at least this many experts (a ring group's few
