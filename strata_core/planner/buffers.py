@@ -6,6 +6,8 @@ loan in these two parts (per token, then per routed row): one formula, called fr
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from strata_core.models.spec import ACTIVATION_BUFFERS, F32_BYTES
 
 #: A routed row's token index (int32) and routing weight (f32).
@@ -38,6 +40,11 @@ SCRATCH_QUANTS = frozenset({"Q4_K", "Q5_K", "Q6_K", "MXFP4"})
 
 #: Bytes of one f16 weight.
 F16_BYTES = 2
+#: Most whole experts a half of the scratch holds (more is an f16 copy of most of a layer, for little gain).
+SCRATCH_GROUP_EXPERTS = 32
+#: Row granularity of a gate/up piece and column granularity of a down piece (32-weight chunks; 256 where the
+#: piece is at least that wide, whole K-quant super-blocks).
+PIECE_ROWS, PIECE_COLS, PIECE_COLS_WIDE = 32, 32, 256
 
 
 def f16_expert_bytes(hidden: int, expert_ffn: int) -> int:
@@ -45,11 +52,49 @@ def f16_expert_bytes(hidden: int, expert_ffn: int) -> int:
     return 3 * int(hidden) * int(expert_ffn) * F16_BYTES
 
 
+@dataclass(frozen=True)
+class ScratchLayout:
+    """How a prefill uses a dequantization scratch budget: groups of whole experts in two halves, or pieces of one."""
+
+    #: whole experts a half holds (two halves in turn); 0: pieces of one expert, one at a time in the whole buffer
+    group_experts: int
+    #: gate (and as many up) output rows a gate/up piece dequantizes (ffn: the whole matrix)
+    gate_up_rows: int
+    #: K columns of down a piece dequantizes (ffn: the whole matrix)
+    down_cols: int
+    #: bytes of the budget the layout uses (the prefill's "scratch" buffer, the plan's line)
+    nbytes: int
+
+
+def scratch_layout(hidden: int, ffn: int, experts: int, budget_bytes: int,
+                   most_experts: int = SCRATCH_GROUP_EXPERTS) -> ScratchLayout:
+    """The layout of a scratch of at most budget_bytes for experts of this shape (ValueError when the budget
+    cannot hold even a piece: a 32-row gate/up piece and a 32-column down piece)."""
+    h, f = int(hidden), int(ffn)
+    per = f16_expert_bytes(h, f)
+    g = min(int(experts), int(most_experts), int(budget_bytes) // 2 // per)
+    if g >= 1:
+        return ScratchLayout(g, f, f, 2 * g * per)
+    rows = min(f, int(budget_bytes) // (2 * F16_BYTES * h) // PIECE_ROWS * PIECE_ROWS)  # gate rows, as many up rows
+    cols = int(budget_bytes) // (F16_BYTES * h)
+    cols = min(f, cols // PIECE_COLS_WIDE * PIECE_COLS_WIDE if cols >= PIECE_COLS_WIDE else
+               cols // PIECE_COLS * PIECE_COLS)
+    if rows <= 0 or cols <= 0:
+        raise ValueError(f"a dequantization scratch of {budget_bytes} bytes cannot hold a piece of an expert at hidden "
+                         f"{h}: at least {F16_BYTES * h * max(2 * PIECE_ROWS, PIECE_COLS)} bytes")
+    return ScratchLayout(0, rows, cols, max(2 * F16_BYTES * rows * h, F16_BYTES * h * cols))
+
+
 def dequant_scratch_bytes(model, defaults) -> int:
-    """Device bytes of a prefill's dequantization scratch, a part of the workspace line: the backend's budget for
-    models whose experts are in SCRATCH_QUANTS, no more than two groups of every expert of a layer take; else 0."""
+    """Device bytes of a prefill's dequantization scratch, a part of the workspace line: for models whose experts
+    are in SCRATCH_QUANTS, what scratch_layout takes of the backend's budget (the budget itself where the expert
+    shape is unknown or the budget holds no piece); else 0."""
     budget = int(getattr(defaults, "dequant_scratch_bytes", 0) or 0)
     if budget <= 0 or str(getattr(model, "quant", "")).upper() not in SCRATCH_QUANTS:
         return 0
-    per = f16_expert_bytes(model.hidden, model.expert_ffn)
-    return min(budget, 2 * int(model.experts_per_layer) * per) if per > 0 else budget
+    if model.hidden <= 0 or model.expert_ffn <= 0:
+        return budget
+    try:
+        return scratch_layout(model.hidden, model.expert_ffn, model.experts_per_layer, budget).nbytes
+    except ValueError:
+        return budget

@@ -58,13 +58,14 @@ def _plan_ops(model):
                            _plan_slot_bytes=model.slot_bytes)
 
 
-def _fits(plan, chunk: int, workspace_bytes: int) -> bool:
+def _fits(plan, chunk: int, workspace_bytes: int, lent: bool = True) -> bool:
     """The executor's replay (Executor.buffer_slots_needed) of a chunk's carves on a dry arena of the workspace and
-    the chunk's planned buffer slots as one run: do they land?"""
+    the chunk's planned buffer slots as one run (lent=False: the workspace alone, a prompt shorter than
+    stream_min_tokens): do they land?"""
     m = plan.model
-    row = plan.loan_model.loan(chunk)
+    slots = plan.loan_model.loan(chunk).buffer_slots if lent else 0
     steps = [((chunk, m.hidden), np.float32)] + CudaLayerOps.worst_carves(_plan_ops(m), chunk, m.vocab, m.top_k)
-    arena = Arena(None, sizes=[workspace_bytes, row.buffer_slots * m.slot_bytes])
+    arena = Arena(None, sizes=[workspace_bytes, slots * m.slot_bytes])
     try:
         for step in steps:
             if step == "fix":
@@ -100,7 +101,7 @@ def test_the_planner_counts_the_cuda_scratch_in_the_workspace_line():
         m = plan.model
         scratch = dequant_scratch_bytes(m, plan.defaults)
         layout = scratch_layout(m.hidden, m.expert_ffn, m.experts_per_layer, plan.defaults.dequant_scratch_bytes)
-        assert scratch == DEQUANT_SCRATCH_BYTES and layout.nbytes <= scratch, (name, scratch, layout)
+        assert scratch == layout.nbytes <= DEQUANT_SCRATCH_BYTES, (name, scratch, layout)
         assert plan.vram.workspace_bytes == plan.prompt.stream_min_tokens * m.prompt_bytes_per_token + scratch
     f16 = _plan(H200, HOST, "Qwen3-30B-A3B@F16")
     assert f16.vram.workspace_bytes == f16.prompt.stream_min_tokens * f16.model.prompt_bytes_per_token
@@ -110,16 +111,19 @@ def test_the_planner_counts_the_cuda_scratch_in_the_workspace_line():
                                               (RTX4060, HOST32, "Mixtral-8x7B@Q4_K")])
 def test_the_worst_layer_carves_with_its_scratch_fit_the_planned_workspace_and_loan(device, host, name):
     """Every planned chunk's carves, the dequantization scratch among them (worst_carves), land in the plan's
-    workspace and that chunk's planned buffer slots; on a workspace without the scratch line some do not."""
+    workspace and that chunk's planned buffer slots, and a prompt just shorter than stream_min_tokens in the
+    workspace alone; on a workspace without the scratch line some do not."""
     plan = _plan(device, host, name)
     chunks = [r.chunk for r in plan.prompt.loans]
     assert not plan.prompt.owned_buffers and plan.prompt.chunk in chunks
     m = plan.model
-    scratch = ((scratch_layout(m.hidden, m.expert_ffn, m.experts_per_layer).nbytes,), np.uint8)
+    scratch = ((scratch_layout(m.hidden, m.expert_ffn, m.experts_per_layer, SCRATCH_BUDGET_BYTES).nbytes,), np.uint8)
     assert scratch in CudaLayerOps.worst_carves(_plan_ops(m), chunks[0], m.vocab), "the scratch is no carve"
+    owned = plan.prompt.stream_min_tokens - 1
     assert all(_fits(plan, c, plan.vram.workspace_bytes) for c in chunks)
+    assert _fits(plan, owned, plan.vram.workspace_bytes, lent=False)
     short = plan.vram.workspace_bytes - dequant_scratch_bytes(plan.model, plan.defaults)
-    assert not all(_fits(plan, c, short) for c in chunks)
+    assert not (all(_fits(plan, c, short) for c in chunks) and _fits(plan, owned, short, lent=False))
 
 
 # --------------------------------------------------------------------------------------------------------------

@@ -672,8 +672,10 @@ class FastMoE:
             m = max(self.group_experts, COPY_GROUP_BYTES // slot_bytes if slot_bytes > 0 else 0, 1)
             out["scratch"] = 2 * min(m, e) * (3 * h * f)
         elif pool_dtype == "gguf":  # quant_ffn.QuantMoE's f16 dequantization scratch, bounded by the plan's budget
-            from .quant_ffn import scratch_layout
-            out["scratch"] = scratch_layout(h, f, e).nbytes
+            from .quant_ffn import SCRATCH_BUDGET_BYTES, scratch_layout
+            # carved first: the workspace line holds it beside a short chunk's buffers
+            out = {"scratch": scratch_layout(h, f, e, SCRATCH_BUDGET_BYTES).nbytes,
+                   **{n: b for n, b in out.items() if n != "scratch"}}
         return out
 
     def use_buffers(self, buffers: dict[str, tuple[int, int]] | None) -> None:

@@ -19,14 +19,13 @@ cupy is imported by the caller (or inside the constructors).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from importlib.resources import files
 from typing import Any
 
 import numpy as np
 
 from strata_core.api.kernels import ExpertFormat, ExpertPool
-from strata_core.planner.buffers import f16_expert_bytes
+from strata_core.planner.buffers import SCRATCH_GROUP_EXPERTS, f16_expert_bytes, scratch_layout
 from strata_core.reference.quants import GGML_TYPES
 
 from .fast import (_CUBLAS_COMPUTE_32F, _CUBLAS_GEMM_DEFAULT, _CUBLAS_OP_N, _CUBLAS_OP_T,
@@ -56,13 +55,10 @@ DECODE_DOWN_ROWS = 2
 #: Groups of at most this many rows take the GEMV kernels (they decode the weights once per 4 rows).
 GEMV_MAX_ROWS = 8
 #: Most experts dequantized to f16 per group of QuantMoE's prefill (two such groups of scratch in flight); the
-#: scratch budget may allow fewer (scratch_layout).
-GROUP_EXPERTS = 32
-#: QuantMoE's scratch budget where no plan lends one: the cuda PlatformDefaults' figure (the planner's line).
+#: scratch budget may allow fewer (strata_core.planner.buffers.scratch_layout, the planner's arithmetic too).
+GROUP_EXPERTS = SCRATCH_GROUP_EXPERTS
+#: QuantMoE's scratch budget: the cuda PlatformDefaults' figure (the planner's line is its layout's bytes).
 SCRATCH_BUDGET_BYTES = DEQUANT_SCRATCH_BYTES
-#: Row granularity of a gate/up piece and column granularity of a down piece (32-weight chunks; 256 where the
-#: piece is at least that wide, whole K-quant super-blocks).
-PIECE_ROWS, PIECE_COLS, PIECE_COLS_WIDE = 32, 32, 256
 #: Types quant_fast.cu decodes (quants.cuh's).
 FAST_TYPES = frozenset(GGML_TYPES)
 
@@ -119,39 +115,6 @@ def tile_list(offsets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 def scratch_bytes(hidden: int, ffn: int, group_experts: int = GROUP_EXPERTS) -> int:
     """Device bytes of two scratch buffers of group_experts whole experts' f16 gate|up and down matrices."""
     return 2 * int(group_experts) * f16_expert_bytes(hidden, ffn)
-
-
-@dataclass(frozen=True)
-class ScratchLayout:
-    """How QuantMoE's prefill uses a scratch budget: groups of whole experts in two halves, or pieces of one."""
-
-    #: whole experts a half holds (two halves in turn); 0: pieces of one expert, one at a time in the whole buffer
-    group_experts: int
-    #: gate (and as many up) output rows a gate/up piece dequantizes (ffn: the whole matrix)
-    gate_up_rows: int
-    #: K columns of down a piece dequantizes (ffn: the whole matrix)
-    down_cols: int
-    #: bytes of the budget the layout uses (what the prefill carves as its "scratch" buffer)
-    nbytes: int
-
-
-def scratch_layout(hidden: int, ffn: int, experts: int, budget_bytes: int = SCRATCH_BUDGET_BYTES,
-                   most_experts: int = GROUP_EXPERTS) -> ScratchLayout:
-    """The layout of a scratch of at most budget_bytes for experts of this shape (ValueError when the budget
-    cannot hold even a piece: a 32-row gate/up piece and a 32-column down piece)."""
-    h, f = int(hidden), int(ffn)
-    per = f16_expert_bytes(h, f)
-    g = min(int(experts), int(most_experts), int(budget_bytes) // 2 // per)
-    if g >= 1:
-        return ScratchLayout(g, f, f, 2 * g * per)
-    rows = min(f, int(budget_bytes) // (2 * 2 * h) // PIECE_ROWS * PIECE_ROWS)  # gate rows and as many up rows
-    cols = int(budget_bytes) // (2 * h)
-    cols = min(f, cols // PIECE_COLS_WIDE * PIECE_COLS_WIDE if cols >= PIECE_COLS_WIDE else
-               cols // PIECE_COLS * PIECE_COLS)
-    if rows <= 0 or cols <= 0:
-        raise ValueError(f"a dequantization scratch of {budget_bytes} bytes cannot hold a piece of an expert at hidden "
-                         f"{h}: at least {2 * h * max(2 * PIECE_ROWS, PIECE_COLS)} bytes")
-    return ScratchLayout(0, rows, cols, max(2 * 2 * rows * h, 2 * h * cols))
 
 
 def fast_path_takes(fmt: ExpertFormat) -> bool:
@@ -325,8 +288,8 @@ class QuantMoE(FastMoE):
     def prefill_buffer_bytes(self, tokens: int, pool_dtype: str, slot_bytes: int = 0) -> dict[str, int]:
         """FastMoE's prefill buffers; a 'gguf' pool's "scratch" is the layout's (at most the plan's budget)."""
         out = super().prefill_buffer_bytes(tokens, pool_dtype, slot_bytes)
-        if pool_dtype == "gguf":
-            out["scratch"] = self.layout.nbytes
+        if pool_dtype == "gguf":  # first, as FastMoE orders it: the carves take the workspace line in this order
+            out = {"scratch": self.layout.nbytes, **{n: b for n, b in out.items() if n != "scratch"}}
         return out
 
     def _scratch_base(self) -> int:

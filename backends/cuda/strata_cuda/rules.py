@@ -33,10 +33,13 @@ HEADLESS_VRAM_RESERVE_MIB = 512
 #: the rocm backend: the rule is about the host CPU, not the GPU.)
 CPU_SHARE_FLAGS = ("avx2", "fma")
 
-#: The f16 scratch a prefill of Q4_K/Q5_K/Q6_K/MXFP4 experts dequantizes into before cuBLAS' GEMMs
-#: (strata_cuda.quant_ffn.scratch_layout: two groups of whole experts, or pieces of one expert where one does not fit
-#: half of it); the planner counts it in the workspace line.
-DEQUANT_SCRATCH_BYTES = 256 * (1 << 20)
+#: The budget of the f16 scratch a prefill of Q4_K/Q5_K/Q6_K/MXFP4 experts dequantizes into before cuBLAS' GEMMs
+#: (strata_core.planner.buffers.scratch_layout: two groups of at most 32 whole experts, or pieces of one expert where
+#: one does not fit half of it); the planner's workspace line counts what the layout takes of it. 576 MiB holds two
+#: groups of 32 Qwen3-30B-A3B experts: on the H200 32-expert groups ran the layer in 3.27 ms, 14-expert groups (256
+#: MiB) in 3.80 ms and 8-expert groups in 9.43 ms (bench/results/q_h200/call2_quant_layer_h200.json; per-group
+#: host work suspected, not profiled); Mixtral 8x7B takes 235 MB of it (one expert's gate|up).
+DEQUANT_SCRATCH_BYTES = 576 * (1 << 20)
 
 
 def chunk_ceiling_tokens(device: DeviceInfo) -> int:
