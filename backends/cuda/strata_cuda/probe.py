@@ -14,6 +14,7 @@ and ROCm builds.
 from __future__ import annotations
 
 import sys
+import weakref
 from pathlib import Path
 from typing import Any, Callable
 
@@ -204,7 +205,8 @@ PINNED_PROBE_GIB = 2
 #: cudaHostAllocPortable: the pinned allocator's flag, so the probe maps memory as a run does.
 _HOST_ALLOC_PORTABLE = 0x01
 
-_DRIVER_FACTS: dict[tuple[int, int], tuple[int, int]] = {}
+#: Measured facts by runtime (weakly: a test's double goes with its facts) and device index.
+_DRIVER_FACTS: "weakref.WeakKeyDictionary[Any, dict[int, tuple[int, int]]]" = weakref.WeakKeyDictionary()
 
 
 def _granularity(runtime: Any) -> int:
@@ -242,10 +244,13 @@ def driver_memory_facts(runtime: Any, index: int) -> tuple[int, int]:
     """(allocation granularity, device bytes per page-locked GiB) of device `index`, measured once per process
     through the runtime (it makes the device's context); (0, 0) where the runtime cannot say (a test double, no
     host memory to page-lock)."""
-    key = (id(runtime), int(index))
     if not all(hasattr(runtime, f) for f in ("malloc", "free", "hostAlloc", "freeHost")):
         return 0, 0  # a runtime that only enumerates (a test double): nothing to measure with, no context made
-    if key not in _DRIVER_FACTS:
+    try:
+        known = _DRIVER_FACTS.setdefault(runtime, {})
+    except TypeError:  # not weakly referable: measured every time
+        known = {}
+    if int(index) not in known:
         facts = (0, 0)
         try:
             prev = runtime.getDevice()
@@ -256,8 +261,8 @@ def driver_memory_facts(runtime: Any, index: int) -> tuple[int, int]:
                 runtime.setDevice(prev)
         except Exception:  # the facts stay unmeasured: the plan then has no driver lines
             facts = (0, 0)
-        _DRIVER_FACTS[key] = facts
-    return _DRIVER_FACTS[key]
+        known[int(index)] = facts
+    return known[int(index)]
 
 
 def device_info(index: int, runtime: Any, nvml: Any | None, os_name: str, wsl: bool, count: int = 1) -> DeviceInfo:
