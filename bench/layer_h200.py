@@ -3,8 +3,8 @@ mode, uniform and skewed routing; plus the synthetic generator's speed at real s
 
 Shape: 128 experts, top-8, hidden 2048, expert FFN 768, a 4096-token chunk. Skewed routing: the expert of popularity
 rank r gets a logit bias of -ln(1+r) (the cache sweep's skew). Every figure: CUDA events on the op's stream after
-warm-up, the median of `--reps` runs; every output checked on 32 tokens against a float64 numpy reference; the
-same inputs run twice give the same sha256.
+warm-up, the median of `--reps` runs; every output checked on 64 tokens spread over the chunk against a float64
+numpy reference; the same inputs run twice give the same sha256. A variant is gemm_mode:streams[:split_rows].
 """
 
 from __future__ import annotations
@@ -91,7 +91,9 @@ def layer(args, res: dict) -> None:
     out = cp.empty((T, H), cp.float32)
     warm = np.arange(E)
     cold = np.full(E, -1)
-    refs = {name: reference(x[:32], lg[:32], w13, w2) for name, lg in (("uniform", lg_u), ("skewed", lg_s))}
+    # 64 tokens spread over the chunk: a hot expert's later pieces (split_rows) hold the last tokens' rows
+    check = np.unique(np.r_[np.arange(16), np.linspace(16, T - 1, 48).astype(np.int64)])
+    refs = {name: reference(x[check], lg[check], w13, w2) for name, lg in (("uniform", lg_u), ("skewed", lg_s))}
     counts = {name: np.bincount(route_topk(lg, K)[0].reshape(-1), minlength=E) for name, lg in
               (("uniform", lg_u), ("skewed", lg_s))}
     res["routing"] = {n: {"max_rows": int(c.max()), "min_rows": int(c.min()), "used": int((c > 0).sum())}
@@ -118,15 +120,21 @@ def layer(args, res: dict) -> None:
     res["floor_warm_ms"] = max(flops / res["gemm_f16_flops"], res["layer_weight_bytes"] / res["hbm_bytes_per_s"]) * 1e3
     res["floor_cold_ms"] = res["layer_weight_bytes"] / res["link_bytes_per_s"] * 1e3
     res["modes"] = {}
-    variants = [(m, int(n)) for m, n in (v.split(":") for v in args.variants.split(","))]
-    for vi, (mode, streams) in enumerate(variants):
-        name_v = f"{mode}:{streams}"
+    from strata_cuda import fast as fast_mod
+    res["split_rows_default"] = fast_mod.SPLIT_ROWS
+    res["cublas_grouped_gemm_symbol"] = fast_mod._BlasExtra().grouped is not None
+    variants = [(v.split(":") + [""])[:3] for v in args.variants.split(",")]
+    for vi, (mode, streams, split) in enumerate(variants):
+        streams = int(streams)
+        name_v = f"{mode}:{streams}" + (f":{split}" if split else "")
         try:
             moe = FastMoE(E, K, H, F, gemm_mode=mode, gemm_streams=streams)
         except ValueError as e:
             res["modes"][name_v] = {"unavailable": str(e)}
             continue
-        r = res["modes"][name_v] = {"gemm_mode": mode, "gemm_streams": streams}
+        if split:
+            moe.split_rows = int(split)
+        r = res["modes"][name_v] = {"gemm_mode": mode, "gemm_streams": streams, "split_rows": moe.split_rows}
         for name, lg in (("uniform", lg_u), ("skewed", lg_s)):
             lg_d = cp.asarray(lg)
             out.fill(np.nan)
@@ -136,11 +144,19 @@ def layer(args, res: dict) -> None:
             moe.prefill_layer(x_d, lg_d, pool, warm, out=out)
             moe.compute_stream.synchronize()
             same = hashlib.sha256(y1.tobytes()).hexdigest() == hashlib.sha256(out.get().tobytes()).hexdigest()
-            t = time_ms(cp, lambda: moe.prefill_layer(x_d, lg_d, pool, warm, out=out), moe.compute_stream, args.reps)
-            r[f"warm_{name}"] = {**t, "rel_err": rel_err(y1[:32], refs[name]), "same_bits_twice": same,
-                                 "stack_rows": moe.stats.stack_rows}
-            log(f"{name_v:10s} warm {name:8s} {t['median_ms']:.3f} ms  err {r[f'warm_{name}']['rel_err']:.1e}  "
-                f"same bits {same}  stack rows {moe.stats.stack_rows}")
+            host_s: list = []
+
+            def call():
+                t0 = time.perf_counter()
+                moe.prefill_layer(x_d, lg_d, pool, warm, out=out)
+                host_s.append(time.perf_counter() - t0)
+            t = time_ms(cp, call, moe.compute_stream, args.reps)
+            r[f"warm_{name}"] = {**t, "rel_err": rel_err(y1[check], refs[name]), "same_bits_twice": same,
+                                 "stack_rows": moe.stats.stack_rows, "gemm_problems": moe.stats.gemm_problems,
+                                 "host_call_ms": float(np.median(host_s[-args.reps:])) * 1e3}
+            log(f"{name_v:14s} warm {name:8s} {t['median_ms']:.3f} ms  err {r[f'warm_{name}']['rel_err']:.1e}  "
+                f"same bits {same}  stack rows {moe.stats.stack_rows}  problems {moe.stats.gemm_problems}  "
+                f"host {r[f'warm_{name}']['host_call_ms']:.3f} ms")
             if vi == 0:
                 moe.trace = []
                 moe.prefill_layer(x_d, lg_d, pool, warm, out=out)
@@ -152,7 +168,7 @@ def layer(args, res: dict) -> None:
                 out.fill(np.nan)
                 moe.prefill_layer(x_d, lg_d, pool, cold, host, (E, RING), out=out)
                 moe.compute_stream.synchronize()
-                err = rel_err(out.get()[:32], refs[name])
+                err = rel_err(out.get()[check], refs[name])
                 t = time_ms(cp, lambda: moe.prefill_layer(x_d, lg_d, pool, cold, host, (E, RING), out=out),
                             moe.compute_stream, max(5, args.reps // 3))
                 r[f"cold_{name}"] = {**t, "rel_err": err, "x_floor": t["median_ms"] / res["floor_cold_ms"]}
@@ -195,7 +211,7 @@ def main() -> int:
     ap.add_argument("--f16-layers", type=int, default=12)
     ap.add_argument("--skip", default="")
     ap.add_argument("--variants", default="classes:4,classes:8,grouped:1",
-                    help="gemm_mode:streams pairs to time (cold runs and the trace for the first only)")
+                    help="gemm_mode:streams[:split_rows] to time (cold runs and the trace for the first only)")
     args = ap.parse_args()
     res: dict = {"schema": "strata.bench.layer/1", "python": platform.python_version(),
                  "shape": {"experts": E, "top_k": K, "hidden": H, "ffn": F, "tokens": T, "ring": RING}}

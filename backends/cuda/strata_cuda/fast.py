@@ -4,9 +4,10 @@
 executor can call it with the cache's own pool, slot maps and lent ring slots:
 - `prefill_layer`: route on the device (top-k, then group positions and counts, both without atomics), one small
   host sync for the per-expert row counts, then the rows gathered into a compact f16 stack (each expert's rows
-  contiguous, no padding to the largest group), the expert GEMMs as one cuBLAS grouped GEMM per projection with
-  each expert's exact rows (f16 in, f32 accumulation; `gemm_mode` names the fallbacks) with a SwiGLU kernel
-  between, and a deterministic per-token combine (k order). Missed experts stream from
+  contiguous, no padding to the largest group), the expert GEMMs as one pointer-array batched cuBLAS GEMM per
+  size class and projection (f16 in, f32 accumulation; `gemm_mode` names the others), a group of more than
+  `split_rows` rows run as pieces of that many (so a hot expert under skewed routing joins the common class),
+  with a SwiGLU kernel between, and a deterministic per-token combine (k order). Missed experts stream from
   page-locked host memory through ring slots of the same pool on a copy stream, several experts per copy (large
   groups first, small ones last, so little compute is left once the last byte lands), while the compute stream
   runs the hits and every group whose copy has landed (events, no host waits). Q8_0 experts are copied as quants
@@ -35,6 +36,8 @@ from typing import Any, Sequence
 import numpy as np
 
 from strata_core.reference.kernels import QK8_0, ExpertPool
+
+from .grouping import gemm_pieces
 
 SOURCE_NAME = "moe_fast.cu"
 COMPILE_OPTIONS = ("-std=c++17",)
@@ -90,6 +93,13 @@ ROW_ALIGN = 8
 #: GEMM per expert. Measured on the H200 (bench/results/layer_h200.json): classes is the fastest, the default.
 GEMM_MODES = ("classes", "grouped-classes", "grouped", "loop")
 CLASS_MODES = ("classes", "grouped-classes")
+#: In the class modes a group of more rows than this runs as pieces of this many rows (FastMoE.split_rows; 0: whole
+#: groups; grouping.gemm_pieces). Each size class is one cuBLAS call of about 20 us of host time a projection
+#: (H200, bench/results/k2_h200/call2_profile_layer.json), and the sweep's skewed routing made 18 classes of a
+#: 4096-token chunk, the host issuing GEMMs slower than the device ran them; above 512 rows every group joins the 512-row
+#: class (12 classes, 10% fewer padded rows), and the uniform chunk's groups (about 256 rows) stay whole. Pieces of
+#: 128 rows lost on the device (more problems, each expert's weights read again per piece).
+SPLIT_ROWS = 512
 
 
 def kernel_source() -> str:
@@ -157,7 +167,7 @@ def warm_up() -> None:
 
 
 #: Batch counts the GEMM warm-up runs each size class at (cuBLAS picks kernels by batch count too).
-WARM_BATCHES = (1, 4, 16, 64)
+WARM_BATCHES = (*range(1, 17), 24, 32, 48, 64, 96, 128, 192, 256, 384)
 
 
 def warm_gemms(moe: "FastMoE", tokens: int) -> int:
@@ -169,8 +179,13 @@ def warm_gemms(moe: "FastMoE", tokens: int) -> int:
         return 0
     h, f = moe.hidden, moe.ffn
     routed = max(1, tokens) * moe.top_k
-    sizes = np.unique(class_rows(np.arange(1, max(1, tokens) + 1))) if moe.gemm_mode in CLASS_MODES else \
+    split = moe.split_rows if moe.gemm_mode in CLASS_MODES and moe.split_rows > 0 else 0
+    # with split groups no problem is larger than split_rows' class, and that class meets more problems a call
+    top = min(max(1, tokens), split) if split else max(1, tokens)
+    sizes = np.unique(class_rows(np.arange(1, top + 1))) if moe.gemm_mode in CLASS_MODES else \
         np.unique(np.minimum(tokens, 1 << np.arange(int(np.log2(max(1, tokens))) + 2)))
+    most = moe.experts + (routed // split if split else 0)
+    batches = sorted({b for b in (*WARM_BATCHES, most // 2, most) if b > 0})
     n_max = int(sizes.max())
     w = cupy.empty(2 * (2 * f * h + h * f) // 2, dtype=cupy.float16)
     a = cupy.empty(n_max * (h + 2 * f), dtype=cupy.float16)
@@ -191,8 +206,8 @@ def warm_gemms(moe: "FastMoE", tokens: int) -> int:
         moe._ptr_cursor = 0
 
     for n in sizes.tolist():
-        for b in WARM_BATCHES:
-            if b > moe.experts or b * n > 2 * routed:
+        for b in batches:
+            if b > most or b * n > 2 * routed:
                 continue
             run(np.full(b, n, dtype=np.int64))
             calls += 2
@@ -326,6 +341,8 @@ class LayerStats:
     routed_rows_hit: int = 0
     routed_rows: int = 0
     copy_groups: int = 0
+    #: expert GEMM problems of each projection (more than experts_used where hot experts ran as pieces)
+    gemm_problems: int = 0
     #: ring slot -> the missed expert it holds after the layer (streamed layers only)
     ring_held: dict | None = None
 
@@ -429,12 +446,15 @@ class FastMoE:
                  "loop": True}
         if not needs.get(self.gemm_mode):
             raise ValueError(f"FastMoE: gemm_mode {self.gemm_mode!r} is not available here")
+        #: class modes: groups above this many rows run as pieces of it (SPLIT_ROWS; 0: whole groups)
+        self.split_rows = SPLIT_ROWS
         # side streams for the size classes, each with its own cuBLAS handle (a handle's workspace is not shared
         # between streams that run at once)
         self._side = side_lanes(max(0, int(gemm_streams) - 1)) if self.gemm_mode == "classes" else []
         # page-locked staging of the GEMMs' device pointer arrays, used from a cursor that restarts once the last
         # upload from it has run (an event), so the host never overwrites a table a queued copy still reads
-        n_ptr = 16 * max(experts, 64)
+        # (room for a layer's two projections with hot experts split into pieces, so the cursor need not restart)
+        n_ptr = 64 * max(experts, 64)
         self._ptr_mem = cupy.cuda.alloc_pinned_memory(8 * n_ptr)
         self._ptr_stage = np.frombuffer(self._ptr_mem, dtype=np.int64, count=n_ptr)
         self._ptr_dev = cupy.cuda.alloc(8 * n_ptr)
@@ -517,24 +537,25 @@ class FastMoE:
             main = self._cp.cuda.get_current_stream()
             lanes = [(main, self._handle)]
             if self._side and sizes.size > 1 and live.size >= SIDE_STREAM_MIN_PROBLEMS:
-                fork = self._cp.cuda.Event(disable_timing=True)
+                # the fork and join events are made once: a wait takes the event's last record at enqueue time
+                fork = self._fork_join()[0]
                 fork.record(main)
                 for side, _ in self._side:
                     side.wait_event(fork)
                 lanes += self._side
-            # largest classes first, dealt round the lanes, so each lane gets a share of the heavy work
+            # largest classes first, dealt round the lanes, so each lane gets a share of the heavy work; alpha and
+            # beta by address read once (numpy's .ctypes builds an object per access, twice a call)
+            one, zero, batched = self._one.ctypes.data, self._zero.ctypes.data, self._blas.batched
             for j, c in enumerate(np.argsort(-sizes, kind="stable").tolist()):
                 stream, hnd = lanes[j % len(lanes)]
                 cb.setStream(hnd, stream.ptr)
                 n, f0, cnt = int(sizes[c]), int(first[c]), int(per[c])
-                st = self._blas.batched(hnd, _CUBLAS_OP_T, _CUBLAS_OP_N, m, n, k, self._one.ctypes.data,
-                                        a_d + 8 * f0, _CUDA_R_16F, lda, b_d + 8 * f0, _CUDA_R_16F, ldb,
-                                        self._zero.ctypes.data, c_d + 8 * f0, _CUDA_R_16F, ldc, cnt,
-                                        _CUBLAS_COMPUTE_32F, _CUBLAS_GEMM_DEFAULT)
+                st = batched(hnd, _CUBLAS_OP_T, _CUBLAS_OP_N, m, n, k, one, a_d + 8 * f0, _CUDA_R_16F, lda,
+                             b_d + 8 * f0, _CUDA_R_16F, ldb, zero, c_d + 8 * f0, _CUDA_R_16F, ldc, cnt,
+                             _CUBLAS_COMPUTE_32F, _CUBLAS_GEMM_DEFAULT)
                 if st:
                     raise RuntimeError(f"cublasGemmBatchedEx failed with status {st}")
-            for side, _ in lanes[1:]:
-                join = self._cp.cuda.Event(disable_timing=True)
+            for (side, _), join in zip(lanes[1:], self._fork_join()[1:]):
                 join.record(side)
                 main.wait_event(join)
             return
@@ -551,6 +572,13 @@ class FastMoE:
                                 a["ldc"], g, a["size"], _CUBLAS_COMPUTE_32F)
         if st:
             raise RuntimeError(f"cublasGemmGroupedBatchedEx failed with status {st}")
+
+    def _fork_join(self) -> list:
+        """The fork event and one join event per side lane, made on first use."""
+        ev = self.__dict__.get("_fj")
+        if ev is None:
+            ev = self._fj = [self._cp.cuda.Event(disable_timing=True) for _ in range(1 + len(self._side))]
+        return ev
 
     def _stride_blocks(self, n: int) -> int:
         return max(1, min(STRIDE_MAX_BLOCKS, (n + THREADS - 1) // THREADS))
@@ -846,13 +874,19 @@ class FastMoE:
         m = len(slots)
         w13, w2 = self._weights_f16(pool, slots)
         row0 = lay.row0[blk0:blk0 + m]
-        ns = lay.cap[blk0:blk0 + m] if self.gemm_mode in CLASS_MODES else lay.count[blk0:blk0 + m]
-        self._gemm_problems(2 * f, h, h, h, 2 * f, w13, xs + 2 * row0 * h, gu + 2 * row0 * 2 * f, ns)
+        if self.gemm_mode in CLASS_MODES:
+            # hot experts run as pieces of split_rows rows beside the others (grouping.gemm_pieces)
+            blk, off, ns = gemm_pieces(lay.count[blk0:blk0 + m], lay.cap[blk0:blk0 + m], self.split_rows, class_rows)
+            w13, w2, prow = w13[blk], w2[blk], row0[blk] + off
+        else:
+            ns, prow = lay.count[blk0:blk0 + m], row0
+        self.stats.gemm_problems += int(np.count_nonzero(ns))
+        self._gemm_problems(2 * f, h, h, h, 2 * f, w13, xs + 2 * prow * h, gu + 2 * prow * 2 * f, ns)
         r_first = int(row0[0])
         r_n = int(row0[-1] + lay.cap[blk0 + m - 1]) - r_first
         self._k["strata_fast_swiglu"]((self._stride_blocks(r_n * (f // 8)),), (THREADS,),
                                       (np.uint64(gu), np.int64(r_first), np.int64(r_n), np.int32(f), np.uint64(act)))
-        self._gemm_problems(h, f, f, f, h, w2, act + 2 * row0 * f, ys + 2 * row0 * h, ns)
+        self._gemm_problems(h, f, f, f, h, w2, act + 2 * prow * f, ys + 2 * prow * h, ns)
 
     def _copy_experts(self, pool: ExpertPool, host_pool: ExpertPool, experts: list[int], slots: Sequence[int],
                       names: Sequence[str] | None = None) -> int:
@@ -912,6 +946,7 @@ class FastMoE:
         first_of = np.concatenate([[0], np.cumsum(sizes)]).astype(int)
         cs, st = self.copy_stream, self.compute_stream
         cs.wait_event(start)  # ring slots may still be read by earlier work on the compute stream
+        self._mark("copy_start", cs)
         landed = [cp.cuda.Event(disable_timing=True) for _ in sizes]
         done = [cp.cuda.Event(disable_timing=True) for _ in sizes]
         streamed = 0

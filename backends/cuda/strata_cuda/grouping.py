@@ -68,3 +68,36 @@ def group_layouts(offsets, slots, n_rows: int, n_slots: int) -> list[GroupLayout
         pick = active[bucket == b]
         out.append(_layout(offsets[pick], counts[pick], slots[pick]))
     return out
+
+
+def gemm_pieces(count, cap, piece_rows: int, round_rows) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The GEMM problems that cover groups of `count` rows, each in a stack block of `cap` rows: (block, first row
+    within the block, rows) per problem, blocks in order.
+
+    A group of more than piece_rows rows runs as pieces of piece_rows rows (the same expert's weights each) plus
+    its remainder rounded by round_rows (a size class, clipped to the block), so one hot expert does not make a
+    class of its own whose few large problems leave most of the chip to one GEMM's tail, and its rows are not
+    padded to a class; a smaller group is one problem of round_rows(count) rows (clipped to its block).
+    piece_rows <= 0 keeps every group whole. Empty groups give no problem.
+    """
+    count = np.asarray(count, dtype=np.int64).reshape(-1)
+    cap = np.asarray(cap, dtype=np.int64).reshape(-1)
+    if count.shape != cap.shape or np.any(cap < count):
+        raise ValueError("gemm_pieces: every block needs cap >= count")
+    live = np.flatnonzero(count > 0)
+    if piece_rows <= 0:
+        whole = np.minimum(np.asarray(round_rows(count[live]), dtype=np.int64), cap[live])
+        return live, np.zeros(live.size, dtype=np.int64), whole
+    full = np.where(count > piece_rows, count // piece_rows, 0)
+    rem = count - full * piece_rows
+    blk_full = np.repeat(np.arange(count.size, dtype=np.int64), full)
+    first = np.concatenate(([0], np.cumsum(full)[:-1])) if count.size else full
+    off_full = (np.arange(blk_full.size, dtype=np.int64) - np.repeat(first, full)) * piece_rows
+    has_rem = np.flatnonzero(rem > 0)
+    rows_rem = np.minimum(np.asarray(round_rows(rem[has_rem]), dtype=np.int64),
+                          cap[has_rem] - full[has_rem] * piece_rows)
+    blk = np.concatenate([blk_full, has_rem])
+    off = np.concatenate([off_full, full[has_rem] * piece_rows])
+    rows = np.concatenate([np.full(blk_full.size, piece_rows, dtype=np.int64), rows_rem])
+    order = np.lexsort((off, blk))
+    return blk[order], off[order], rows[order]
