@@ -74,6 +74,8 @@ F32_COPY_LIMIT_BYTES = 64 << 20
 #: reduceat's one segment (every routed row of a one-row residual adds into row 0; np.add.reduce over axis 0
 #: sums in another order, other bits)
 _ROW0 = np.zeros(1, dtype=np.intp)
+#: a one-row scatter_add of at most this many rows sums them with adds (reduceat's order), more with reduceat
+SEQUENTIAL_ROWS = 8
 #: route_topk of one row takes up to this many argmaxes instead of a stable sort of the row
 TOPK_BY_ARGMAX = 8
 _NEG_INF = np.float32(-np.inf)
@@ -149,7 +151,8 @@ class HostKernels(ReferenceKernels):
             top = row[ids]
             if top[0] == top[0] and left[i] != _NEG_INF:
                 e = np.exp(top - top[:1])
-                np.divide(e, e.sum(keepdims=True), out=out[1][0])
+                # e.sum(keepdims=True) without its Python wrapper: the same reduction
+                np.divide(e, np.add.reduce(e, 0, None, None, True), out=out[1][0])
                 return out
         order = np.argsort(-row, kind="stable")[:k]
         top = row[order]
@@ -171,7 +174,18 @@ class HostKernels(ReferenceKernels):
         if type(out) is not np.ndarray or out.shape[0] != 1 or type(y) is not np.ndarray or len(rows) == 0 \
                 or type(scale) is not np.ndarray or y.dtype != _F32 or scale.dtype != _F32:
             return super().scatter_add(out, rows, y, scale)
-        out += np.add.reduceat(y * scale[:, None], _ROW0, axis=0)
+        t = y * scale[:, None]
+        n = len(t)
+        if 2 <= n <= SEQUENTIAL_ROWS:
+            # reduceat's sum of one segment of n <= 8 rows, spelled out: the first row plus the others summed in
+            # order (numpy's pairwise sum is sequential below 8 elements); a few adds instead of reduceat's setup
+            rest = t[1] + t[2] if n > 2 else t[1].copy()
+            for i in range(3, n):
+                rest += t[i]
+            np.add(t[0], rest, out=rest)
+            out[0] += rest
+            return
+        out += np.add.reduceat(t, _ROW0, axis=0)
 
 
 class HostMemory:
@@ -192,6 +206,9 @@ class HostMemory:
 
     def upload(self, dst, src, stream=None):
         """Copy into dst."""
+        if type(src) is np.ndarray and src.shape == dst.shape:
+            np.copyto(dst, src, casting="same_kind")  # asarray and reshape would be no-ops
+            return
         np.copyto(dst, np.asarray(src).reshape(dst.shape), casting="same_kind")
 
     def download(self, src, stream=None):

@@ -536,15 +536,16 @@ class ComposedLayerOps:
                         fb[H + E:H + E + k].reshape(1, k), fb[H + E + k:H + E + k + k * H].reshape(k, H),
                         fb[H + E + k + k * H:].reshape(k, H), ib[k:])
                 xn, logits, ids, wts, xg, y, slots32 = bufs
+                topk_out, ids0, wts0 = (ids, wts), ids[0], wts[0]
             layer, x, cache = w.layer, w.x, w.slots
             observer = w.extras.get("observer")
             x_in = np.array(x) if observer is not None else None
             rmsnorm(x, w.norm_w, out=xn)
             linear(xn, w.router_w, out=logits)
-            route_topk(logits, k, out=(ids, wts))
+            route_topk(logits, k, out=topk_out)
             # k Python ints: sorting, the lookup and the admission of a handful of experts cost less as scalars
             # than as array calls (each of which costs a microsecond or more here)
-            id_l = ids[0].tolist()
+            id_l = ids0.tolist()
             order = sorted(ks, key=id_l.__getitem__)
             experts = [id_l[i] for i in order]
             if len(set(experts)) < k:
@@ -553,7 +554,7 @@ class ComposedLayerOps:
                 bufs = None
                 self._layer(w)
                 continue
-            scales = wts[0][order]
+            scales = wts0[order]
             slots = cache.lookup_distinct(layer, experts)
             if EMPTY in slots:
                 miss = [i for i in ks if slots[i] == EMPTY]

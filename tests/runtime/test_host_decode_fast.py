@@ -105,3 +105,19 @@ def test_a_cached_weight_made_writeable_again_is_converted_again():
     w.flags.writeable = True
     w[:] = 0
     assert not host.linear(x, w, out=out).any(), "a weight that can change was served from its old f32 copy"
+
+
+@pytest.mark.parametrize("seed", range(80))
+def test_one_row_scatter_add_is_the_reference_for_every_row_count(seed):
+    rng = np.random.default_rng(seed)
+    n, H = int(rng.integers(1, 13)), int(rng.choice([1, 7, 16, 128, 130]))
+    base = (rng.standard_normal((1, H)) * rng.choice([1e-3, 1.0, 1e4])).astype(np.float32)
+    y = (rng.standard_normal((n, H)) * rng.choice([1e-3, 1.0, 1e4], (n, 1))).astype(np.float32)
+    if seed % 4 == 0:  # signed zeros: -0.0 + -0.0 keeps the sign, a +0.0 anywhere drops it
+        y[rng.random((n, H)) < 0.5] = -0.0
+        base[:, rng.random(H) < 0.5] = -0.0
+    scale = rng.random(n).astype(np.float32)
+    a, b = base.copy(), base.copy()
+    REF.scatter_add(a, np.zeros(n, np.int32), y, scale)
+    HostKernels().scatter_add(b, np.zeros(n, np.int32), y, scale)
+    assert np.array_equal(a.view(np.uint32), b.view(np.uint32))
