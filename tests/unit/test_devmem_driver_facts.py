@@ -61,5 +61,11 @@ def test_tables_the_context_already_has_do_not_hide_the_cost_of_a_gib():
 
 
 def test_a_runtime_that_cannot_say_gives_no_facts():
-    assert cuda_probe.driver_memory_facts(DriverRuntime(fail_host=True), 0) == (0, 0)
+    assert cuda_probe.driver_memory_facts(DriverRuntime(fail_host=True), 0) == (2 * MIB, 0)
     assert cuda_probe.driver_memory_facts(object(), 0) == (0, 0)
+
+
+def test_no_page_locking_where_its_memory_is_capped():
+    rt = DriverRuntime()
+    assert cuda_probe.driver_memory_facts(rt, 0, page_lock=False) == (2 * MIB, 0)
+    assert rt.table_bytes == 0

@@ -240,10 +240,11 @@ def _pinned_map_per_gib(runtime: Any) -> int:
     return most if most <= GIB // 64 else 0  # more than 16 MiB a GiB is another process's allocation, not tables
 
 
-def driver_memory_facts(runtime: Any, index: int) -> tuple[int, int]:
+def driver_memory_facts(runtime: Any, index: int, page_lock: bool = True) -> tuple[int, int]:
     """(allocation granularity, device bytes per page-locked GiB) of device `index`, measured once per process
-    through the runtime (it makes the device's context); (0, 0) where the runtime cannot say (a test double, no
-    host memory to page-lock)."""
+    through the runtime (it makes the device's context); 0 for a fact the runtime cannot give (a test double, no
+    host memory to page-lock) and for the page tables without `page_lock` (WDDM and WSL2, whose page-locked memory
+    is capped near the probe's 2 GiB: the probe does not spend it)."""
     if not all(hasattr(runtime, f) for f in ("malloc", "free", "hostAlloc", "freeHost")):
         return 0, 0  # a runtime that only enumerates (a test double): nothing to measure with, no context made
     try:
@@ -251,17 +252,24 @@ def driver_memory_facts(runtime: Any, index: int) -> tuple[int, int]:
     except TypeError:  # not weakly referable: measured every time
         known = {}
     if int(index) not in known:
-        facts = (0, 0)
+        granularity = pinned_map = 0
         try:
             prev = runtime.getDevice()
             runtime.setDevice(index)
             try:
-                facts = (_granularity(runtime), _pinned_map_per_gib(runtime))
+                try:
+                    granularity = _granularity(runtime)
+                except Exception:  # unmeasured: the plan has no rounding line
+                    granularity = 0
+                try:
+                    pinned_map = _pinned_map_per_gib(runtime) if page_lock else 0
+                except Exception:  # unmeasured: the plan has no page-table line
+                    pinned_map = 0
             finally:
                 runtime.setDevice(prev)
-        except Exception:  # the facts stay unmeasured: the plan then has no driver lines
-            facts = (0, 0)
-        known[int(index)] = facts
+        except Exception:  # no device to make current: nothing measured
+            granularity = pinned_map = 0
+        known[int(index)] = (granularity, pinned_map)
     return known[int(index)]
 
 
@@ -285,7 +293,8 @@ def device_info(index: int, runtime: Any, nvml: Any | None, os_name: str, wsl: b
     if "drives_display" not in facts:
         # the kernel watchdog is on exactly when the card runs a display
         facts["drives_display"] = bool(int(props.get("kernelExecTimeoutEnabled", 0)))
-    granularity, pinned_map = driver_memory_facts(runtime, index)
+    granularity, pinned_map = driver_memory_facts(runtime, index,
+                                                  page_lock=facts["driver_model"] not in ("wddm", "wsl2"))
     return DeviceInfo(backend=NAME, vendor="nvidia", name=facts.get("name") or text(props.get("name", "")),
                       arch=arch, vram_total_bytes=facts["vram_total_bytes"], vram_free_bytes=facts["vram_free_bytes"],
                       driver_model=facts["driver_model"], drives_display=facts["drives_display"], index=index,
