@@ -77,6 +77,13 @@ def rng():
     return SeededGenerator(secrets.randbits(32))
 
 
+def workspace(cp, nbytes: int = 512 << 20):
+    """The runtime's own Arena over one device buffer, as the executor hands a layer its workspace: carved views stay
+    valid until reset (a carve of fresh cupy arrays that nothing keeps would hand the layer freed pool memory)."""
+    from strata_core.runtime.devmem import Arena
+    return Arena(None, extents=[cp.empty(int(nbytes), dtype=cp.uint8)])
+
+
 def pinned(cp, shape, dtype) -> np.ndarray:
     """A page-locked (cudaHostAlloc) numpy array, so the device can copy from it asynchronously and map it."""
     n = int(np.prod(shape)) * np.dtype(dtype).itemsize

@@ -15,7 +15,7 @@ import pytest
 from strata_core.api.kernels import ExpertPool, LayerWork
 from strata_core.reference import kernels as ref
 
-from .test_fast_paths import SeededGenerator, _cuda_device_count, dense_f64, pinned, rel
+from .test_fast_paths import SeededGenerator, _cuda_device_count, dense_f64, pinned, rel, workspace
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(_cuda_device_count() == 0, reason="no CUDA device")]
 
@@ -93,8 +93,7 @@ def reference_layer(m, layer: int, x: np.ndarray) -> np.ndarray:
 
 def works(cp, m, phase: str, x, ring: np.ndarray, copy_stream) -> list[LayerWork]:
     """The LayerWork of every layer, as the executor builds them (dense weights on the device once, as it keeps them)."""
-    ws = SimpleNamespace(reset=lambda: None, carve=lambda shape, dtype: cp.empty(shape, dtype=dtype),
-                         mark=lambda: 0, release=lambda mark: None)
+    ws = workspace(cp)
     if not hasattr(m, "norms_d"):
         m.norms_d = [cp.asarray(v) for v in m.norms]
         m.routers_d = [cp.asarray(v) for v in m.routers]

@@ -15,6 +15,8 @@ import pytest
 from strata_core.models.gguf import q4_k_m_down_types, read_moe_tensors, write_moe_gguf
 from strata_core.testing import reference64 as r64
 
+from .test_fast_paths import workspace
+
 pytestmark = [pytest.mark.gpu, pytest.mark.requires_cuda]
 
 #: f32 accumulation of exactly dequantized weights (SIMT kernels); f16 inputs to tensor cores (the mma variant)
@@ -193,7 +195,6 @@ def test_cuda_layer_ops_run_a_gguf_prefill_on_the_quant_moe_path(tmp_path):
     """CudaLayerOps (what `strata run --backend cuda` calls) takes QuantMoE for a 'gguf' layer: a prefill chunk with
     half the experts cached and the rest streamed through lent ring slots, on the runtime's cache, store and source."""
     import cupy as cp
-    from types import SimpleNamespace
 
     from strata_core.api.kernels import LayerWork
     from strata_core.runtime.cache import ExpertCache
@@ -228,8 +229,7 @@ def test_cuda_layer_ops_run_a_gguf_prefill_on_the_quant_moe_path(tmp_path):
     h = host.formats[0].hidden
     ring = cache.lend(4)
     assert ring is not None
-    ws = SimpleNamespace(reset=lambda: None, carve=lambda shape, dtype: cp.empty(shape, dtype=dtype),
-                         mark=lambda: 0, release=lambda mark: None)
+    ws = workspace(cp)
     x0 = rng.standard_normal((200, h)).astype(np.float32)
     x = cp.asarray(x0)
     checked = 0
@@ -265,7 +265,6 @@ def test_cuda_layer_ops_decode_a_gguf_model_as_graph_replays_per_format(tmp_path
     one QuantMoE graph replay per run of layers of one format, every expert cached, the residual after all layers
     against the float64 reference; no composed step."""
     import cupy as cp
-    from types import SimpleNamespace
 
     from strata_core.api.kernels import LayerWork
     from strata_core.runtime.cache import ExpertCache
@@ -295,8 +294,7 @@ def test_cuda_layer_ops_decode_a_gguf_model_as_graph_replays_per_format(tmp_path
     norms = [(1 + 0.1 * rng.standard_normal(h)).astype(np.float32) for _ in range(layers)]
     routers = [(rng.standard_normal((e_n, h)) / np.sqrt(h)).astype(np.float32) for _ in range(layers)]
     norms_d, routers_d = [cp.asarray(v) for v in norms], [cp.asarray(v) for v in routers]
-    ws = SimpleNamespace(reset=lambda: None, carve=lambda shape, dtype: cp.empty(shape, dtype=dtype),
-                         mark=lambda: 0, release=lambda mark: None)
+    ws = workspace(cp)
     for _ in range(50):  # a token without near-ties in any layer
         x0 = rng.standard_normal((1, h)).astype(np.float32)
         want, ok = x0.astype(np.float64), True

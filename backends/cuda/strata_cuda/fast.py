@@ -59,9 +59,6 @@ MAX_TOPK = 16
 STRIDE_MAX_BLOCKS = 8192
 #: FFN rows per warp of the decode gate/up kernel (STRATA_DEC_ROWS in the source).
 DECODE_ROWS_PER_WARP = 2
-#: A streamed copy group carries at least this many bytes (small experts go many to a group): each group costs the
-#: host a few launches, so tiny experts in groups of 8 were bound by Python, not by the link.
-COPY_GROUP_BYTES = 64 << 20
 #: The decode stack's norm/router and down kernels (FastMoE.decode_form): 2 the second forms of moe_fast.cu (router
 #: rows loaded before the wait for x; the down loads issued in batches), 1 the first forms. H200, 48-layer graph
 #: (bench/results/k1_h200/call2_decode_kernels_h200.json): 1.995 ms with 2, 2.226 ms with 1.
@@ -71,6 +68,9 @@ DECODE_FORM = 2
 DECODE_PDL = False
 #: Output rows per warp of the f16-weight GEMV (STRATA_GEMV_WROWS in the source).
 GEMV_ROWS_PER_WARP = 2
+#: A streamed copy group carries at least this many bytes (small experts go many to a group): each group costs the
+#: host a few launches, so tiny experts in groups of 8 were bound by Python, not by the link.
+COPY_GROUP_BYTES = 64 << 20
 #: Size classes are spread over side streams only for calls of at least this many experts (a ring group's few
 #: experts gain nothing from the fork and join).
 SIDE_STREAM_MIN_PROBLEMS = 16
