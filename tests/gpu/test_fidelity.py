@@ -30,7 +30,8 @@ def test_the_tiny_models_measured_peak_is_within_its_plan(chunk):
     v = r["plan"]["vram"]
     planned, measured = r["device_bytes_planned"], r["device_bytes_peak_measured"]
     assert "mem_info" in r["device_bytes_peak_source"]
-    assert v["alloc_rounding_bytes"] > 0 and v["pinned_map_bytes"] > 0, "the probe measured no driver facts"
+    capped = r["plan"]["device"]["driver_model"] in ("wddm", "wsl2")  # the probe page-locks nothing there
+    assert v["alloc_rounding_bytes"] > 0 and (v["pinned_map_bytes"] > 0 or capped), "the probe measured no facts"
     lines = (v["dense_bytes"] + v["kv_bytes"] + v["workspace_bytes"] + v["expert_cache_bytes"]
              + v["owned_prompt_bytes"] + v["alloc_rounding_bytes"] + v["pinned_map_bytes"])
     assert planned == lines
@@ -43,4 +44,4 @@ def test_the_probe_measures_the_drivers_granularity_and_page_tables():
     (d, *_) = backend.BACKEND.probe().devices
     g, t = d.info.alloc_granularity_bytes, d.info.pinned_map_bytes_per_gib
     assert g > 0 and g & (g - 1) == 0, g
-    assert 0 < t <= 16 << 20, t
+    assert 0 < t <= 16 << 20 or d.info.driver_model in ("wddm", "wsl2"), t
