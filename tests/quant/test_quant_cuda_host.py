@@ -1,17 +1,16 @@
 """moe_quant.cu's kernels run on the host: g++ builds the CUDA C source (quants.cuh included) with a small shim
-(a thread for each GPU thread, a barrier for __syncthreads, one block at a time), and its grouped FFN over 'gguf'
-pools is checked against the float64 reference, so the kernel's logic is tested without a GPU. The GPU run is
+(a fiber for each GPU thread, a barrier for __syncthreads, one block at a time: host_build.FIBERS), and its grouped
+FFN over 'gguf' pools is checked against the float64 reference, so the kernel's logic is tested without a GPU. The GPU run is
 tests/gpu/test_quant_cuda.py; NVRTC's build of the same text is checked here too where cupy is installed."""
 
 from __future__ import annotations
 
 import ctypes
-import shutil
-import subprocess
 from pathlib import Path
 
 import numpy as np
 import pytest
+from host_build import FIBERS, build_host_library
 
 from strata_core.models.gguf import read_moe_tensors
 from strata_core.reference.quants import GGML_TYPES
@@ -20,18 +19,14 @@ from strata_core.testing import reference64 as r64
 CUDA_DIR = Path(__file__).resolve().parents[2] / "backends" / "cuda" / "strata_cuda"
 F32_BOUND = 1e-5
 
-SHIM = r"""
+SHIM = FIBERS + r"""
 #include <algorithm>
-#include <barrier>
 #include <cmath>
 #include <cstring>
-#include <functional>
-#include <thread>
-#include <vector>
 using std::min;
 struct qt_dim3 { unsigned int x = 0, y = 0, z = 0; };
-static thread_local qt_dim3 threadIdx, blockIdx;
-static std::barrier<>* qt_bar = nullptr;
+static qt_dim3 threadIdx, blockIdx;
+static qh_barrier* qt_bar = nullptr;
 static inline void __syncthreads() { qt_bar->arrive_and_wait(); }
 static inline float __uint_as_float(unsigned int u) { float f; std::memcpy(&f, &u, 4); return f; }
 static inline unsigned int __float_as_uint(float f) { unsigned int u; std::memcpy(&u, &f, 4); return u; }
@@ -55,15 +50,15 @@ static float qt_h2f(unsigned int h) {
 }
 static void __syncthreads();
 static void qt_mma_host(float c[4], const unsigned int a[4], const unsigned int b[2]);
+static void qt_set_thread(unsigned t) { threadIdx.x = t; }
 static void qt_launch(unsigned gx, unsigned gy, unsigned block, const std::function<void()>& body) {
     for (unsigned by = 0; by < gy; ++by)
         for (unsigned bx = 0; bx < gx; ++bx) {
-            std::barrier<> bar(block);
+            qh_barrier bar(block);
             qt_bar = &bar;
-            std::vector<std::thread> ts;
-            for (unsigned t = 0; t < block; ++t)
-                ts.emplace_back([&, t] { threadIdx.x = t; blockIdx.x = bx; blockIdx.y = by; body(); });
-            for (auto& th : ts) th.join();
+            blockIdx.x = bx;
+            blockIdx.y = by;
+            qh_run_block(block, body, qt_set_thread);
         }
 }
 """
@@ -123,18 +118,11 @@ void host_down(unsigned gx, unsigned gy, const float* act, const int* off, const
 
 
 def _host_library(tmp_path_factory, cu_name: str, shim: str, wrappers: str) -> ctypes.CDLL:
-    """backends/cuda/strata_cuda/<cu_name> between its shim and wrappers, built by g++ for the host (skipped only
-    without a C++20 g++; a build error of the source fails)."""
-    if shutil.which("g++") is None:
-        pytest.skip(f"no g++ on this machine: the host build of {cu_name} needs a C++20 compiler")
-    stem = Path(cu_name).stem + "_host"
-    tmp = tmp_path_factory.mktemp(stem)
-    src = tmp / f"{stem}.cpp"
-    src.write_text(shim + (CUDA_DIR / cu_name).read_text() + wrappers)
-    done = subprocess.run(["g++", "-std=c++20", "-O1", "-shared", "-fPIC", "-pthread", "-w", f"-I{CUDA_DIR}",
-                           str(src), "-o", str(tmp / f"{stem}.so")], capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return ctypes.CDLL(str(tmp / f"{stem}.so"))
+    """backends/cuda/strata_cuda/<cu_name> between its shim and wrappers, built by g++ for the host once per session
+    (skipped only without a C++20 g++; a build error of the source fails)."""
+    text = shim + (CUDA_DIR / cu_name).read_text() + wrappers
+    return build_host_library(tmp_path_factory, Path(cu_name).stem + "_host", text, CUDA_DIR,
+                              includes=[CUDA_DIR / "quants.cuh"])
 
 
 @pytest.fixture(scope="module")
@@ -209,7 +197,7 @@ def test_moe_quant_cu_compiles_with_nvrtc():
 
 # --------------------------------------------------------------------------------------------------------------
 # quant_fast.cu (the dequantize-to-f16 kernel of QuantMoE's prefill and the GEMV kernels of small groups and decode)
-# on the host: a thread per GPU thread, one block at a time, warp shuffles exchanged through memory between two
+# on the host: a fiber per GPU thread, one block at a time, warp shuffles exchanged through memory between two
 # barriers of the warp's 32 threads.
 # --------------------------------------------------------------------------------------------------------------
 
@@ -217,22 +205,18 @@ def test_moe_quant_cu_compiles_with_nvrtc():
 #: GPU's other summation order (warp tree, fused multiply-adds) and nothing for a wrong weight
 GEMV_BOUND = 1e-6
 
-FAST_SHIM = r"""
+FAST_SHIM = FIBERS + r"""
 #define QF_HOST 1
-#include <barrier>
 #include <cmath>
 #include <cstring>
-#include <functional>
-#include <thread>
-#include <vector>
 using std::min;
 struct qt_dim3 { unsigned int x = 1, y = 1, z = 1; };
 struct uint4 { unsigned int x, y, z, w; };
 struct float4 { float x, y, z, w; };
 static inline uint4 make_uint4(unsigned a, unsigned b, unsigned c, unsigned d) { return uint4{a, b, c, d}; }
-static thread_local qt_dim3 threadIdx, blockIdx;
+static qt_dim3 threadIdx, blockIdx;
 static qt_dim3 blockDim, gridDim;
-static std::barrier<>* qf_warp_bar[8];
+static qh_barrier* qf_warp_bar[8];
 static float qf_xchg[256];
 static inline float __uint_as_float(unsigned int u) { float f; std::memcpy(&f, &u, 4); return f; }
 static inline unsigned int __float_as_uint(float f) { unsigned int u; std::memcpy(&u, &f, 4); return u; }
@@ -264,17 +248,16 @@ static inline float qf_host_warp_sum(float v) {
 #define __shared__ static
 #define __restrict__
 #define __launch_bounds__(n)
+static void qf_set_thread(unsigned t) { threadIdx.x = t; }
 static void qf_launch(unsigned gx, unsigned gy, const std::function<void()>& body) {
     blockDim.x = 256; gridDim.x = gx; gridDim.y = gy;
     for (unsigned by = 0; by < gy; ++by)
         for (unsigned bx = 0; bx < gx; ++bx) {
-            std::vector<std::barrier<>*> bars;
-            for (int w = 0; w < 8; ++w) qf_warp_bar[w] = new std::barrier<>(32);
-            std::vector<std::thread> ts;
-            for (unsigned t = 0; t < 256; ++t)
-                ts.emplace_back([&, t] { threadIdx.x = t; blockIdx.x = bx; blockIdx.y = by; body(); });
-            for (auto& th : ts) th.join();
-            for (int w = 0; w < 8; ++w) delete qf_warp_bar[w];
+            std::vector<qh_barrier> bars(8, qh_barrier(32));
+            for (int w = 0; w < 8; ++w) qf_warp_bar[w] = &bars[w];
+            blockIdx.x = bx;
+            blockIdx.y = by;
+            qh_run_block(256, body, qf_set_thread);
         }
 }
 """
