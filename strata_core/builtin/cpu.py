@@ -140,16 +140,18 @@ class HostKernels(ReferenceKernels):
             # k argmaxes: each takes the largest value left, ties to the lower id (argmax's first), which is the
             # stable sort's order; a NaN (argmax's first pick, the sort's last) or a -inf reaching the top k (where
             # an argmax may pick a taken id again): the sort decides
-            left, ids = row.copy(), out[0][0]
+            left = row.copy()
             pick = left.argmax
-            for j in range(k - 1):
+            picks = []
+            for _ in range(k - 1):
                 i = pick()
-                ids[j] = i
+                picks.append(i)
                 left[i] = _NEG_INF
             i = pick()
-            ids[k - 1] = i
-            top = row[ids]
+            picks.append(i)
+            top = row[picks]
             if top[0] == top[0] and left[i] != _NEG_INF:
+                out[0][0] = picks
                 e = np.exp(top - top[:1])
                 # e.sum(keepdims=True) without its Python wrapper: the same reduction
                 np.divide(e, np.add.reduce(e, 0, None, None, True), out=out[1][0])
