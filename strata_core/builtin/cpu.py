@@ -147,10 +147,11 @@ class HostKernels(ReferenceKernels):
                 i = pick()
                 picks.append(i)
                 left[i] = _NEG_INF
-            i = pick()
-            picks.append(i)
+            picks.append(pick())
             top = row[picks]
-            if top[0] == top[0] and left[i] != _NEG_INF:
+            # a repeated id: the last pick met only -inf left (a taken id among them); else every pick is the
+            # sort's, -inf ties included (argmax takes the lowest id left)
+            if top[0] == top[0] and len(set(picks)) == k:
                 out[0][0] = picks
                 e = np.exp(top - top[:1])
                 # e.sum(keepdims=True) without its Python wrapper: the same reduction

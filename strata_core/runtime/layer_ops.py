@@ -83,7 +83,8 @@ class StoreSource:
         """Copy expert `row` of the host store into device slot `slot` on `stream`."""
         if not self.accounting_only:
             t0 = time.perf_counter()
-            staged = self.staging.stage(row, lambda: self.dm.synchronize(stream)) if self.staging else None
+            staged = (self.staging.stage(row, lambda: self.dm.synchronize(stream))
+                      if self.staging is not None and self.staging.enabled else None)
             if not staged:
                 # straight from the store's arrays: the same copies as through store.expert(row), without its dict
                 dst, upload = self.pool.arrays, self.dm.upload
