@@ -35,6 +35,15 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "requires_cuda: needs a CUDA device (skipped, saying 'no CUDA device', without)")
 
 
+@pytest.hookimpl(trylast=True)  # after -k/-m and any conftest's deselection: the shares are of what runs
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist, start each worker with its share of the known-long tests (tests/xdist_order.py)."""
+    workers = getattr(config, "workerinput", {}).get("workercount")
+    if workers and workers > 1:
+        from xdist_order import known_durations, order_for_workers
+        items[:] = order_for_workers(items, known_durations(), int(workers))
+
+
 def pytest_runtest_setup(item):
     """Skip a requires_cuda test where there is no CUDA device, saying so."""
     if item.get_closest_marker("requires_cuda") is not None:
