@@ -9,7 +9,8 @@ Two caches hold freed memory that malloc still counts as in use: glibc's per-thr
 1 KiB) and numpy's data cache (7 buffers a size under 1 KiB). They fill as new sizes appear, which read as up to
 250 KB of growth in a fresh process. Each reading fills both first, so between two readings they can only empty:
 what a leak takes from them (at most 7 chunks a size) is missed, everything past that is counted.
-Where `mallinfo2` is absent (not glibc, or older than 2.33), tracemalloc measures instead, as before.
+Where `mallinfo2` is absent (not glibc, or older than 2.33) or the counters do not see a probe's allocations,
+tracemalloc measures instead, as before.
 """
 
 from __future__ import annotations
@@ -98,28 +99,51 @@ def allocator_bytes() -> int:
     return int(info.uordblks) + int(info.hblkhd) + pymalloc_bytes()
 
 
+#: what the self-check holds while it reads: small objects (pymalloc), one numpy buffer and one bytearray (malloc)
+_PROBE_OBJECTS, _PROBE_BUFFER_BYTES = 20_000, 1 << 20
+
+
+def counters_see_allocations() -> bool:
+    """Whether allocator_bytes() grows by at least what a probe holds, in small objects and in big buffers alike.
+
+    False where the counters are blind to where Python puts its objects (e.g. a build whose objects live in
+    mimalloc, which mallinfo2 does not count, or pymalloc's table in another format): tracemalloc measures there.
+    """
+    if _MALLINFO2 is None:
+        return False
+    gc.collect()
+    before = allocator_bytes()
+    small = [float(i) + 0.5 for i in range(_PROBE_OBJECTS)]  # 24-byte floats: pymalloc's 32-byte class
+    big = (np.ones(_PROBE_BUFFER_BYTES, np.uint8), bytearray(_PROBE_BUFFER_BYTES))
+    held = allocator_bytes() - before
+    del small, big
+    return held >= _PROBE_OBJECTS * 24 + 2 * _PROBE_BUFFER_BYTES
+
+
 class HeapGrowth:
     """Context: `mark()` at the warm-up point, `grown_bytes()` at the end; garbage is collected before each reading.
 
-    `how` says which measure ran ("allocator counters" or "tracemalloc"), for failure messages.
+    The allocators' counters measure where they see a probe's allocations (counters_see_allocations), tracemalloc
+    elsewhere; `how` says which ran, for failure messages.
     """
 
     def __init__(self):
-        self.how = "allocator counters" if _MALLINFO2 is not None else "tracemalloc"
+        self._counters = counters_see_allocations()
+        self.how = "allocator counters" if self._counters else "tracemalloc"
         self._mark_bytes: int | None = None
 
     def __enter__(self) -> "HeapGrowth":
-        if _MALLINFO2 is None:
+        if not self._counters:
             tracemalloc.start()
         return self
 
     def __exit__(self, *exc) -> None:
-        if _MALLINFO2 is None:
+        if not self._counters:
             tracemalloc.stop()
 
     def _bytes_now(self) -> int:
         gc.collect()
-        return allocator_bytes() if _MALLINFO2 is not None else tracemalloc.get_traced_memory()[0]
+        return allocator_bytes() if self._counters else tracemalloc.get_traced_memory()[0]
 
     def mark(self) -> None:
         """Take the reading that growth is measured from."""
