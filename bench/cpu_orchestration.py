@@ -6,8 +6,13 @@ grouping, the cache's bookkeeping, copies of missed experts, the other kernels).
 orchestration_fraction = no-op decode time per layer / real decode time per layer (issue 13 asks for <= 0.20).
 
     python bench/cpu_orchestration.py [--prompt-tokens N] [--decode-tokens N] [--repeats N] [--out PATH]
+                                      [--before-label TEXT]
 
-Each variant runs in its own process, `repeats` times; the fastest run of each is kept (the machine is shared).
+Each variant runs in its own process, `repeats` times, the two interleaved; the fastest run of each is kept (the
+machine is shared), and the median over repeats of each adjacent pair's ratio is reported beside it (a load change
+between the fastest real run and the fastest no-op run moves the first figure, less the second). With
+--before-label the figures already in --out are kept under "before" with that label (earlier "before" entries too);
+--baseline-tree measures another checkout's strata_core in the same run, interleaved with this one.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -25,7 +31,14 @@ DEFAULT_OUT = HERE / "results" / "cpu_orchestration.json"
 
 CHILD = r"""
 import json, sys
+tree = sys.argv.pop(1)
+if tree != "-":
+    # another checkout's strata_core (the --baseline-tree), ahead of this one's editable install
+    sys.meta_path[:] = [f for f in sys.meta_path if "strata_core" not in repr(f)]
+    sys.path.insert(0, tree)
 import numpy as np
+import strata_core
+assert tree == "-" or strata_core.__file__.startswith(tree), (tree, strata_core.__file__)
 from strata_core.reference import kernels as ref
 if sys.argv[1] == "noop":
     def moe_grouped_ffn(self, x, offsets, slots, weights, out=None):
@@ -38,9 +51,11 @@ sys.exit(main(["run", "--backend", "cpu", "--json"] + sys.argv[2:]))
 """
 
 
-def run_variant(variant: str, args: list[str]) -> dict:
-    """One `strata run --backend cpu --json` in a child process; its strata.run/1 object."""
-    p = subprocess.run([sys.executable, "-c", CHILD, variant, *args], capture_output=True, text=True, check=False)
+def run_variant(variant: str, args: list[str], tree: str = "-") -> dict:
+    """One `strata run --backend cpu --json` in a child process (of `tree`'s strata_core, "-": this checkout's);
+    its strata.run/1 object."""
+    p = subprocess.run([sys.executable, "-c", CHILD, tree, variant, *args], capture_output=True, text=True,
+                       check=False)
     if p.returncode != 0:
         raise SystemExit(f"{variant} run failed (exit {p.returncode}): {p.stderr[-2000:]}")
     return json.loads(p.stdout)
@@ -61,14 +76,37 @@ def main() -> int:
     ap.add_argument("--decode-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    ap.add_argument("--before-label", default=None, help="keep the figures already in --out under 'before'")
+    ap.add_argument("--baseline-tree", type=Path, default=None,
+                    help="a folder holding another checkout's strata_core (git archive REV strata_core | tar -x): "
+                         "measured interleaved with this one, reported under 'baseline_same_run'")
+    ap.add_argument("--baseline-label", default=None, help="what the baseline tree is (its commit)")
     a = ap.parse_args()
     args = ["--prompt-tokens", str(a.prompt_tokens), "--decode-tokens", str(a.decode_tokens)]
-    best: dict[str, dict] = {}
-    for _ in range(a.repeats):
-        for variant in ("real", "noop"):
-            r = run_variant(variant, args)
-            if variant not in best or r["decode_s"] < best[variant]["decode_s"]:
-                best[variant] = r
+    trees = ["-"] + ([str(a.baseline_tree)] if a.baseline_tree else [])
+    best: dict[str, dict[str, dict]] = {t: {} for t in trees}
+    pairs: dict[str, list[tuple[float, float]]] = {t: [] for t in trees}  # (no-op / real wall, CPU) a repeat
+    for i in range(a.repeats):
+        for tree in (trees if i % 2 == 0 else trees[::-1]):
+            got = {}
+            for variant in ("real", "noop"):
+                r = got[variant] = run_variant(variant, args, tree)
+                if variant not in best[tree] or r["decode_s"] < best[tree][variant]["decode_s"]:
+                    best[tree][variant] = r
+            pairs[tree].append((got["noop"]["decode_s"] / got["real"]["decode_s"],
+                                got["noop"]["decode_cpu_s"] / got["real"]["decode_cpu_s"]))
+    baseline = None
+    if a.baseline_tree:
+        b, bp = best[str(a.baseline_tree)], pairs[str(a.baseline_tree)]
+        breal, bnoop = b["real"]["time_per_layer_us"]["decode"], b["noop"]["time_per_layer_us"]["decode"]
+        baseline = {"tree": a.baseline_label or str(a.baseline_tree), "real": figures(b["real"]),
+                    "noop_ffn": figures(b["noop"]), "decode_real_us_per_layer": breal,
+                    "decode_orchestration_us_per_layer": bnoop, "orchestration_fraction": bnoop / breal,
+                    "orchestration_fraction_cpu_time": b["noop"]["decode_cpu_s"] / b["real"]["decode_cpu_s"],
+                    "orchestration_fraction_paired_median": statistics.median(p[0] for p in bp),
+                    "orchestration_fraction_cpu_time_paired_median": statistics.median(p[1] for p in bp),
+                    "paired_fractions": [list(p) for p in bp]}
+    best, pairs = best["-"], pairs["-"]
     real_us = best["real"]["time_per_layer_us"]["decode"]
     noop_us = best["noop"]["time_per_layer_us"]["decode"]
     out = {
@@ -85,17 +123,33 @@ def main() -> int:
         "orchestration_fraction": noop_us / real_us if real_us else None,
         "orchestration_fraction_cpu_time": (best["noop"]["decode_cpu_s"] / best["real"]["decode_cpu_s"]
                                             if best["real"].get("decode_cpu_s") else None),
+        "orchestration_fraction_paired_median": statistics.median(p[0] for p in pairs),
+        "orchestration_fraction_cpu_time_paired_median": statistics.median(p[1] for p in pairs),
+        "paired_fractions": [list(p) for p in pairs],
         "target_fraction": 0.20,
         "how": "noop_ffn replaces ReferenceKernels.moe_grouped_ffn by a zero-fill in the child process; "
                "time_per_layer_us.decode is strata run's own decode_s / (decode steps x MoE layers); the fastest of "
                "`repeats` runs of each variant is kept; the _cpu_time fraction uses strata run's decode_cpu_s (process CPU "
                "seconds), steadier than wall time when other work shares the cores",
     }
+    out["target_met"] = out["orchestration_fraction"] <= out["target_fraction"]
+    if baseline is not None:
+        out["baseline_same_run"] = baseline
+    if a.before_label and a.out.exists():
+        old = json.loads(a.out.read_text())
+        earlier = old.pop("before", [])
+        earlier = earlier if isinstance(earlier, list) else [earlier]
+        keep = {k: old.get(k) for k in ("measured_at", "machine", "repeats", "decode_real_us_per_layer",
+                                        "decode_orchestration_us_per_layer", "orchestration_fraction",
+                                        "orchestration_fraction_cpu_time") if k in old}
+        out["before"] = [{"tree": a.before_label, **keep}] + earlier
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps(out, indent=2) + "\n")
     print(f"decode per layer: real {real_us:.0f} us, no-op FFN {noop_us:.0f} us -> orchestration "
           f"{out['orchestration_fraction']:.1%} of decode wall time, "
-          f"{out['orchestration_fraction_cpu_time']:.1%} of its CPU time (target <= 20%); written to {a.out}")
+          f"{out['orchestration_fraction_cpu_time']:.1%} of its CPU time (target <= 20%); paired medians "
+          f"{out['orchestration_fraction_paired_median']:.1%} wall, {out['orchestration_fraction_cpu_time_paired_median']:.1%}"
+          f" CPU; written to {a.out}")
     return 0
 
 
