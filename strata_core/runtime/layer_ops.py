@@ -124,6 +124,9 @@ class ComposedLayerOps:
         self._takes_out = {name: _takes_out(getattr(kernels, name, None))
                            for name in ("rmsnorm", "linear", "route_topk", "gather", "moe_grouped_ffn")}
         self._zeros_host = np.zeros(0, np.float32)
+        #: (rows, ffn) -> the intermediate's shape a kernel set's grouped FFN needs as `scratch`, or None (a
+        #: two-pass FFN on small work-groups: the buffer is carved from the workspace, inside the plan)
+        self._ffn_scratch = getattr(kernels, "ffn_scratch_shape", None)
         #: (tokens, top_k, rows, groups) -> does one ordered call fit the workspace (sizes only: computed once)
         self._direct_fits: dict[tuple, bool] = {}
         self._direct_peak: dict[tuple, int] = {}
@@ -131,7 +134,7 @@ class ComposedLayerOps:
         #: The device is the host (numpy arrays, synchronous calls) and every kernel takes its output buffer: a
         #: decode step runs as `_decode_host`, its buffers carved once a step and the index arrays used in place.
         self._host = (not accounting_only and bool(getattr(getattr(dm, "inner", dm), "host_arrays", False))
-                      and all(self._takes_out.values()))
+                      and all(self._takes_out.values()) and self._ffn_scratch is None)
 
     # --- the contract --------------------------------------------------------------------------------------
 
@@ -168,6 +171,15 @@ class ComposedLayerOps:
         arr = w.workspace.carve(shape, np.float32)
         self.dm.upload(arr, self._zeros_host[:n])
         return arr
+
+    def _ffn(self, w: LayerWork, xg: Any, offsets: Any, slots: Any, n: int) -> Any:
+        """moe_grouped_ffn of n gathered rows into a carved output, its scratch carved after it when it needs one."""
+        out = self._out(w, "moe_grouped_ffn", (n, self.hidden), np.float32)
+        shape = self._ffn_scratch(n, self.ffn) if self._ffn_scratch is not None else None
+        if not shape:
+            return self._k("moe_grouped_ffn", xg, offsets, slots, w.pool, out=out)
+        return self.k.moe_grouped_ffn(xg, offsets, slots, w.pool, out=out,
+                                      scratch=w.workspace.carve(tuple(shape), np.float32))
 
     def _k(self, kernel: str, *args: Any, out: Any = None) -> Any:
         """Call a primitive, with its output buffer when it takes one."""
@@ -278,6 +290,9 @@ class ComposedLayerOps:
         out += [((g + 1,), i32), ((g,), i32)]
         if self._takes_out["moe_grouped_ffn"]:
             out.append(((n, H), f32))
+        scratch = self._ffn_scratch(n, self.ffn) if self._ffn_scratch is not None else None
+        if scratch:
+            out.append((tuple(scratch), f32))
         out += [((n,), i32), ((n,), f32)] if ordered else [((n,), f32)]
         out.append("release")
         c = int(self.share.rows_capacity) if self.share.armed_for(T) else 0
@@ -340,9 +355,7 @@ class ComposedLayerOps:
             rows_d = self._put(w, rows)
             n = len(rows)
             xg = self._k("gather", xn, rows_d, out=self._out(w, "gather", (n, self.hidden), np.float32))
-            y = self._k("moe_grouped_ffn", xg, self._put(w, offsets),
-                        self._put(w, np.array([p[3] for p in call], np.int32)), w.pool,
-                        out=self._out(w, "moe_grouped_ffn", (n, self.hidden), np.float32))
+            y = self._ffn(w, xg, self._put(w, offsets), self._put(w, np.array([p[3] for p in call], np.int32)), n)
             if self._ordered:
                 # out starts at zero and each position is written once: 0 + y is y, bit for bit
                 positions = np.concatenate([p[1] for p in call]).astype(np.int32)
@@ -466,8 +479,7 @@ class ComposedLayerOps:
         ints_d = self._put(w, ints)
         rows_d, offs_d, slots_d = ints_d[:n], ints_d[n:n + g + 1], ints_d[n + g + 1:]
         xg = self._k("gather", xn, rows_d, out=self._out(w, "gather", (n, self.hidden), np.float32))
-        y = self._k("moe_grouped_ffn", xg, offs_d, slots_d, w.pool,
-                    out=self._out(w, "moe_grouped_ffn", (n, self.hidden), np.float32))
+        y = self._ffn(w, xg, offs_d, slots_d, n)
         self.k.scatter_add(w.x, rows_d, y, self._put(w, r.scales))
         peak = self._direct_peak_bytes(w, key)
         if peak > w.stats["workspace_peak_bytes"]:

@@ -770,8 +770,17 @@ class OpenClKernels:
         if host_out is not None:
             np.copyto(host_out, self.memory.download(out).reshape(np.shape(host_out)), casting="same_kind")
 
-    def moe_grouped_ffn(self, x, offsets, slots, weights: ExpertPool, out=None):
-        """SwiGLU experts over token groups: rows offsets[g]:offsets[g+1] of x run expert slot slots[g] -> [N,H] f32."""
+    def ffn_scratch_shape(self, rows: int, ffn: int) -> tuple[int, int] | None:
+        """The f32 [rows, ffn] intermediate moe_grouped_ffn keeps between its two passes on a device whose
+        work-groups are too small for the tiled kernel (the caller carves it and passes it as `scratch`); None
+        when the tiled kernel keeps it in local memory."""
+        return None if self._tiled else (int(rows), int(ffn))
+
+    def moe_grouped_ffn(self, x, offsets, slots, weights: ExpertPool, out=None, scratch=None):
+        """SwiGLU experts over token groups: rows offsets[g]:offsets[g+1] of x run expert slot slots[g] -> [N,H] f32.
+
+        `scratch`: a device f32 array of `ffn_scratch_shape(N, ffn)` for the two-pass path's intermediate (from the
+        caller's plan); without it that path allocates the intermediate (the ledger's peak counts it)."""
         xd, k1 = self._input(x, np.float32, "moe_grouped_ffn x")
         od, k2 = self._input(offsets, np.int32, "moe_grouped_ffn offsets")
         sd, k3 = self._input(slots, np.int32, "moe_grouped_ffn slots")
@@ -840,7 +849,8 @@ class OpenClKernels:
             tiles = -(-n // t) + g  # at least the tiles of every group (each group's last may be partial)
             self._launch(f"ffn_{suffix}_tiled", (t, tiles * t), (t, t), [xd, od, sd, *sizes, *w_args, y], keep)
             return y
-        act = self._empty((n, f), np.float32)
+        act = (self._result(scratch, (n, f), np.float32, "moe_grouped_ffn scratch") if scratch is not None
+               else self._empty((n, f), np.float32))
         self._launch(f"ffn_gate_up_{suffix}", (f, n), None, [xd, od, sd, *sizes, *up_args, act])
         self._launch(f"ffn_down_{suffix}", (h, n), None, [act, od, sd, *sizes, *down_args, y], keep + (act,))
         return y
