@@ -207,6 +207,7 @@ GEMV_BOUND = 1e-6
 
 FAST_SHIM = FIBERS + r"""
 #define QF_HOST 1
+#define QF_HOST_SYNCTHREADS 1
 #include <cmath>
 #include <cstring>
 using std::min;
@@ -217,6 +218,7 @@ static inline uint4 make_uint4(unsigned a, unsigned b, unsigned c, unsigned d) {
 static qt_dim3 threadIdx, blockIdx;
 static qt_dim3 blockDim, gridDim;
 static qh_barrier* qf_warp_bar[8];
+static qh_barrier* qf_block_bar;
 static float qf_xchg[256];
 static inline float __uint_as_float(unsigned int u) { float f; std::memcpy(&f, &u, 4); return f; }
 static inline unsigned int __float_as_uint(float f) { unsigned int u; std::memcpy(&u, &f, 4); return u; }
@@ -224,6 +226,7 @@ static inline float __int_as_float(int i) { float f; std::memcpy(&f, &i, 4); ret
 static inline float __fmul_rn(float a, float b) { volatile float r = a * b; return r; }
 static inline float __fsub_rn(float a, float b) { volatile float r = a - b; return r; }
 static inline void __syncwarp() { qf_warp_bar[threadIdx.x / 32]->arrive_and_wait(); }
+static inline void __syncthreads() { qf_block_bar->arrive_and_wait(); }
 static inline float __shfl_xor_sync(unsigned, float v, int m) {
     const unsigned t = threadIdx.x;
     qf_xchg[t] = v;
@@ -255,6 +258,8 @@ static void qf_launch(unsigned gx, unsigned gy, const std::function<void()>& bod
         for (unsigned bx = 0; bx < gx; ++bx) {
             std::vector<qh_barrier> bars(8, qh_barrier(32));
             for (int w = 0; w < 8; ++w) qf_warp_bar[w] = &bars[w];
+            qh_barrier block_bar(256);
+            qf_block_bar = &block_bar;
             blockIdx.x = bx;
             blockIdx.y = by;
             qh_run_block(256, body, qf_set_thread);
@@ -284,6 +289,16 @@ void host_decode_down(unsigned gx, const float* act, const int* ids, const float
                       int fmt, long long bias, int acc, float* out) {
     qf_launch(gx, 1, [&] { strata_qf_decode_down(act, ids, w, slot_map, S, K, H, F, blob, sb, doff, rb, fmt, bias,
                                                  acc, out); });
+}
+void host_dequant_part(unsigned gx, const unsigned char* blob, long long sb, const int* slots, int m, long long off,
+                       long long rb, int rows, int r0, int c0, int ccols, int fmt, unsigned short* out) {
+    qf_launch(gx, m, [&] { strata_qf_dequant_f16_part(blob, sb, slots, m, off, rb, rows, r0, c0, ccols, fmt, out); });
+}
+void host_decode_down_wide(unsigned gx, const float* act, const int* ids, const float* w, const int* slot_map, int S,
+                           int K, int H, int F, const unsigned char* blob, long long sb, long long doff, long long rb,
+                           int fmt, long long bias, int acc, float* out) {
+    qf_launch(gx, 1, [&] { strata_qf_decode_down_wide(act, ids, w, slot_map, S, K, H, F, blob, sb, doff, rb, fmt,
+                                                      bias, acc, out); });
 }
 }
 """
@@ -414,3 +429,72 @@ def test_quant_fast_cu_compiles_with_nvrtc():
     ptx = compile_to_ptx("compute_90", FAST_SOURCE_NAME).decode()
     assert sorted(re.findall(r"\.entry\s+(\w+)", ptx)) == sorted(FAST_KERNEL_NAMES)
     assert "shfl.sync.bfly" in ptx
+
+
+@pytest.mark.parametrize("pad", [0, 3, 2], ids=["aligned", "odd", "even"])
+@pytest.mark.parametrize("fmt", ["q4_k", "q6_k", "q5_k", "mxfp4"])
+def test_the_piece_dequantization_is_the_f16_of_the_oracle_bit_for_bit(fast_lib, fmt, pad):
+    """strata_qf_dequant_f16_part's rows r0.. and chunks c0.. (a gate/up piece's rows, a down piece's K block) are
+    numpy's float16 of quants.dequantize of the same weights, bit for bit, with slots 0, 2 and 3 bytes off a
+    16-byte boundary (the funnel-shifted 4-byte loads of qf_load32 at both odd and even offsets)."""
+    from strata_core.reference import quants
+    rng = np.random.default_rng(11)
+    rows, cols, m = 7, 768, 2
+    w = rng.standard_normal((m, rows, cols)).astype(np.float32) * np.float32(0.05)
+    raw = quants.quantize(fmt, w)
+    rb = raw.shape[-1]
+    sb = rows * rb + pad + 10
+    blob = np.zeros(pad + m * sb + 64, np.uint8)[pad:][:m * sb].reshape(m, sb)
+    blob[:, pad:pad + rows * rb] = raw.reshape(m, -1)
+    slots = np.array([1, 0], np.int32)
+    full = quants.dequantize(fmt, raw[slots], cols).astype(np.float16).view(np.uint16)
+    r0, nrows, c0, ccols = 2, 4, 9, 11  # chunks 9..19: across a 256-weight super-block boundary
+    out = np.full((m, nrows, 32 * ccols), 0x7e00, np.uint16)
+    ll, i32 = ctypes.c_longlong, ctypes.c_int
+    fast_lib.host_dequant_part(ctypes.c_uint(1), _p(blob), ll(sb), _p(slots), i32(m), ll(pad), ll(rb), i32(nrows),
+                          i32(r0), i32(c0), i32(ccols), i32(GGML_TYPES[fmt]), _p(out))
+    want = full[:, r0:r0 + nrows, 32 * c0:32 * (c0 + ccols)]
+    mism = int(np.count_nonzero(out != want))
+    assert mism == 0, f"{fmt}: {mism} of {out.size} f16 weights differ"
+
+
+def test_the_wide_decode_down_kernel_matches_the_float64_reference(fast_lib, tmp_path):
+    """strata_qf_decode_down_wide (QF_DW warps a row) over K routed experts of a Q4_K_M file: out += sum_k w_k
+    (act_k . Wd_k), f32 sums of exact weights within 1e-6 of float64; an expert outside the pool gives NaN."""
+    from strata_core.models.gguf import q4_k_m_down_types, read_moe_tensors, write_moe_gguf
+    from strata_cuda.quant_ffn import DECODE_DOWN_ROWS
+    path = write_moe_gguf(tmp_path / "q.gguf", seed=3, arch="qwen3moe", layers=3, gate_up="q4_k",
+                          down=q4_k_m_down_types(3))
+    pool = read_moe_tensors(path).experts.for_layer(2)
+    fmt = pool.fmt
+    assert fmt.down == "q6_k"
+    blob = np.ascontiguousarray(pool.arrays["blob"])
+    h, f, k = fmt.hidden, fmt.ffn, 3
+    rng = np.random.default_rng(4)
+    act = rng.standard_normal((k, f)).astype(np.float32)
+    slot_map = (16 + np.arange(8, dtype=np.int32))[::-1].copy()
+    ids = np.array([6, 1, 3], np.int32)
+    wts = np.array([0.5, 0.3, 0.2], np.float32)
+    out0 = rng.standard_normal((1, h)).astype(np.float32)
+    out = out0.copy()
+    ll, i32, u = ctypes.c_longlong, ctypes.c_int, ctypes.c_uint
+
+    def run(smap):
+        fast_lib.host_decode_down_wide(u(-(-h // DECODE_DOWN_ROWS)), _p(act), _p(ids), _p(wts), _p(smap),
+                                  i32(blob.shape[0]), i32(k), i32(h), i32(f), _p(blob), ll(blob.shape[1]),
+                                  ll(fmt.down_offset), ll(fmt.down_row_bytes), i32(GGML_TYPES[fmt.down]), ll(-1),
+                                  i32(1), _p(out))
+
+    run(slot_map)
+    from strata_core.reference import quants
+    want = out0.astype(np.float64)
+    for j in range(k):
+        row = blob[slot_map[ids[j]], fmt.down_offset:fmt.down_offset + h * fmt.down_row_bytes]
+        wd = quants.dequantize("q6_k", row.reshape(h, fmt.down_row_bytes), f).astype(np.float64)
+        want = want + float(wts[j]) * (wd @ act[j].astype(np.float64))
+    err = float(np.linalg.norm(out - want) / np.linalg.norm(want - out0))
+    assert err <= 1e-6, err
+    bad = slot_map.copy()
+    bad[3] = 10_000
+    run(bad)
+    assert np.isnan(out).all()
