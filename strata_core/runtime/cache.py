@@ -25,7 +25,11 @@ class ExpertCache:
         n = self.layers * self.experts_per_layer
         self.slot_of = np.full(n, EMPTY, dtype=np.int64)          # expert row -> slot
         self.expert_in = np.full(self.slots, EMPTY, dtype=np.int64)  # slot -> expert row
-        self.freq = np.zeros(n, dtype=np.float64)
+        #: freq is a view of the first n of n + 1 values; the last is -1.0, the heat of an empty slot, so that
+        #: freq_with_empty[expert_in] is every slot's heat in one gather (EMPTY = -1 reads it)
+        self._freq_with_empty = np.zeros(n + 1, dtype=np.float64)
+        self._freq_with_empty[n] = -1.0
+        self.freq = self._freq_with_empty[:n]
         #: the part of freq that seed_frequency put there, decayed alike (observed use is freq - seeded)
         self.seeded = np.zeros(n, dtype=np.float64)
         self.on_loan = np.zeros(self.slots, dtype=bool)
@@ -173,12 +177,19 @@ class ExpertCache:
         out[served] = self.slot_of[rows[served]]
         return out
 
+    def _slot_heat(self) -> np.ndarray:
+        """A new array of every slot's heat: -1 for an empty slot, else its expert's decayed frequency."""
+        held = self.expert_in
+        if self.freq.base is self._freq_with_empty:
+            return self._freq_with_empty[held]
+        heat = self.freq[held]  # freq was replaced by another array: EMPTY reads its last value, overwritten
+        heat[held == EMPTY] = -1.0
+        return heat
+
     def _heat_blocked(self, *blocked_slots) -> tuple[np.ndarray, int]:
         """Every slot's coldness key for admission (empty -1, else its expert's decayed frequency; +inf for a slot
         on loan, trimmed or in one of `blocked_slots`) and how many slots are left to take."""
-        held = self.expert_in
-        heat = self.freq[held]  # EMPTY (-1) reads the last row's value: overwritten next
-        heat[held == EMPTY] = -1.0
+        heat = self._slot_heat()
         heat[self.on_loan | self.trimmed] = np.inf
         for b in blocked_slots:
             if b is not None and len(b):
@@ -223,7 +234,13 @@ class ExpertCache:
         """`admit(layer, experts, keep)` for distinct experts that are not resident (a decode token's misses, as
         Python ints; `keep` its hits' slots): their slots, or None, with nothing changed, when the usable slots
         beside `keep` are fewer than the experts (the caller's general path decides then)."""
-        heat, left = self._heat_blocked(keep)
+        heat = self._slot_heat()
+        blocked = self.on_loan | self.trimmed
+        heat[blocked] = np.inf
+        if len(keep):
+            heat[keep] = np.inf
+        # keep's slots hold this step's hits: distinct, neither lent nor trimmed
+        left = self.slots - int(np.count_nonzero(blocked)) - len(keep)
         if left < len(experts):
             return None
         base = layer * self.experts_per_layer

@@ -121,3 +121,21 @@ def test_one_row_scatter_add_is_the_reference_for_every_row_count(seed):
     REF.scatter_add(a, np.zeros(n, np.int32), y, scale)
     HostKernels().scatter_add(b, np.zeros(n, np.int32), y, scale)
     assert np.array_equal(a.view(np.uint32), b.view(np.uint32))
+
+
+@pytest.mark.parametrize("replaced", [False, True])
+def test_admission_heat_reads_empty_slots_as_minus_one_also_when_freq_is_replaced(replaced):
+    fast, ref = ExpertCache(6, 1, 12), ExpertCache(6, 1, 12)
+    for c in (fast, ref):
+        c.place(np.array([0, 1, 2, 3]))  # slots 4 and 5 empty: colder than any held expert
+        c.freq[:] = np.arange(12, dtype=np.float64) / 4
+        c.freq[0] = -3.0  # a held expert colder than an empty slot (-1), warmer than -5
+    if replaced:
+        fast.freq = fast.freq.copy()  # a plain array now, not the view with the empty slots' value beside it
+        fast.freq[-1] = -5.0  # the value an EMPTY index would read without the empty-slot rule
+    got = fast.admit_distinct(0, [7, 8, 9], [1])
+    want = ref.admit(0, np.array([7, 8, 9]), keep=np.array([1]))
+    assert got == want.tolist() == [0, 4, 5]
+    if replaced:
+        fast.freq[-1] = ref.freq[-1]
+    _same(fast, ref)
