@@ -215,7 +215,8 @@ def _one_token_lost(x: np.ndarray, x_in: np.ndarray) -> None:
 
 
 class _SwappedSlots:
-    """A slot table whose lookups hand two hit experts each other's slots."""
+    """A slot table whose lookups (both forms: the arrays of a chunk, the ints of one decode token) hand two hit
+    experts each other's slots."""
 
     def __init__(self, table: Any):
         self._t = table
@@ -226,6 +227,15 @@ class _SwappedSlots:
         hits = np.flatnonzero(slots >= 0)
         if len(hits) >= 2:
             slots[hits[:2]] = slots[hits[:2][::-1]]
+        return slots
+
+    def lookup_distinct(self, layer, experts):
+        """The table's slots of one decode token's experts with the first two hits exchanged."""
+        slots = list(self._t.lookup_distinct(layer, experts))
+        hits = [i for i, s in enumerate(slots) if s >= 0][:2]
+        if len(hits) == 2:
+            a, b = hits
+            slots[a], slots[b] = slots[b], slots[a]
         return slots
 
     def __getattr__(self, attr):
