@@ -130,6 +130,26 @@ class Arena:
         """Release every view carved since `fix` (between layers)."""
         self.used = list(self._base)
 
+    def replay(self, steps: list) -> bool:
+        """Replay a layer's carve steps ((shape, dtype) or "fix" / "mark" / "release" / "reset", as LayerOps'
+        worst_carves lists them) on this arena: whether every carve lands (False at the first that does not)."""
+        mark = self.mark()
+        try:
+            for step in steps:
+                if step == "fix":
+                    self.fix()
+                elif step == "mark":
+                    mark = self.mark()
+                elif step == "release":
+                    self.release(mark)
+                elif step == "reset":
+                    self.reset()
+                else:
+                    self.carve(*step)
+        except DeviceFull:
+            return False
+        return True
+
 
 class HeapArena:
     """The Arena of a backend that cannot view its arrays: every carve is an allocation, freed on release/reset.

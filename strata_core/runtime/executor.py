@@ -211,22 +211,7 @@ class Executor:
         steps = [((chunk_tokens, self.hidden), np.float32)] + self.ops.worst_carves(chunk_tokens, self.vocab, self.top_k)
 
         def fits(n: int) -> bool:
-            arena = Arena(None, sizes=base + [n * p for p in parts])
-            try:
-                for step in steps:
-                    if step == "fix":
-                        arena.fix()
-                    elif step == "mark":
-                        mark = arena.mark()
-                    elif step == "release":
-                        arena.release(mark)
-                    elif step == "reset":
-                        arena.reset()
-                    else:
-                        arena.carve(*step)
-            except DeviceFull:
-                return False
-            return True
+            return Arena(None, sizes=base + [n * p for p in parts]).replay(steps)
 
         if fits(0):
             return 0

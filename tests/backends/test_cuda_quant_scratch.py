@@ -19,7 +19,7 @@ from strata_core.models.resolve import model_from_name
 from strata_core.planner import plan_for_machine
 from strata_core.planner.buffers import dequant_scratch_bytes, f16_expert_bytes
 from strata_core.registry import load_plugins
-from strata_core.runtime.devmem import Arena, DeviceFull
+from strata_core.runtime.devmem import Arena
 
 pytest.importorskip("cupy")  # strata_cuda.fast / layer_ops import without a GPU, but need cupy installed
 
@@ -60,18 +60,7 @@ def _fits(plan, chunk: int, workspace_bytes: int, lent: bool = True) -> bool:
     m = plan.model
     slots = plan.loan_model.loan(chunk).buffer_slots if lent else 0
     steps = [((chunk, m.hidden), np.float32)] + CudaLayerOps.worst_carves(_plan_ops(m), chunk, m.vocab, m.top_k)
-    arena = Arena(None, sizes=[workspace_bytes, slots * m.slot_bytes])
-    try:
-        for step in steps:
-            if step == "fix":
-                arena.fix()
-            elif step == "reset":
-                arena.reset()
-            else:
-                arena.carve(*step)
-    except DeviceFull:
-        return False
-    return True
+    return Arena(None, sizes=[workspace_bytes, slots * m.slot_bytes]).replay(steps)
 
 
 def test_the_scratch_layout_is_bounded_in_bytes_whole_experts_or_pieces():
