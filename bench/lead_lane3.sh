@@ -1,7 +1,6 @@
 #!/usr/bin/env bash
 # The lead's final H200 call of the 2026-12-01 evening session: every tests/gpu file in its own pytest process (a sticky
-# CUDA error in one file cannot fail the files after it; test_fidelity.py alone first, as it reads the driver's free
-# memory; the other files four at a time), `strata run --backend cuda --check` twice on the tiny model (same
+# CUDA error in one file cannot fail the files after it; test_fidelity.py first, as it reads the driver's free memory), `strata run --backend cuda --check` twice on the tiny model (same
 # outputs_sha256), bench/strata_run_h200.py with the three cache settings, the peers and --fidelity, then
 # bench/quant_layer_h200.py. Files in $OUT: gpu_tests.log, run_cuda_1.json, run_cuda_2.json, runs.err,
 # strata_run_h200.json, fidelity_h200.json, quant_layer_h200.json, lane.log. Carry .whl and strata_core.egg-info.
@@ -11,18 +10,19 @@ exec > >(tee "$OUT/lane.log") 2>&1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=$PWD:$PWD/backends/cuda:$PWD/backends/rocm:$PWD/backends/sycl:/tmp/site PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv,noheader
-rc=0; T=/tmp/gpulogs; mkdir -p $T; t0=$(date +%s)
-gpu_file() { timeout "${TEST_S:-150}" python3 -m pytest -p no:cacheprovider -q -rfE "$1" > "$T/$(basename "$1").log" 2>&1; echo "$1 rc=$?" >> "$T/rc"; }
-gpu_file tests/gpu/test_fidelity.py
-files=$(ls tests/gpu/test_*.py | grep -v test_fidelity.py)
-n=0; for f in $files; do gpu_file "$f" & n=$((n+1)); if (( n % 4 == 0 )); then wait; fi; done; wait
-for f in $T/*.py.log; do echo "=== $f"; cat "$f"; done > "$OUT/gpu_tests.log"; cat $T/rc >> "$OUT/gpu_tests.log"
-for f in $T/*.py.log; do echo "$(basename "$f" .log): $(grep -E '[0-9]+ (passed|failed|error)' "$f" | tail -1)"; done
-grep -q "rc=[^0]" $T/rc && rc=1
+rc=0; t0=$(date +%s)
+# One file at a time, each in its own process (a sticky CUDA error cannot fail the files after it), its log appended
+# to $OUT/gpu_tests.log as it ends, `timeout -k` so a process stuck in the driver is killed: the 18:06 call of this
+# script ran four files at once into a temporary folder copied only at the end, and brought nothing back.
+for f in tests/gpu/test_fidelity.py $(ls tests/gpu/test_*.py | grep -v test_fidelity.py); do
+  echo "=== $f" >> "$OUT/gpu_tests.log"
+  timeout -k 10 "${TEST_S:-150}" python3 -m pytest -p no:cacheprovider -q -rfE "$f" >> "$OUT/gpu_tests.log" 2>&1 || rc=1
+  echo "$f: $(tail -1 "$OUT/gpu_tests.log")"
+done
 echo "tests/gpu took $(( $(date +%s) - t0 )) s"
 for i in 1 2; do
   echo "== run $i" >> "$OUT/runs.err"
-  timeout 100 python3 -m strata_core.cli run --backend cuda --check --json > "$OUT/run_cuda_$i.json" 2>> "$OUT/runs.err" || rc=1
+  timeout -k 10 100 python3 -m strata_core.cli run --backend cuda --check --json > "$OUT/run_cuda_$i.json" 2>> "$OUT/runs.err" || rc=1
 done
 python3 - "$OUT" <<'PY'
 import json, sys
