@@ -46,18 +46,23 @@ def _modes():
     return GEMM_MODES
 
 
-@pytest.fixture(scope="module")
-def moes(cp):
-    """One FastMoE per GEMM mode this device's cuBLAS offers (built once: the module compiles at construction)."""
+def fast_moes(modes) -> dict:
+    """One FastMoE per mode of `modes` this device's cuBLAS offers (asserts at least one)."""
     from strata_cuda.fast import FastMoE
     out = {}
-    for mode in _modes():
+    for mode in modes:
         try:
             out[mode] = FastMoE(E, K, H, F, gemm_mode=mode)
         except ValueError:
             continue
-    assert out, "no GEMM mode available"
+    assert out, f"none of the GEMM modes {modes} is available"
     return out
+
+
+@pytest.fixture(scope="module")
+def moes(cp):
+    """One FastMoE per GEMM mode this device's cuBLAS offers (built once: the module compiles at construction)."""
+    return fast_moes(_modes())
 
 
 class SeededGenerator:

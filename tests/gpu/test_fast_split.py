@@ -9,23 +9,16 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from .test_fast_paths import (E, F, FP16_PATH, H, K, cp, device_pool, experts_f16, host_pool, place,  # noqa: F401
-                              reference, rel, rng, routing, run_prefill, sha)
+from .test_fast_paths import (E, F, FP16_PATH, H, K, cp, device_pool, experts_f16, fast_moes, host_pool,  # noqa: F401
+                              place, reference, rel, rng, routing, run_prefill, sha)
 from .test_fast_paths import pytestmark  # noqa: F401  (gpu mark, skipped without a device)
 
 
 @pytest.fixture(scope="module")
 def split_moes(cp):
     """FastMoE in each class mode this device's cuBLAS offers (the modes that split)."""
-    from strata_cuda.fast import CLASS_MODES, FastMoE
-    out = {}
-    for mode in CLASS_MODES:
-        try:
-            out[mode] = FastMoE(E, K, H, F, gemm_mode=mode)
-        except ValueError:
-            continue
-    assert out, "no class GEMM mode available"
-    return out
+    from strata_cuda.fast import CLASS_MODES
+    return fast_moes(CLASS_MODES)
 
 
 @pytest.mark.parametrize("dtype", ["f16", "q8_0"])
