@@ -19,7 +19,7 @@ if [[ "${SKIP_TESTS:-0}" != 1 ]]; then
 fi
 for i in 1 2; do
   echo "== run $i" >> "$OUT/runs.err"
-  timeout 150 python3 -m strata_core.cli run --backend cuda --check --json > "$OUT/run_cuda_$i.json" \
+  timeout -k 10 150 python3 -m strata_core.cli run --backend cuda --check --json > "$OUT/run_cuda_$i.json" \
     2>> "$OUT/runs.err" || rc=1
 done
 python3 - "$OUT" <<'PY'

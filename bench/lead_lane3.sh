@@ -20,29 +20,8 @@ for f in tests/gpu/test_fidelity.py $(ls tests/gpu/test_*.py | grep -v test_fide
   echo "$f: $(tail -1 "$OUT/gpu_tests.log")"
 done
 echo "tests/gpu took $(( $(date +%s) - t0 )) s"
-for i in 1 2; do
-  echo "== run $i" >> "$OUT/runs.err"
-  timeout -k 10 100 python3 -m strata_core.cli run --backend cuda --check --json > "$OUT/run_cuda_$i.json" 2>> "$OUT/runs.err" || rc=1
-done
-python3 - "$OUT" <<'PY'
-import json, sys
-runs = []
-for i in (1, 2):
-    try:
-        runs.append(json.load(open(f"{sys.argv[1]}/run_cuda_{i}.json")))
-    except Exception as e:
-        print(f"run {i}: no JSON ({e})")
-for d in runs:
-    cr = d.get("check_report") or {}
-    print("strata run --backend cuda --check:", d.get("check"), "decode tok/s", round(d.get("decode_tokens_per_s") or 0, 1),
-          "sha", (d.get("outputs_sha256") or "")[:16], "tol", cr.get("tolerance"), "worst", cr.get("worst_rel_err"),
-          "measured/planned", d.get("device_bytes_peak_measured"), d.get("device_bytes_planned"))
-if len(runs) == 2:
-    print("same outputs_sha256 twice:", runs[0].get("outputs_sha256") == runs[1].get("outputs_sha256"))
-PY
-tail -3 "$OUT/runs.err"
-timeout "${RUN_S:-260}" python3 bench/strata_run_h200.py --out "$OUT" --fidelity --settings all,half_skewed,smallest \
-  --timeout 80 2>&1 | tail -30 || rc=1
-timeout "${QUANT_S:-80}" python3 bench/quant_layer_h200.py --out "$OUT" --reps 5 --variants 32:classes 2>&1 | tail -15 || rc=1
+# --check twice (same outputs_sha256) and strata_run_h200.py --fidelity: cuda_lane.sh's steps, its tests and layer bench off
+SKIP_TESTS=1 SKIP_LAYER=1 RUN_S="${RUN_S:-260}" RUN_ARGS="--fidelity --timeout 80" bash bench/cuda_lane.sh || rc=1
+timeout -k 10 "${QUANT_S:-80}" python3 bench/quant_layer_h200.py --out "$OUT" --reps 5 --variants 32:classes 2>&1 | tail -15 || rc=1
 echo "lane took $(( $(date +%s) - t0 )) s"
 exit $rc
