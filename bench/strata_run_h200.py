@@ -331,6 +331,38 @@ def summarize(d: dict) -> dict:
     return out
 
 
+def verdict(res: dict) -> dict:
+    """Add issue 13's targets, the smallest run over the link floor and ours over the peers, from the file's own figures."""
+    runs, p = res.get("runs", {}), res.get("peers", {})
+
+    def val(name: str, key: str):
+        return (runs.get(name) or {}).get(key)
+
+    def ge(v, bound):
+        return None if v is None else v >= bound
+
+    floor = p.get("link_floor_prefill_tokens_per_s_all_streamed")
+    if floor and val("smallest", "prefill_tokens_per_s"):
+        res["smallest_over_link_floor"] = round(val("smallest", "prefill_tokens_per_s") / floor, 4)
+    res["targets"] = {
+        "all_prefill_ge_40000": ge(val("all", "prefill_tokens_per_s"), 40000),
+        "all_decode_ge_450": ge(val("all", "decode_tokens_per_s"), 450),
+        "half_skewed_prefill_ge_7000": ge(val("half_skewed", "prefill_tokens_per_s"), 7000),
+        "half_skewed_decode_ge_300": ge(val("half_skewed", "decode_tokens_per_s"), 300),
+        "smallest_prefill_ge_0.9x_link_floor": ge(res.get("smallest_over_link_floor"), 0.9)}
+    best_prefill = max((v for k, v in p.items() if k.startswith("prefill_grouped_mm") and k.endswith("tokens_per_s")
+                        and "uniform" in k), default=None)
+    pairs = {"prefill_all_time_vs_grouped_mm_best_uniform": (best_prefill, val("all", "prefill_tokens_per_s")),
+             "decode_all_time_vs_grouped_mm_bf16_graph": (p.get("decode_grouped_mm_bf16_tokens_per_s"),
+                                                          val("all", "decode_tokens_per_s")),
+             "prefill_all_time_vs_accelerate_offload": (p.get("accelerate_offload_prefill_tokens_per_s"),
+                                                        val("all", "prefill_tokens_per_s")),
+             "decode_all_time_vs_accelerate_offload": (p.get("accelerate_offload_decode_tokens_per_s"),
+                                                       val("all", "decode_tokens_per_s"))}
+    res["ours_over_peer"] = {k: round(peer / ours, 5) for k, (peer, ours) in pairs.items() if peer and ours}
+    return res
+
+
 def main() -> int:
     """Run the settings and the peers; write the JSON."""
     if "--child-run" in sys.argv:
@@ -396,6 +428,7 @@ def main() -> int:
             r["ours_over_peer_time_prefill"] = peer_prefill / r["prefill_tokens_per_s"]
         if peer_decode and r.get("decode_tokens_per_s"):
             r["ours_over_peer_time_decode"] = peer_decode / r["decode_tokens_per_s"]
+    verdict(res)
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "strata_run_h200.json").write_text(json.dumps(res, indent=1, default=str))
     return 0
