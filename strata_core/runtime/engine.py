@@ -139,7 +139,7 @@ class Engine:
                                  share=self.share, log=log, top_k=model.top_k, hidden=model.hidden,
                                  workspace_bytes=plan.vram.workspace_bytes, accounting_only=accounting_only,
                                  seed=seed, observer=observer, staging=self.staging, layer_ops=layer_ops,
-                                 regions=self.regions)
+                                 regions=self.regions, dense_room_bytes=self._dense_room_bytes())
         if not accounting_only:
             self.loans.buffer_need = self.executor.buffer_slots_needed
         self.dm.seal()
@@ -283,6 +283,12 @@ class Engine:
             out[name] = region
         return out
 
+    def _dense_room_bytes(self) -> int:
+        """Bytes of the plan's dense line the uploaded dense weights leave (each array's alignment taken off)."""
+        from strata_core.runtime.devmem import ALIGN_BYTES
+        used = sum(-(-int(a.nbytes) // ALIGN_BYTES) * ALIGN_BYTES for a in self.dense_dev.values())
+        return max(0, int(self.plan.vram.dense_bytes) - used - ALIGN_BYTES)
+
     def executor_stream(self) -> Any:
         """The copy stream of start-up uploads (the executor makes its own)."""
         if not hasattr(self, "_warm_stream"):
@@ -370,7 +376,13 @@ class Engine:
         oc0 = self.executor.observer_cpu_s
         h0, l0 = self.cache.hits, self.cache.lookups
         try:
-            if logits is not None:
+            if logits is not None and decode_tokens > 0 and self.executor.pipelines_greedy:
+                # the device picks each token and embeds it for the next step (the same tokens as the loop below)
+                try:
+                    logits = self.executor.decode_greedy(int(np.argmax(logits)), decode_tokens, res.tokens)
+                finally:
+                    res.decode_steps = max(0, len(res.tokens) - 1)
+            elif logits is not None:
                 tok = int(np.argmax(logits))
                 for _ in range(decode_tokens):
                     res.tokens.append(tok)

@@ -89,6 +89,10 @@ class ExecStats:
 LayerObserver = Callable[[str, int, np.ndarray, np.ndarray], None]
 
 _NO_RING = np.zeros(0, np.int32)
+#: What layer ops offer to run greedy decode on the device (besides decode_launch(works, defer=True) and
+#: decode_done(keep)): greedy_table(embed, device_copy) -> table or None, greedy_start(token, table),
+#: greedy_embed(table, x), greedy_argmax(logits), greedy_token() -> int.
+GREEDY_CAPABILITY = ("greedy_table", "greedy_start", "greedy_embed", "greedy_argmax", "greedy_token")
 
 
 class Executor:
@@ -98,7 +102,7 @@ class Executor:
                  weights: ModelWeights | None, dense_dev: dict[str, Any] | None, share: CpuShare, log: RunLog,
                  top_k: int, hidden: int, workspace_bytes: int = 0, accounting_only: bool = False, seed: int = 0,
                  observer: LayerObserver | None = None, staging: Any = None, layer_ops: Any = None,
-                 regions: dict[str, Any] | None = None):
+                 regions: dict[str, Any] | None = None, dense_room_bytes: int = 0):
         self.dm = dm
         self.k = kernels
         self.cache = cache
@@ -145,6 +149,16 @@ class Executor:
         self._step_works: list[LayerWork] | None = None
         from strata_core.runtime import dense_ffn  # the FFNs beside the routed experts (shared, dense, router bias)
         self.ops = dense_ffn.wrap(self.ops, weights, self.dense, dm, kernels, accounting_only, cache.layers)
+        #: greedy decode with the token chosen on the device (decode_greedy); False keeps the step loop (tests
+        #: compare the two)
+        self.greedy_pipeline = True
+        #: bytes of the plan's dense line the uploaded dense weights left free: an embedding copy for the device's
+        #: greedy loop may take them (the plan counts the embedding as a device line)
+        self.dense_room_bytes = int(dense_room_bytes)
+        self._greedy_for: Any = None
+        self._greedy_table: Any = None
+        if self._greedy_ops:
+            self._prepare_greedy()
 
     @property
     def _launches(self) -> bool:
@@ -153,6 +167,39 @@ class Executor:
         wrapper's attribute forwarding never skips the wrapper's own decode_step."""
         t = type(self.ops)
         return hasattr(t, "decode_launch") and hasattr(t, "decode_done")
+
+    @property
+    def _greedy_ops(self) -> bool:
+        """Do the ops choose a greedy token on the device and embed it there, and queue a step with its counting
+        deferred (GREEDY_CAPABILITY and decode_launch / decode_done, looked up on the class as _launches is)? Not
+        with --check (the observer reads every layer step by step), nor in accounting mode."""
+        t = type(self.ops)
+        return (self._launches and all(hasattr(t, n) for n in GREEDY_CAPABILITY) and self.observer is None
+                and not self.accounting_only and self.carves and self.weights is not None
+                and self.weights.dense is not None)
+
+    def _prepare_greedy(self) -> None:
+        """Ask the ops for the embedding table their greedy_embed reads: a device copy when the plan's dense line
+        has room for it and start-up is not over (`dense_room_bytes`), else whatever the ops make of the host's
+        table (None: the step loop runs)."""
+        self._greedy_for = self.ops
+        embed = self.weights.dense.embed
+        copy = None
+        if int(embed.nbytes) <= self.dense_room_bytes and not getattr(self.dm, "sealed", True):
+            self.dm.region("dense")
+            copy = self.dm.to_device(np.ascontiguousarray(embed))
+        self._greedy_table = self.ops.greedy_table(embed, copy)
+        if self._greedy_table is None and copy is not None:
+            self.dm.free(copy)
+
+    @property
+    def pipelines_greedy(self) -> bool:
+        """Will decode_greedy keep the device busy across steps (token chosen and embedded on the device)?"""
+        if not self.greedy_pipeline or not self._greedy_ops:
+            return False
+        if self._greedy_for is not self.ops:
+            self._prepare_greedy()
+        return self._greedy_table is not None
 
     def _sample(self) -> None:
         """Let the device memory read its driver figure (a no-op where the backend keeps its own peak)."""
@@ -263,6 +310,17 @@ class Executor:
         """Final norm and LM head of the last token of x -> logits [V] f32 on the host (`before_download` is
         called once the head is queued, before the host waits for its logits)."""
         x_last = x[-1:] if x.shape[0] > 1 else x
+        lg = self._head_queued(x_last, arena)
+        if before_download is not None:
+            before_download()
+        logits = np.asarray(self.dm.download(lg), dtype=np.float32)[-1]
+        arena.reset()
+        if self.observer is not None:
+            self.observer("head", -1, np.asarray(self.dm.download(x_last)), logits[None, :])
+        return logits
+
+    def _head_queued(self, x_last: Any, arena: Arena) -> Any:
+        """Final norm and LM head of x_last [1,H] queued on the device: the logits [1,V] f32, on the device."""
         k = self.ops
         takes = getattr(k, "_takes_out", {})
         xn_out = arena.carve((1, self.hidden), np.float32) if takes.get("rmsnorm") else None
@@ -276,13 +334,7 @@ class Executor:
         if lg is None:
             lg = self.k.linear(xn, self.dense["lm_head"], out=lg_out) if lg_out is not None else \
                 self.k.linear(xn, self.dense["lm_head"])
-        if before_download is not None:
-            before_download()
-        logits = np.asarray(self.dm.download(lg), dtype=np.float32)[-1]
-        arena.reset()
-        if self.observer is not None:
-            self.observer("head", -1, np.asarray(self.dm.download(x_last)), logits[None, :])
-        return logits
+        return lg
 
     def prefill(self, prompt: np.ndarray | int, loan: Loan | NoLoan) -> np.ndarray | None:
         """Read a prompt in the loan's chunks; the last token's logits (None in accounting mode)."""
@@ -332,6 +384,41 @@ class Executor:
             self.progress("decode", 1)
         return logits
 
+
+    def decode_greedy(self, token: int, steps: int, tokens: list[int]) -> np.ndarray:
+        """`steps` greedy decode steps from `token` with the device busy across them; the last step's logits [V].
+
+        Every token the host reads is appended to `tokens` (first `token`, then each step's), the same tokens as
+        decode_step's loop with np.argmax. Each step's token is the argmax of its logits on the device, the next
+        step's residual is that token's embedding row gathered on the device, and the next step is queued before
+        the host reads the token: the host reads each step's token (a few page-locked bytes) and counts its
+        experts in the cache (the ops' decode_done, the cache's tick first) one step behind. Only the last step's
+        logits come back whole. Use when `pipelines_greedy`."""
+        ops, table = self.ops, self._greedy_table
+        tokens.append(int(token))
+        if steps <= 0:
+            raise ValueError("decode_greedy needs at least one step")
+        ops.greedy_start(int(token), table)
+        lg = None
+        for i in range(int(steps)):
+            arena = self._arena(None)
+            x = arena.carve((1, self.hidden), np.float32)
+            ops.greedy_embed(table, x)
+            arena.fix()
+            ops.decode_launch(self._decode_works(x, arena), defer=True)
+            lg = self._head_queued(x, arena)
+            ops.greedy_argmax(lg)
+            if i > 0:
+                ops.decode_done(keep=1)  # the step before this one: its tick and counts, then its token
+                tokens.append(ops.greedy_token())
+            self._sample()
+            self.stats.decode_tokens += 1
+            if self.progress:
+                self.progress("decode", 1)
+        ops.decode_done()
+        tokens.append(ops.greedy_token())
+        # the last step's logits are still in its arena's buffer: nothing was carved after it
+        return np.asarray(self.dm.download(lg), dtype=np.float32)[-1]
 
     def _step_queued(self) -> None:
         """Once a launched decode step and its LM head are queued: count the step (the ops wait for its routed ids

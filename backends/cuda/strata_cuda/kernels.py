@@ -40,6 +40,95 @@ GEMV_THREADS = 256
 GEMV_MAX_T = 8
 
 
+#: Greedy decode on the device (strata_core.runtime.executor's pipelined loop through CudaLayerOps): the token as the
+#: argmax of the LM head's f32 logits, and the next step's residual as its embedding row, so a step is queued before
+#: the host has read the token. Kept to moe.cu's portability rules (no headers, no warp intrinsics, reductions through
+#: shared memory); one block per launch.
+GREEDY_SOURCE = r"""
+#define STRATA_GREEDY_THREADS 1024
+#define STRATA_NO_ID 0x7fffffff
+
+// np.argmax's order: a NaN beats every number (the first NaN wins), else the larger value, ties to the lower index
+__device__ inline bool strata_greedy_better(float a, int ia, float b, int ib) {
+    if (ia == STRATA_NO_ID) return false;
+    if (ib == STRATA_NO_ID) return true;
+    const bool na = a != a, nb = b != b;
+    if (na || nb) return na && nb ? ia < ib : na;
+    if (a != b) return a > b;
+    return ia < ib;
+}
+
+// out[0] = the first index of the largest of v[0..n) (np.argmax), one block of STRATA_GREEDY_THREADS threads
+extern "C" __global__ void strata_argmax_f32(const float* v, int n, int* out) {
+    __shared__ float sv[STRATA_GREEDY_THREADS];
+    __shared__ int si[STRATA_GREEDY_THREADS];
+    float best = 0.0f;
+    int bi = STRATA_NO_ID;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+        const float x = v[i];
+        if (strata_greedy_better(x, i, best, bi)) { best = x; bi = i; }
+    }
+    sv[threadIdx.x] = best;
+    si[threadIdx.x] = bi;
+    __syncthreads();
+    for (int s = blockDim.x / 2; s > 0; s >>= 1) {
+        if (threadIdx.x < s && strata_greedy_better(sv[threadIdx.x + s], si[threadIdx.x + s], sv[threadIdx.x],
+                                                    si[threadIdx.x])) {
+            sv[threadIdx.x] = sv[threadIdx.x + s];
+            si[threadIdx.x] = si[threadIdx.x + s];
+        }
+        __syncthreads();
+    }
+    if (threadIdx.x == 0) out[0] = si[0] == STRATA_NO_ID ? 0 : si[0];
+}
+
+// out[0..h) = the f16 row tok[0] of table [V, h] widened to f32 (bit-exact, as moe.cu's strata_h2f); the table may
+// be device memory or page-locked host memory mapped at its host address
+extern "C" __global__ void strata_embed_row_f16(const unsigned short* table, const int* tok, int h, float* out) {
+    const unsigned short* row = table + (long long)tok[0] * h;
+    for (int j = blockIdx.x * blockDim.x + threadIdx.x; j < h; j += gridDim.x * blockDim.x) {
+        const unsigned int x = row[j];
+        const unsigned int sign = (x & 0x8000u) << 16, e = (x >> 10) & 0x1fu, m = x & 0x3ffu;
+        float f;
+        if (e == 0u) {
+            f = (float)m * 5.9604644775390625e-8f;
+            f = sign ? -f : f;
+        } else if (e == 31u) {
+            f = __uint_as_float(sign | 0x7f800000u | (m << 13));
+        } else {
+            f = __uint_as_float(sign | ((e + 112u) << 23) | (m << 13));
+        }
+        out[j] = f;
+    }
+}
+"""
+GREEDY_KERNEL_NAMES = ("strata_argmax_f32", "strata_embed_row_f16")
+#: Threads of the argmax's one block (STRATA_GREEDY_THREADS in GREEDY_SOURCE) and of the embedding row's blocks.
+GREEDY_THREADS = 1024
+EMBED_THREADS = 256
+
+
+class GreedyKernels:
+    """GREEDY_SOURCE compiled once (at construction), launched on cupy's current stream with raw addresses."""
+
+    def __init__(self) -> None:
+        import cupy
+        self._cp = cupy
+        module = cupy.RawModule(code=GREEDY_SOURCE, options=COMPILE_OPTIONS)
+        self._k = {n: module.get_function(n) for n in GREEDY_KERNEL_NAMES}
+
+    def argmax(self, logits_ptr: int, n: int, out_ptr: int) -> None:
+        """int32 at out_ptr = np.argmax of the n f32 values at logits_ptr (device addresses)."""
+        self._k["strata_argmax_f32"]((1,), (GREEDY_THREADS,), (np.uint64(logits_ptr), np.int32(n), np.uint64(out_ptr)))
+
+    def embed_row(self, table_ptr: int, tok_ptr: int, hidden: int, out_ptr: int) -> None:
+        """hidden f32 at out_ptr = f16 row (int32 at tok_ptr) of the [V, hidden] table at table_ptr."""
+        blocks = max(1, min(64, (int(hidden) + EMBED_THREADS - 1) // EMBED_THREADS))
+        self._k["strata_embed_row_f16"]((blocks,), (EMBED_THREADS,),
+                                        (np.uint64(table_ptr), np.uint64(tok_ptr), np.int32(hidden),
+                                         np.uint64(out_ptr)))
+
+
 def kernel_source() -> str:
     """The text of strata_cuda/moe.cu."""
     return files("strata_cuda").joinpath(SOURCE_NAME).read_text()

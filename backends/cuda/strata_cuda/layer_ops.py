@@ -50,6 +50,9 @@ EMPTY = -1
 FUSED_DTYPES = ("f16", "q8_0")
 #: The formats decode_step runs as one graph replay (gguf: QuantMoE's GEMV kernels, every routed expert cached).
 DECODE_DTYPES = ("f16", "q8_0", "gguf")
+#: The largest embedding table greedy decode copies into page-locked memory when the plan's dense line has no room
+#: for a device copy (the tiny model's is 0.5 MiB; a real vocabulary's device copy lives in the dense line).
+GREEDY_HOST_TABLE_MAX_BYTES = 64 << 20
 #: The CPU share stays off on the fused path's fallback (it would need the runtime's share buffers).
 _NO_SHARE = SimpleNamespace(armed_for=lambda tokens: False, rows_capacity=0)
 
@@ -112,9 +115,25 @@ class CudaLayerOps:
         #: critical path (0: decode admits nothing); about one step's worth of the link
         self.decode_admit_bytes = 64 << 20
         self._pending: tuple | None = None
-        #: a launched step whose routed ids are on their way to the host: (works, slot maps, copy event)
-        self._ids_pending: tuple | None = None
+        #: launched steps not counted yet, oldest first (at most two: a deferred step and the one queued after it):
+        #: (works, slot maps, ids copy event, experts per layer, host buffer index, tick owed)
+        self._launched: list[tuple] = []
+        #: the routed ids' two page-locked host buffers (steps alternate, so a step's copy never lands in the buffer
+        #: the host is still to read), the one the last launched step's ids land in, and how many steps were launched
+        self._ids_pair: tuple[np.ndarray, np.ndarray] | None = None
         self._ids_host: np.ndarray | None = None
+        self._launch_no = 0
+        #: greedy decode on the device (greedy_*): its kernels, the token on the device, the tokens' two page-locked
+        #: host slots with their copy events, the slots queued and not read yet, and the page-locked embedding copy
+        self._greedy: Any = None
+        self._tok_dev: Any = None
+        self._tok_host: np.ndarray | None = None
+        self._tok_buf: Any = None
+        self._tok_events: tuple = ()
+        self._tok_queued: list[int] = []
+        self._tok_read: list[int] = []
+        self._tok_no = 0
+        self._table_buf: Any = None
         #: the session's page-locked allocator (the plan's pinned budget): the routed ids' host buffer comes from
         #: its runtime floor, so no page-locked byte of a decode step is outside the plan
         self._pinned = pinned
@@ -611,32 +630,46 @@ class CudaLayerOps:
         self.decode_launch(works)
         self.decode_done()
 
-    def decode_launch(self, works: list[LayerWork]) -> None:
+    def decode_launch(self, works: list[LayerWork], defer: bool = False) -> None:
         """decode_step without waiting for the device: the replay is queued and the routed ids' copy to the host
         with it; `decode_done` counts the step (the executor calls it once the LM head is queued behind the
-        replay, so the host's counting overlaps the device's work). A step launched earlier and not yet counted is
-        counted first, so the cache is read in step order."""
-        self.decode_done()
+        replay, so the host's counting overlaps the device's work). Without `defer`, a step launched earlier and not
+        yet counted is counted first, so the cache is read in step order.
+
+        `defer` (the executor's pipelined greedy loop): the step's cache tick is owed too and the previous step
+        stays uncounted, so this step is queued before the host has read the previous one's ids or token; the
+        decode_done that counts a deferred step ticks the cache first, so ticks and counts keep the step loop's
+        order. This step's slot maps are read before the previous step is counted, so its admissions reach the
+        maps one step later than in the step loop (the fences of _admit_decode_misses still hold: a slot is written
+        only after every step queued before the admission). A step that takes the composed path counts everything
+        pending, ticks and runs as the step loop does."""
+        if not defer:
+            self.decode_done()
+        elif len(self._launched) >= 2:
+            self.decode_done(keep=1)  # never more than two steps in flight: two ids buffers
         if not works:
             return
         observer = works[0].extras.get("observer")
         runs = self._decode_runs(works)
-        if runs is None:
+        got = None
+        if runs is not None:
+            got = self._decode_layers(works, runs[0][0])
+        if got is None:
             self.counts["decode_composed_steps"] += 1
+            if defer:
+                self.decode_done()
+                works[0].slots.tick()
             self._fallback(works[0]).decode_step(works)
             return
         import cupy as cp
         fast = runs[0][0]
-        got = self._decode_layers(works, fast)
-        if got is None:
-            self.counts["decode_composed_steps"] += 1
-            self._fallback(works[0]).decode_step(works)
-            return
         layers, key = got
         x = works[0].x
         stream = cp.cuda.get_current_stream()
         for f, _, _ in runs:
             f.compute_stream = stream
+        for pending in self._launched:
+            stream.wait_event(pending[2])  # its ids are still to be copied out of the buffer this replay writes
         if observer is None:
             if len(runs) == 1:
                 fast.decode_stack(x, layers, graph=True, key=key)
@@ -652,56 +685,70 @@ class CudaLayerOps:
                     f.decode_stack(x, [lay], graph=False)
                     observer(w.phase, w.layer, x_in, np.asarray(self.memory.download(x)))
             self.counts["decode_plain_steps"] += 1
-        self._ids_pending = (works, self._maps_host, self._download_ids(stream), fast.experts)
+        if defer:
+            self.counts["decode_deferred_steps"] = self.counts.get("decode_deferred_steps", 0) + 1
+        landed, which = self._download_ids(stream)
+        self._launched.append((works, self._maps_host, landed, fast.experts, which, defer))
         seen = set()
         for w in works:  # the works share one arena: reset each once
             if id(w.workspace) not in seen:
                 seen.add(id(w.workspace))
                 w.workspace.reset()
 
-    def _download_ids(self, stream: Any) -> Any:
+    def _download_ids(self, stream: Any) -> tuple[Any, int]:
         """Copy the step's routed ids into a page-locked host buffer on a side stream that waits for `stream`'s
-        replay (so the LM head queued next is not held behind the copy); the event that marks it landed."""
+        replay (so the LM head queued next is not held behind the copy); the event that marks it landed and which
+        of the two host buffers it lands in (steps alternate)."""
         import cupy as cp
         nbytes = int(self._ids_dev.nbytes)
-        if self._ids_host is None or self._ids_host.shape != tuple(self._ids_dev.shape):
-            self._ids_host = self._ids_buffer(tuple(self._ids_dev.shape), nbytes)
+        if self._ids_pair is None or self._ids_pair[0].shape != tuple(self._ids_dev.shape):
+            self._ids_pair = self._ids_buffer(tuple(self._ids_dev.shape), nbytes)
         if self._ids_stream is None:
             self._ids_stream = cp.cuda.Stream(non_blocking=True)
-            # two events, recorded again every step (the previous step's copy has landed before this one is queued)
-            self._ids_events = (cp.cuda.Event(disable_timing=True), cp.cuda.Event(disable_timing=True))
-        replayed, landed = self._ids_events
+            # one pair per host buffer, recorded again every other step (that buffer's last step is counted by then)
+            self._ids_events = tuple((cp.cuda.Event(disable_timing=True), cp.cuda.Event(disable_timing=True))
+                                     for _ in range(2))
+        which = self._launch_no % 2
+        self._launch_no += 1
+        replayed, landed = self._ids_events[which]
         replayed.record(stream)
         self._ids_stream.wait_event(replayed)
+        self._ids_host = self._ids_pair[which]
         self._rt.memcpyAsync(int(self._ids_host.ctypes.data), int(self._ids_dev.data.ptr), nbytes,
                              self._rt.memcpyDeviceToHost, self._ids_stream.ptr)
         landed.record(self._ids_stream)
-        return landed
+        return landed, which
 
-    def _ids_buffer(self, shape: tuple, nbytes: int) -> np.ndarray:
-        """The routed ids' host buffer: page-locked from the session's allocator (charged to the plan's pinned budget,
-        its runtime floor), else pageable (then the copy holds the host until the replay ends; counts['ids_pageable'])."""
+    def _ids_buffer(self, shape: tuple, nbytes: int) -> tuple[np.ndarray, np.ndarray]:
+        """The routed ids' two host buffers: page-locked from the session's allocator (charged to the plan's pinned
+        budget, its runtime floor), else pageable (then the copy holds the host until the replay ends;
+        counts['ids_pageable'])."""
         if self._ids_buf is not None:
             self._pinned.free(self._ids_buf)
             self._ids_buf = None
-        buf = self._pinned.alloc(max(nbytes, 1), from_floor=True) if self._pinned is not None else None
+        step = max(int(nbytes), 4)  # int32 ids: the second buffer starts aligned
+        buf = self._pinned.alloc(2 * step, from_floor=True) if self._pinned is not None else None
         if buf is None:
             self.counts["ids_pageable"] = 1
-            return np.empty(shape, dtype=np.int32)
+            return np.empty(shape, dtype=np.int32), np.empty(shape, dtype=np.int32)
         self._ids_buf = buf
         self.counts.pop("ids_pageable", None)
-        return np.ndarray(shape, dtype=np.int32, buffer=buf.array)
+        return tuple(np.ndarray(shape, dtype=np.int32, buffer=buf.array, offset=i * step) for i in range(2))
 
-    def decode_done(self) -> None:
-        """Count the launched step's routed experts (one cache lookup for all layers) and queue the admission of
-        the experts it read from host memory; waits for the step's ids only. A no-op when no step is pending."""
-        pending = self._ids_pending
-        if pending is None:
-            return
-        self._ids_pending = None
-        works, maps, landed, e_n = pending
+    def decode_done(self, keep: int = 0) -> None:
+        """Count the launched steps' routed experts (one cache lookup for all layers of a step), oldest first, until
+        at most `keep` are left uncounted, and queue the admission of the experts each read from host memory; a
+        deferred step's cache tick comes first. Waits for those steps' ids only. A no-op when no step is pending."""
+        while len(self._launched) > keep:
+            self._count(self._launched.pop(0))
+
+    def _count(self, launched: tuple) -> None:
+        """Count one launched step (see decode_done)."""
+        works, maps, landed, e_n, which, tick = launched
         landed.synchronize()
-        ids = self._ids_host.copy()  # the next step's copy reuses the page-locked buffer
+        ids = self._ids_pair[which].copy()  # a later step's copy reuses the page-locked buffer
+        if tick:
+            works[0].slots.tick()
         # store rows of every routed (layer, expert) of the step, counted in one call: row(0, r) is r, so one
         # lookup over layer 0's numbering is the per-layer lookups at once (48 calls cost ~0.5 ms a step)
         layer_ids = tuple(w.layer for w in works)
@@ -715,3 +762,101 @@ class CudaLayerOps:
         works[0].slots.lookup(0, used, cnt[used])
         if maps is not None and (maps < 0).any():
             self._admit_decode_misses(works, maps, ids)  # after the lookup: this step's experts are warm
+
+    # --- greedy decode on the device (the executor's pipelined loop) ----------------------------------------
+
+    def greedy_table(self, embed: np.ndarray, device_copy: Any = None) -> Any | None:
+        """The embedding table greedy_embed reads: `device_copy` (the executor's, inside the plan's dense line) when
+        given, else a page-locked copy of `embed` from the session's allocator (its runtime floor, at most
+        GREEDY_HOST_TABLE_MAX_BYTES) that the kernel reads at its mapped address; None when neither applies (the
+        executor then keeps the step loop)."""
+        import cupy as cp
+        if self._greedy is None:
+            try:
+                from .kernels import GreedyKernels
+                self._greedy = GreedyKernels()
+                self._tok_dev = cp.zeros(1, dtype=cp.int32)
+            except Exception:  # no greedy kernels here: the step loop runs (a compile failure costs only speed)
+                return None
+        if not isinstance(embed, np.ndarray) or embed.dtype != np.float16 or embed.ndim != 2:
+            return None
+        vocab, hidden = (int(d) for d in embed.shape)
+        if device_copy is not None:
+            if (not isinstance(device_copy, cp.ndarray) or device_copy.dtype != cp.float16
+                    or tuple(device_copy.shape) != (vocab, hidden) or not device_copy.flags.c_contiguous):
+                return None
+            return SimpleNamespace(ptr=int(device_copy.data.ptr), vocab=vocab, hidden=hidden, where="device",
+                                   keep=device_copy)
+        if self._pinned is None or embed.nbytes > GREEDY_HOST_TABLE_MAX_BYTES:
+            return None
+        if self._table_buf is not None:
+            self._pinned.free(self._table_buf)
+            self._table_buf = None
+        buf = self._pinned.alloc(int(embed.nbytes), from_floor=True)
+        if buf is None or buf.handle is None:
+            return None
+        host = np.ndarray(embed.shape, dtype=np.float16, buffer=buf.array)
+        host[...] = embed
+        try:
+            # cudaDevAttrCanUseHostPointerForRegisteredMem (91) and the driver's device address of the buffer
+            same = bool(self._rt.deviceGetAttribute(91, cp.cuda.Device().id))
+            attrs = self._rt.pointerGetAttributes(int(host.ctypes.data))
+            ptr = int(attrs.devicePointer) or (int(host.ctypes.data) if same else 0)
+            ok = int(attrs.type) == 1 and ptr != 0
+        except Exception:
+            ok = False
+        if not ok:
+            self._pinned.free(buf)
+            return None
+        self._table_buf = buf
+        return SimpleNamespace(ptr=ptr, vocab=vocab, hidden=hidden, where="page-locked host", keep=host)
+
+    def greedy_start(self, token: int, table: Any) -> None:
+        """The first decode step's token onto the device (stream-ordered), and the tokens' page-locked host slots."""
+        import cupy as cp
+        token = int(token)
+        if not 0 <= token < table.vocab:
+            raise StrataError(f"greedy decode: token {token} is outside the vocabulary of {table.vocab}")
+        if self._tok_host is None:
+            buf = self._pinned.alloc(64, from_floor=True) if self._pinned is not None else None
+            if buf is None:
+                self.counts["tokens_pageable"] = 1
+                self._tok_host = np.zeros(2, dtype=np.int32)
+            else:
+                self._tok_buf = buf
+                self._tok_host = np.ndarray((2,), dtype=np.int32, buffer=buf.array)
+            self._tok_events = (cp.cuda.Event(disable_timing=True), cp.cuda.Event(disable_timing=True))
+        self._tok_queued, self._tok_read = [], []
+        self._tok_dev.set(np.array([token], dtype=np.int32), stream=cp.cuda.get_current_stream())
+
+    def greedy_embed(self, table: Any, x: Any) -> None:
+        """x [1,H] f32 = the table's row of the device's current token, on the current stream."""
+        self._greedy.embed_row(table.ptr, int(self._tok_dev.data.ptr), table.hidden, int(x.data.ptr))
+        self.counts["greedy_steps"] = self.counts.get("greedy_steps", 0) + 1
+
+    def greedy_argmax(self, logits: Any) -> None:
+        """The device's current token = np.argmax of the last row of logits [T,V] f32, and its copy into a
+        page-locked host slot queued behind it on the current stream (greedy_token reads it)."""
+        import cupy as cp
+        if len(self._tok_queued) >= 2:
+            self._tok_read.append(self._read_token())  # its slot is about to be written again
+        v = int(logits.shape[-1])
+        stream = cp.cuda.get_current_stream()
+        self._greedy.argmax(int(logits.data.ptr) + (int(logits.shape[0]) - 1) * v * 4, v, int(self._tok_dev.data.ptr))
+        which = self._tok_no % 2
+        self._tok_no += 1
+        self._rt.memcpyAsync(int(self._tok_host.ctypes.data) + 4 * which, int(self._tok_dev.data.ptr), 4,
+                             self._rt.memcpyDeviceToHost, stream.ptr)
+        self._tok_events[which].record(stream)
+        self._tok_queued.append(which)
+
+    def greedy_token(self) -> int:
+        """The oldest token greedy_argmax queued and the host has not read (waits for its copy only)."""
+        if self._tok_read:
+            return self._tok_read.pop(0)
+        return self._read_token()
+
+    def _read_token(self) -> int:
+        which = self._tok_queued.pop(0)
+        self._tok_events[which].synchronize()
+        return int(self._tok_host[which])
