@@ -4,8 +4,9 @@ so each reads other weights than the last and L2 serves none of them), the 48-la
 kernel form (FastMoE.decode_form) and with or without programmatic dependent launches (FastMoE.decode_pdl); the LM
 head GEMV (151936 x 2048 f16) and the logits' download; a device-to-device copy for the HBM ceiling. Times are CUDA
 events around `reps` graph replays after warm-up replays; bytes are the weights each kernel must read (each once).
-Every variant's stack output is compared with the first form's, launched plainly (the path tests/gpu checks against
-float64). Writes decode_kernels_h200.json under --out.
+Every variant's stack output is compared with the first form's, launched plainly, and with a float64 reference of the
+48 layers computed on the host from the pool's own weights (its routing, in float64, compared layer by layer with the
+ids the kernels published). Writes decode_kernels_h200.json under --out.
 """
 
 from __future__ import annotations
@@ -62,13 +63,39 @@ def events_seconds(cp, stream, fn, reps: int) -> float:
     return cp.cuda.get_elapsed_time(s, e) / 1e3 / reps
 
 
+def f64_stack(cp, x0, layers, w13, w2, k: int):
+    """The 48-layer decode stack in float64 on the host (rmsnorm, router, top-k, SwiGLU experts read from the pool's
+    slots, residual add): (x after the last layer [1,H], each layer's routed ids [L,k])."""
+    x = x0.astype(np.float64)[0]
+    ids_all = []
+    for lay in layers:
+        nw, r = lay.norm_w.get().astype(np.float64), lay.router_w.get().astype(np.float64)
+        xn = x / np.sqrt((x * x).mean() + lay.eps) * nw
+        logits = r @ xn
+        ids = np.argsort(-logits, kind="stable")[:k]
+        w = np.exp(logits[ids] - logits[ids[0]])
+        w /= w.sum()
+        slots = lay.slot_map.get()[ids]
+        g13, g2 = w13[cp.asarray(slots)].get().astype(np.float64), w2[cp.asarray(slots)].get().astype(np.float64)
+        f = g13.shape[1] // 2
+        y = np.zeros_like(x)
+        for j in range(k):
+            gu = g13[j] @ xn
+            y += w[j] * (g2[j] @ (gu[:f] / (1 + np.exp(-gu[:f])) * gu[f:]))
+        x = x + y
+        ids_all.append(ids)
+    return x[None, :], np.array(ids_all, dtype=np.int32)
+
+
 def main() -> int:
     """Time the kernels; print a table and write the JSON."""
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--out", default=".")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--rows", default="2", help="decode_rows_per_warp values for gate/up (the first: every variant)")
+    ap.add_argument("--forms", default="1,2,3,4,5", help="FastMoE.decode_form values to time")
     args = ap.parse_args()
+    args.forms = [int(f) for f in args.forms.split(",") if f]
     import cupy as cp
     from strata_core.api.kernels import ExpertPool
     from strata_cuda.fast import DecodeLayer, FastMoE
@@ -95,6 +122,7 @@ def main() -> int:
     maps = cp.asarray(((np.arange(LAYERS)[:, None] * E + np.arange(E)[None, :]) % SLOTS).astype(np.int32))
     ids = cp.zeros((LAYERS, K), cp.int32)
     wts = cp.zeros((LAYERS, K), cp.float32)
+    slots = cp.zeros((LAYERS, K), cp.int32)  # the third forms' routed slots, one row a layer for the kernels alone
     norms = [cp.asarray((1 + 0.1 * rng.standard_normal(H)).astype(np.float32)) for _ in range(LAYERS)]
     routers = [cp.asarray((rng.standard_normal((E, H)) / np.sqrt(H)).astype(np.float32)) for _ in range(LAYERS)]
     layers = [DecodeLayer(norm_w=norms[i], router_w=routers[i], pool=pool, slot_map=maps[i], ids=ids[i], w=wts[i])
@@ -103,6 +131,9 @@ def main() -> int:
     x = x0.copy()
     cp.cuda.Device().synchronize()
     res["setup_s"] = time.perf_counter() - t0
+    t1 = time.perf_counter()
+    want, want_ids = f64_stack(cp, x0.get(), layers, w13, w2, K)
+    res["reference_s"] = time.perf_counter() - t1
     rows_list = [int(r) for r in args.rows.split(",") if r]
     variants = []
     base_out = None
@@ -110,7 +141,7 @@ def main() -> int:
         moe = FastMoE(E, K, H, F, decode_rows_per_warp=rows)
         bufs = moe.decode_buffers()
         stream = moe.compute_stream
-        for form in (1, 2):
+        for form in args.forms:
             for pdl in (False, True):
                 if rows != rows_list[0] and not (form == 2 and pdl):
                     continue
@@ -119,14 +150,19 @@ def main() -> int:
                 row = {"rows_per_warp": rows, "form": form, "pdl": pdl}
                 # one stack replay from x0: its output against the first variant's
                 x[...] = x0
+                cp.cuda.Device().synchronize()  # the copy ran on the legacy stream; compute_stream does not wait for it
                 moe.decode_stack(x, layers, graph=True)
                 stream.synchronize()
                 out = x.get()
                 if base_out is None:
                     base_out = out
                 row["stack_vs_first_rel"] = float(np.abs(out - base_out).max() / np.abs(base_out).max())
+                row["stack_vs_f64_rel"] = float(np.linalg.norm(out - want) / np.linalg.norm(want))
+                unlike = (np.sort(ids.get(), axis=1) != np.sort(want_ids, axis=1)).any(axis=1)
+                row["layers_routed_unlike_f64"] = int(unlike.sum())
                 row["finite"] = bool(np.isfinite(out).all())
                 x[...] = x0
+                cp.cuda.Device().synchronize()
                 row["stack_s"] = events_seconds(cp, stream, lambda: moe.decode_stack(x, layers, graph=True), args.reps)
                 row["stack_us_per_layer"] = row["stack_s"] / LAYERS * 1e6
                 row["stack_routed_bytes_per_s"] = K * expert_bytes * LAYERS / row["stack_s"]
@@ -135,7 +171,7 @@ def main() -> int:
 
                 def norm_body():
                     for lay in layers:
-                        if form == 2:
+                        if form >= 2:
                             moe._dlaunch("strata_fast_decode_norm_route2", ((E + 3) // 4,), (128,),
                                          (x, lay.norm_w, lay.router_w, np.int32(E), np.int32(H), np.float32(1e-6),
                                           xn, lg))
@@ -145,14 +181,16 @@ def main() -> int:
                                           xn, lg))
 
                 def gate_up_body():
-                    for lay in layers:
-                        moe._gate_up(xn, lg, pool, lay.slot_map, None, 0, 0, ids_out=lay.ids, w_out=lay.w)
+                    for i, lay in enumerate(layers):
+                        moe._gate_up(xn, lg, pool, lay.slot_map, None, 0, 0, ids_out=lay.ids, w_out=lay.w,
+                                     slots_out=slots[i])
 
                 out_buf = bufs["out"]
 
                 def down_body():
-                    for lay in layers:
-                        moe._down(pool, lay.slot_map, None, 0, out_buf, 0, accumulate=0, ids=lay.ids, w=lay.w)
+                    for i, lay in enumerate(layers):
+                        moe._down(pool, lay.slot_map, None, 0, out_buf, 0, accumulate=0, ids=lay.ids, w=lay.w,
+                                  slots=slots[i])
 
                 for name, body, nbytes in (("norm_route", norm_body, E * H * 4),
                                            ("gate_up", gate_up_body, K * int(w13[0].nbytes)),
@@ -164,7 +202,8 @@ def main() -> int:
                 res["variants"] = variants
                 Path(args.out).mkdir(parents=True, exist_ok=True)
                 (Path(args.out) / "decode_kernels_h200.json").write_text(json.dumps(res, indent=1))
-                print(f"rows {rows} form {form} pdl {pdl!s:5}: stack {row['stack_s'] * 1e3:.3f} ms "
+                print(f"f64 {row['stack_vs_f64_rel']:.2e} ({row['layers_routed_unlike_f64']} layers routed otherwise); "
+                      f"rows {rows} form {form} pdl {pdl!s:5}: stack {row['stack_s'] * 1e3:.3f} ms "
                       f"({row['stack_us_per_layer']:.1f} us/layer, {row['stack_routed_bytes_per_s'] / 1e12:.2f} TB/s); "
                       f"alone x48: norm+route {row['norm_route_us']:.1f} us, gate/up {row['gate_up_us']:.1f} us "
                       f"({row['gate_up_bytes_per_s'] / 1e12:.2f} TB/s), down {row['down_us']:.1f} us "

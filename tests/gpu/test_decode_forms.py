@@ -1,7 +1,9 @@
 """The decode stack's kernel forms and launch kinds on a real GPU (strata_cuda.fast.FastMoE.decode_form, decode_pdl):
 every combination against the float64 reference through the session's layer ops, the same bits on a second step,
-the second down kernel bit for bit the first, the second norm/router kernel and the LM-head GEMV against float64,
-and NaN router logits routed to valid experts (no read outside the slot map). Skipped where there is no CUDA device.
+the second down kernel bit for bit the first, the third forms against float64 at several shapes (mapped misses,
+unresolved misses as NaN, the rank routing giving warp_topk's ids and weights bit for bit under ties and NaN), the
+second norm/router kernel and the LM-head GEMV against float64, and NaN router logits routed to valid experts (no read
+outside the slot map). Skipped where there is no CUDA device.
 """
 
 from __future__ import annotations
@@ -13,7 +15,9 @@ import pytest
 
 from strata_core.reference import kernels as ref
 
-from .test_fast_paths import (SeededGenerator, _cuda_device_count, device_pool, experts_f16, host_pool, place,
+from strata_cuda.fast import DECODE_DOWN3
+
+from .test_fast_paths import (SeededGenerator, _cuda_device_count, device_pool, experts_f16, host_pool, pinned, place,
                               poisoned, reference, rel)
 from .test_layer_ops import BOUND, H as LH, model, untied_token, works
 
@@ -43,7 +47,10 @@ def moe(cp):
     return FastMoE(E, K, H, F)
 
 
-@pytest.mark.parametrize("form", [1, 2])
+THIRD_FORMS = sorted(DECODE_DOWN3)
+
+
+@pytest.mark.parametrize("form", [1, 2, *THIRD_FORMS])
 @pytest.mark.parametrize("pdl", [False, True], ids=["plain", "pdl"])
 def test_every_form_and_launch_kind_decodes_like_the_reference_and_repeats_its_bits(cp, rng, monkeypatch, form, pdl):
     from strata_cuda import fast
@@ -100,6 +107,124 @@ def test_the_second_down_kernel_gives_the_first_ones_bits(cp, moe, rng, misses):
     assert rel(base, reference(x, logits, hp)) < FP32, f"seed {rng.seed_value}"
     for k, v in outs.items():
         assert np.array_equal(v.view(np.uint32), base.view(np.uint32)), f"{k} differs (seed {rng.seed_value})"
+
+
+_SHAPED: dict = {}
+
+
+def shaped_moe(e: int, k: int, h: int, f: int):
+    """One FastMoE per shape, kept for the module (each compiles nothing new: cupy caches the module)."""
+    from strata_cuda.fast import FastMoE
+    if (e, k, h, f) not in _SHAPED:
+        _SHAPED[(e, k, h, f)] = FastMoE(e, k, h, f)
+    return _SHAPED[(e, k, h, f)]
+
+
+def f64_layer(x, logits, w13, w2, k):
+    """float64 MoE layer of one token over the top-k of the logits (experts indexed by id)."""
+    ids, w = ref.route_topk(logits, k)
+    f = w13.shape[1] // 2
+    y = np.zeros(w2.shape[1])
+    for r, e in enumerate(ids[0]):
+        gu = w13[e].astype(np.float64) @ x[0].astype(np.float64)
+        y += float(w[0, r]) * (w2[e].astype(np.float64) @ (gu[:f] / (1 + np.exp(-gu[:f])) * gu[f:]))
+    return y[None, :]
+
+
+# Qwen3-30B-A3B's decode shape; F/8 = 20 chunks (under a warp, not a multiple of it) with K = 6 over SPLIT 4 (an
+# empty last quarter) and H = 288 (a lane group past H); the test module's shape
+THIRD_SHAPES = [(128, 8, 2048, 768), (60, 6, 288, 160), (E, K, H, F)]
+
+
+@pytest.mark.parametrize("form", THIRD_FORMS)
+@pytest.mark.parametrize("shape", THIRD_SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("misses", [0, 2])
+def test_the_third_forms_match_float64_with_mapped_misses_and_repeat_their_bits(cp, rng, form, shape, misses):
+    e, k, h, f = shape
+    moe = shaped_moe(e, k, h, f)
+    x = rng.standard_normal((1, h)).astype(np.float32)
+    logits = rng.standard_normal((1, e)).astype(np.float32)
+    w13 = (rng.standard_normal((e, 2 * f, h), dtype=np.float32) / np.sqrt(h)).astype(np.float16)
+    w2 = (rng.standard_normal((e, h, f), dtype=np.float32) / np.sqrt(f)).astype(np.float16)
+    hp = ref.ExpertPool("f16", {"w_gate_up": pinned(cp, w13.shape, np.float16),
+                                "w_down": pinned(cp, w2.shape, np.float16)})
+    hp.arrays["w_gate_up"][...] = w13
+    hp.arrays["w_down"][...] = w2
+    ids, w = ref.route_topk(logits, k)
+    slot_of = rng.permutation(e).astype(np.int32)
+    slot_of[ids[0, :misses]] = -1
+    pool = device_pool(cp, hp, e)
+    cached = np.flatnonzero(slot_of >= 0)
+    place(cp, pool, hp, cached, slot_of[cached])
+    want = f64_layer(x, logits, w13, w2, k)
+    outs = []
+    for pdl in (False, True):
+        moe.decode_form, moe.decode_pdl = form, pdl
+        moe._graphs.clear()
+        b = moe.decode_buffers()
+        b["slots"].fill(-7)
+        out = poisoned(cp, (1, h))
+        moe.decode_layer(cp.asarray(x), cp.asarray(logits), pool, cp.asarray(slot_of), out=out, host_pool=hp)
+        moe.compute_stream.synchronize()
+        err = rel(out.get(), want)
+        assert err < FP32, f"form {form} pdl {pdl} {shape} misses {misses}: {err:.2e} (seed {rng.seed_value})"
+        assert np.array_equal(b["ids"].get(), ids[0]), f"ids (seed {rng.seed_value})"
+        assert np.abs(b["w"].get() - w[0]).max() < 1e-6, f"weights (seed {rng.seed_value})"
+        assert np.array_equal(b["slots"].get(), slot_of[ids[0]]), f"published slots (seed {rng.seed_value})"
+        outs.append(out.get())
+    from strata_cuda import fast
+    moe.decode_form, moe.decode_pdl = fast.DECODE_FORM, fast.DECODE_PDL
+    assert np.array_equal(outs[0].view(np.uint32), outs[1].view(np.uint32)), f"pdl changed bits (seed {rng.seed_value})"
+
+
+@pytest.mark.parametrize("form", THIRD_FORMS)
+def test_a_third_form_writes_nan_for_a_miss_it_cannot_read(cp, moe, rng, form):
+    """No host pool and a routed expert not cached: every output is NaN (a check catches it), none left unwritten
+    or computed from slot -1's address."""
+    x = rng.standard_normal((1, H)).astype(np.float32)
+    logits = rng.standard_normal((1, E)).astype(np.float32)
+    hp = host_pool(cp, "f16", *experts_f16(rng, E))
+    ids, _ = ref.route_topk(logits, K)
+    slot_of = np.arange(E, dtype=np.int32)
+    slot_of[ids[0, 1]] = -1
+    pool = device_pool(cp, hp, E)
+    place(cp, pool, hp, np.arange(E), np.arange(E))
+    moe.decode_form, moe.decode_pdl = form, False
+    moe._graphs.clear()
+    out = cp.zeros((1, H), cp.float32)
+    moe.decode_layer(cp.asarray(x), cp.asarray(logits), pool, cp.asarray(slot_of), out=out)
+    moe.compute_stream.synchronize()
+    from strata_cuda import fast
+    moe.decode_form = fast.DECODE_FORM
+    assert np.isnan(out.get()).all(), f"form {form}: {np.isnan(out.get()).sum()} of {H} NaN (seed {rng.seed_value})"
+
+
+@pytest.mark.parametrize("form", THIRD_FORMS)
+def test_the_rank_routing_gives_warp_topks_ids_and_weights_bit_for_bit(cp, moe, rng, form):
+    """Logits of few distinct values (ties everywhere) and some NaN: the third gate/up kernel's rank routing picks the
+    same ids in the same order and the same softmax bits as the first form's warp_topk, and the reference's ids."""
+    x = rng.standard_normal((1, H)).astype(np.float32)
+    hp = host_pool(cp, "f16", *experts_f16(rng, E))
+    pool = device_pool(cp, hp, E)
+    place(cp, pool, hp, np.arange(E), np.arange(E))
+    slot_map = cp.asarray(np.arange(E, dtype=np.int32))
+    for trial in range(4):
+        logits = (rng.integers(-3, 3, (1, E)) / 2).astype(np.float32)
+        logits[0, rng.choice(E, 5, replace=False)] = np.nan
+        got = {}
+        for fm in (1, form):
+            moe.decode_form = fm
+            moe._graphs.clear()
+            moe.decode_layer(cp.asarray(x), cp.asarray(logits), pool, slot_map, out=poisoned(cp, (1, H)), host_pool=hp)
+            moe.compute_stream.synchronize()
+            b = moe.decode_buffers()
+            got[fm] = (b["ids"].get(), b["w"].get())
+        assert np.array_equal(got[1][0], got[form][0]), f"trial {trial}: {got} (seed {rng.seed_value})"
+        assert np.array_equal(got[1][1].view(np.uint32), got[form][1].view(np.uint32)), f"trial {trial} weights"
+        clean = np.where(np.isnan(logits), -np.inf, logits)
+        assert np.array_equal(got[form][0], ref.route_topk(clean, K)[0][0]), f"trial {trial} vs reference"
+    from strata_cuda import fast
+    moe.decode_form = fast.DECODE_FORM
 
 
 @pytest.mark.parametrize("e,h", [(128, 2048), (60, 256), (128, 2560)])

@@ -45,7 +45,8 @@ KERNEL_NAMES = ("strata_fast_route", "strata_fast_positions", "strata_fast_offse
                 "strata_fast_swiglu", "strata_fast_combine", "strata_fast_dequant_q8_0", "strata_fast_decode_gate_up",
                 "strata_fast_decode_down", "strata_fast_decode_norm_route", "strata_fast_decode_gate_up_q8",
                 "strata_fast_decode_down_q8", "strata_fast_decode_norm_route2", "strata_fast_decode_down2",
-                "strata_fast_gemv_f16w")
+                "strata_fast_gemv_f16w", "strata_fast_decode_gate_up3", "strata_fast_decode_down3_s1",
+                "strata_fast_decode_down3_s2", "strata_fast_decode_down3_s4")
 #: The expert formats the fused decode kernels read, and the pool arrays whose host addresses a layer's missed
 #: experts are read at (in the kernels' order).
 DECODE_HOST_ARRAYS = {"f16": ("w_gate_up", "w_down"), "q8_0": ("gate_up_q", "gate_up_d", "down_q", "down_d")}
@@ -53,16 +54,22 @@ DECODE_HOST_ARRAYS = {"f16": ("w_gate_up", "w_down"), "q8_0": ("gate_up_q", "gat
 THREADS = 256
 #: Lanes of a warp on CUDA; the top-k keeps 8 logits per lane in registers, so E <= 8 * warp.
 WARP_LANES = 32
+WARPS = THREADS // WARP_LANES
 TOPK_PER_LANE = 8
 MAX_TOPK = 16
 #: Most blocks of the grid-stride kernels: more only adds scheduling.
 STRIDE_MAX_BLOCKS = 8192
 #: FFN rows per warp of the decode gate/up kernel (STRATA_DEC_ROWS in the source).
 DECODE_ROWS_PER_WARP = 2
-#: The decode stack's norm/router and down kernels (FastMoE.decode_form): 2 the second forms of moe_fast.cu (router
-#: rows loaded before the wait for x; the down loads issued in batches), 1 the first forms. H200, 48-layer graph
-#: (bench/results/k1_h200/call2_decode_kernels_h200.json): 1.995 ms with 2, 2.226 ms with 1.
+#: The decode stack's kernels (FastMoE.decode_form): 1 the first forms of moe_fast.cu; 2 the second norm/router (router
+#: rows loaded before the wait for x) and down (loads in batches of 8) kernels; 3, 4 and 5 the second norm/router
+#: with the third gate/up (routing once a block by rank, one trip to memory a lane, routed slots published) and the
+#: third down kernel at DECODE_DOWN3[form] warps a hidden row. f16 pools; Q8_0 layers keep their own pair in every
+#: form. H200, 48-layer graph (bench/results/k1_h200/call2_decode_kernels_h200.json): 1.995 ms with 2, 2.226 ms with 1.
 DECODE_FORM = 2
+#: Third-form down kernel per decode form: (kernel, warps a hidden row).
+DECODE_DOWN3 = {3: ("strata_fast_decode_down3_s2", 2), 4: ("strata_fast_decode_down3_s1", 1),
+                5: ("strata_fast_decode_down3_s4", 4)}
 #: Decode kernels as programmatic dependent launches (pdl.py; FastMoE.decode_pdl) where the driver has them. Off:
 #: measured slower on the H200 (48-layer graph 2.024 ms against 1.995 ms plain, same file), kept as an option.
 DECODE_PDL = False
@@ -432,7 +439,7 @@ class FastMoE:
         self._k = {n: self._module.get_function(n) for n in KERNEL_NAMES}
         #: decode kernels launched as programmatic dependent launches (pdl.py) where the driver allows
         self.decode_pdl = DECODE_PDL
-        #: the decode stack's norm/router and down kernels: 1 the first forms, 2 the second (moe_fast.cu)
+        #: the decode stack's kernels: 1 the first forms, 2 the second, 3-5 the third (DECODE_FORM, moe_fast.cu)
         self.decode_form = DECODE_FORM
         # made here, outside any capture (the device query and the driver library load are not stream work)
         self._pdl = _launcher(cupy)
@@ -1005,6 +1012,7 @@ class FastMoE:
                    "counts": cp.zeros(self.experts, dtype=cp.int32),
                    "xn": cp.empty((1, self.hidden), dtype=cp.float32),
                    "logits": cp.empty((1, self.experts), dtype=cp.float32),
+                   "slots": cp.empty(self.top_k, dtype=cp.int32),
                    "ev_gate_up": cp.cuda.Event(disable_timing=True),
                    "ev_down": cp.cuda.Event(disable_timing=True)}
             self._dec = buf
@@ -1047,11 +1055,17 @@ class FastMoE:
         return out
 
     def _gate_up(self, x: Any, logits: Any, pool: ExpertPool, slot_map: Any, refill_from: Any, skip_missing: int,
-                 host_w13: int = 0, ids_out: Any = None, w_out: Any = None) -> None:
+                 host_w13: int = 0, ids_out: Any = None, w_out: Any = None, slots_out: Any = None) -> None:
         b = dict(self.decode_buffers())
         if ids_out is not None:
             b["ids"], b["w"] = ids_out, w_out
         h, f, kk = self.hidden, self.ffn, self.top_k
+        if self._third_form(pool, refill_from, skip_missing):
+            self._dlaunch("strata_fast_decode_gate_up3", ((f + WARPS - 1) // WARPS, kk), (THREADS,),
+                          (x, logits, np.int32(self.experts), np.int32(kk), slot_map, pool.arrays["w_gate_up"],
+                           np.uint64(host_w13), np.int64(2 * f * h), np.int32(h), np.int32(f), b["act"], b["ids"],
+                           b["w"], b["slots"] if slots_out is None else slots_out))
+            return
         rows_per_block = (THREADS // WARP_LANES) * self.decode_rows_per_warp
         if pool.dtype == "q8_0":
             if refill_from is not None or skip_missing:
@@ -1071,12 +1085,21 @@ class FastMoE:
                                                b["w"]))
 
     def _down(self, pool: ExpertPool, slot_map: Any, only_missing_in: Any, skip_missing: int, out: Any,
-              host_w2: int = 0, accumulate: int = 0, ids: Any = None, w: Any = None) -> None:
+              host_w2: int = 0, accumulate: int = 0, ids: Any = None, w: Any = None, slots: Any = None) -> None:
         b = dict(self.decode_buffers())
         if ids is not None:
             b["ids"], b["w"] = ids, w
         h, f, kk = self.hidden, self.ffn, self.top_k
         warps = THREADS // WARP_LANES
+        if self._third_form(pool, only_missing_in, skip_missing):
+            # reads the routed slots the third gate/up kernel published (not slot_map: no look-up chained on ids)
+            name, split = DECODE_DOWN3[self.decode_form]
+            rows = WARPS // split
+            self._dlaunch(name, ((h + rows - 1) // rows,), (THREADS,),
+                          (b["act"], b["ids"], b["w"], b["slots"] if slots is None else slots, pool.arrays["w_down"],
+                           np.uint64(host_w2), np.int64(h * f), np.int32(h), np.int32(f), np.int32(kk), out,
+                           np.int32(accumulate)))
+            return
         if pool.dtype == "q8_0":
             if only_missing_in is not None or skip_missing:
                 raise NotImplementedError("Q8_0 decode: misses are read from mapped host memory, not copied")
@@ -1123,12 +1146,17 @@ class FastMoE:
             self._graphs[key] = g
         g.launch(self.compute_stream)
 
+    def _third_form(self, pool: ExpertPool, partial_map: Any, skip_missing: int) -> bool:
+        """Whether a decode launch takes the third-form kernels: decode_form 3-5, an f16 pool, and neither of the
+        first form's partial launches (decode_layer_misses' refill / skip), which the third forms do not have."""
+        return self.decode_form in DECODE_DOWN3 and pool.dtype == "f16" and partial_map is None and not skip_missing
+
     def _decode_stack_body(self, x: Any, layers: Sequence["DecodeLayer"]) -> None:
         b = self.decode_buffers()  # allocated before any capture: no allocation may happen inside one
         xn, logits = b["xn"], b["logits"]
         warps = THREADS // WARP_LANES
         for lay in layers:
-            if self.decode_form == 2:
+            if self.decode_form >= 2:
                 self._dlaunch("strata_fast_decode_norm_route2", ((self.experts + 3) // 4,), (128,),
                               (x, lay.norm_w, lay.router_w, np.int32(self.experts), np.int32(self.hidden),
                                np.float32(lay.eps), xn, logits))

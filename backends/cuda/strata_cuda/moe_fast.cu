@@ -34,6 +34,16 @@
 #define STRATA_GRID_WAIT()
 #define STRATA_GRID_LAUNCH_DEPENDENTS()
 #endif
+// Between a kernel's load phase and its sums: ptxas otherwise interleaves a lane's loads with the sums of the first
+// ones (seen in the SASS of the third forms: 4 of 16 loads issued before the first conversion), so a warp makes
+// several trips to memory. An asm volatile instruction is not moved across, and this one changes nothing: the
+// kernels signal their dependents at their start already (a no-op without a programmatic launch, and on sm < 90).
+#if !defined(STRATA_HIP) && defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
+#define STRATA_ISSUE_FENCE() asm volatile("griddepcontrol.launch_dependents;" ::: "memory")
+#else
+#define STRATA_ISSUE_FENCE()
+#endif
+
 
 #define STRATA_FAST_THREADS 256
 #define STRATA_FAST_WARPS (STRATA_FAST_THREADS / STRATA_WARP)
@@ -612,6 +622,220 @@ strata_fast_decode_down2(const float* __restrict__ act, const int* __restrict__ 
     acc = warp_sum(acc);
     if (lane == 0) out[h] = accumulate ? out[h] + acc : acc;
 }
+
+// Decode, third forms (FastMoE.decode_form 3-5). Measured on the H200, the first and second forms read well under
+// the HBM rate (gate/up 2.4 TB/s, down 1.6) because each warp's time went to latency, not bytes: every gate/up
+// warp ran its own K rounds of shuffles for the top-k before its first load, then the slot look-up chained behind
+// it; the down warps chained ids -> slot map -> weights and made three trips to memory for their 24 loads. Here
+// the routing is done once a block by all its threads (each expert's rank counted against every logit: short
+// independent compares instead of K dependent shuffle rounds), block (0,0) publishes the K routed slots so the down
+// kernel reads ids, weights and slots side by side, and every lane issues all of its weight loads before summing
+// any (as the LM-head GEMV does), one trip to memory a warp.
+
+// A NaN logit ranks as -inf (warp_topk's rule: the K ids are always experts).
+__device__ __forceinline__ float rank_key(float v) { return v != v ? -__int_as_float(0x7f800000) : v; }
+
+// Top-k of E <= blockDim.x logits by rank, every thread of the block taking part; on return s_sel[r] and s_lg[r]
+// hold the id and (NaN-mapped) logit of rank r < K for every thread: descending, ties to the lower id, the order
+// of warp_topk and of the reference's stable argsort. s_l and s_part hold blockDim.x values each.
+__device__ void block_rank_topk(const float* __restrict__ logits, int E, int K, float* s_l, int* s_part, int* s_sel,
+                                float* s_lg) {
+    const int t = threadIdx.x;
+    for (int i = t; i < E; i += blockDim.x) s_l[i] = rank_key(logits[i]);
+    __syncthreads();
+    const int parts = blockDim.x / E;  // each expert's compares split over this many threads
+    const int e = t % E, p = t / E;
+    const int span = (E + parts - 1) / parts;
+    if (p < parts) {
+        const float le = s_l[e];
+        const int j1 = min(E, (p + 1) * span);
+        int rank = 0;
+        for (int j = p * span; j < j1; ++j) {
+            const float lj = s_l[j];
+            rank += (lj > le) | ((lj == le) & (j < e));
+        }
+        s_part[t] = rank;
+    }
+    __syncthreads();
+    if (t < E) {
+        int r = 0;
+        for (int q = 0; q < parts; ++q) r += s_part[q * E + t];
+        if (r < K) {
+            s_sel[r] = t;
+            s_lg[r] = s_l[t];
+        }
+    }
+    __syncthreads();
+}
+
+// Step 1, third form: act[k,i] = silu(x . Wg[i]) * (x . Wu[i]), one warp a row pair (gate row i and up row i of
+// expert k), each lane loading STRATA_GU3_GROUP 16-byte chunks of both rows before any sum (16 loads in flight a
+// lane; H = 2048 is one group). Sums in the LM-head GEMV's tree shape. Grid (ceil(F / warps), K). Block (0,0)
+// writes ids, softmax weights (warp_topk's arithmetic, the same bits) and the routed slots slot_map[id] for step 2.
+// Misses as strata_fast_decode_gate_up without refill_from / skip_missing (host_w13 or NaN).
+#define STRATA_GU3_GROUP 8
+extern "C" __global__ void __launch_bounds__(STRATA_FAST_THREADS, 2)
+strata_fast_decode_gate_up3(const float* __restrict__ x, const float* __restrict__ logits, int E, int K,
+                            const int* __restrict__ slot_map, const unsigned short* __restrict__ w13,
+                            const unsigned short* __restrict__ host_w13, long long slot_stride, int H, int F,
+                            float* __restrict__ act, int* __restrict__ ids_out, float* __restrict__ w_out,
+                            int* __restrict__ slots_out) {
+    __shared__ float s_l[STRATA_FAST_THREADS];
+    __shared__ int s_part[STRATA_FAST_THREADS];
+    __shared__ int s_sel[STRATA_FAST_MAXK];
+    __shared__ float s_lg[STRATA_FAST_MAXK];
+    const int warp = threadIdx.x / STRATA_WARP, lane = threadIdx.x % STRATA_WARP;
+    const int k = blockIdx.y;
+    STRATA_GRID_LAUNCH_DEPENDENTS();
+    STRATA_GRID_WAIT();  // logits and x are the previous kernel's
+    block_rank_topk(logits, E, K, s_l, s_part, s_sel, s_lg);
+    const int e = s_sel[k];
+    const long long slot = slot_map[e];
+    if (blockIdx.x == 0 && k == 0 && threadIdx.x < K) {
+        const int r = threadIdx.x;
+        const float top0 = s_lg[0];
+        float s = 0.0f;
+        for (int q = 0; q < K; ++q) s += expf(s_lg[q] - top0);
+        ids_out[r] = s_sel[r];
+        w_out[r] = expf(s_lg[r] - top0) / s;
+        slots_out[r] = slot_map[s_sel[r]];
+    }
+    const int row = blockIdx.x * STRATA_FAST_WARPS + warp;
+    if (row >= F) return;  // whole warps, after the block's last barrier
+    const unsigned short* base;
+    if (slot >= 0) {
+        base = w13 + slot * slot_stride;
+    } else if (host_w13 != 0) {
+        base = host_w13 + (long long)e * slot_stride;
+    } else {
+        if (lane == 0) act[(long long)k * F + row] = __int_as_float(0x7fc00000);
+        return;
+    }
+    const uint4* g = (const uint4*)(base + (long long)row * H);
+    const uint4* u = (const uint4*)(base + (long long)(F + row) * H);
+    const float4* x4 = (const float4*)x;
+    const int h8 = H / 8;
+    float ag = 0.f, au = 0.f;
+    // chunks past H re-read the last one (clamped, not predicated) and count zero: a loop body without branches,
+    // so the compiler issues all of a group's loads before the first sum (a load under a branch stays behind it)
+    for (int c0 = 0; c0 < h8; c0 += STRATA_GU3_GROUP * STRATA_WARP) {
+        uint4 vg[STRATA_GU3_GROUP], vu[STRATA_GU3_GROUP];
+#pragma unroll
+        for (int j = 0; j < STRATA_GU3_GROUP; ++j) {
+            const int c = min(c0 + j * STRATA_WARP + lane, h8 - 1);
+            vg[j] = g[c];
+            vu[j] = u[c];
+        }
+        STRATA_ISSUE_FENCE();
+        float dg[STRATA_GU3_GROUP], du[STRATA_GU3_GROUP];
+#pragma unroll
+        for (int j = 0; j < STRATA_GU3_GROUP; ++j) {
+            const int cj = c0 + j * STRATA_WARP + lane, c = min(cj, h8 - 1);
+            const float4 xa = x4[2 * c], xb = x4[2 * c + 1];
+            const float xv[8] = {xa.x, xa.y, xa.z, xa.w, xb.x, xb.y, xb.z, xb.w};
+            const float a = dot8(vg[j], xv), b = dot8(vu[j], xv);
+            dg[j] = cj < h8 ? a : 0.f;
+            du[j] = cj < h8 ? b : 0.f;
+        }
+        ag += ((dg[0] + dg[1]) + (dg[2] + dg[3])) + ((dg[4] + dg[5]) + (dg[6] + dg[7]));
+        au += ((du[0] + du[1]) + (du[2] + du[3])) + ((du[4] + du[5]) + (du[6] + du[7]));
+    }
+    ag = warp_sum(ag);
+    au = warp_sum(au);
+    if (lane == 0) act[(long long)k * F + row] = silu(ag) * au;
+}
+
+// Step 2, third forms: out[h] (+)= sum_k w_k * (Wd[slot_k, h] . act[k]) with SPLIT warps a hidden row, each taking
+// ceil(K / SPLIT) experts, their partial sums added in warp order through shared memory (one writer a row, no
+// atomics). A lane takes the warp's (expert, 16-byte chunk) pairs 32 apart and issues BATCH loads before summing
+// (at K = 8, F = 768: SPLIT 2 and BATCH 12, or SPLIT 4 and BATCH 6, is every load of the lane at once; SPLIT 1 and
+// BATCH 12 two trips). ids, weights and slots are step 1's (slot < 0: host_w2, or NaN without it).
+// Grid ceil(H / (warps / SPLIT)).
+template <int SPLIT, int BATCH>
+__device__ __forceinline__ void decode_down3(const float* __restrict__ act, const int* __restrict__ ids,
+                                             const float* __restrict__ wts, const int* __restrict__ slots,
+                                             const unsigned short* __restrict__ w2,
+                                             const unsigned short* __restrict__ host_w2, long long slot_stride, int H,
+                                             int F, int K, float* __restrict__ out, int accumulate) {
+    constexpr int RPB = STRATA_FAST_WARPS / SPLIT;  // hidden rows a block
+    __shared__ const unsigned short* s_base[STRATA_FAST_MAXK];
+    __shared__ float s_w[STRATA_FAST_MAXK];
+    __shared__ float s_part[STRATA_FAST_WARPS];
+    __shared__ int s_nan;
+    const int warp = threadIdx.x / STRATA_WARP, lane = threadIdx.x % STRATA_WARP;
+    STRATA_GRID_LAUNCH_DEPENDENTS();
+    STRATA_GRID_WAIT();  // act, ids, weights and slots are the previous kernel's
+    if (threadIdx.x == 0) s_nan = 0;
+    __syncthreads();
+    if (threadIdx.x < K) {
+        const int q = threadIdx.x;
+        const long long slot = slots[q];
+        const unsigned short* base = w2;
+        if (slot >= 0) {
+            base = w2 + slot * slot_stride;
+        } else if (host_w2 != 0) {
+            base = host_w2 + (long long)ids[q] * slot_stride;
+        } else {
+            s_nan = 1;
+        }
+        s_base[q] = base;
+        s_w[q] = wts[q];
+    }
+    __syncthreads();
+    const int r = warp % RPB, part = warp / RPB;
+    const int h = blockIdx.x * RPB + r;
+    const int kpw = (K + SPLIT - 1) / SPLIT, k0 = part * kpw, k1 = min(K, k0 + kpw);
+    const int per_row = F / 8;
+    float acc = 0.f;
+    if (h < H && k0 < k1 && !s_nan) {  // uniform over the warp
+        // the warp's (expert, chunk) pairs flat, 32 apart a lane; pairs past the end re-read the last one and
+        // count zero (selects, not branches: a load under a branch is not issued before the sums of the others)
+        const int n = (k1 - k0) * per_row;
+        for (int i0 = 0; i0 < n; i0 += BATCH * STRATA_WARP) {  // the same trips for every lane
+            uint4 v[BATCH];
+            int off[BATCH];
+            float wq[BATCH];
+#pragma unroll
+            for (int j = 0; j < BATCH; ++j) {
+                const int i = min(i0 + j * STRATA_WARP + lane, n - 1);
+                const int q = k0 + i / per_row, c = i % per_row;
+                v[j] = ((const uint4*)(s_base[q] + (long long)h * F))[c];
+                off[j] = q * F + 8 * c;
+                wq[j] = s_w[q];
+            }
+            STRATA_ISSUE_FENCE();
+#pragma unroll
+            for (int j = 0; j < BATCH; ++j) {
+                const float4* a4 = (const float4*)(act + off[j]);
+                const float4 xa = a4[0], xb = a4[1];
+                const float xv[8] = {xa.x, xa.y, xa.z, xa.w, xb.x, xb.y, xb.z, xb.w};
+                const float d = wq[j] * dot8(v[j], xv);
+                acc += i0 + j * STRATA_WARP + lane < n ? d : 0.f;
+            }
+        }
+        acc = warp_sum(acc);
+    }
+    if (lane == 0) s_part[warp] = acc;
+    __syncthreads();
+    if (part == 0 && lane == 0 && h < H) {
+        float sum = s_part[r];
+#pragma unroll
+        for (int q = 1; q < SPLIT; ++q) sum += s_part[q * RPB + r];
+        out[h] = s_nan ? __int_as_float(0x7fc00000) : (accumulate ? out[h] + sum : sum);
+    }
+}
+
+#define STRATA_DOWN3_KERNEL(NAME, SPLIT, BATCH, MIN_BLOCKS)                                                       \
+    extern "C" __global__ void __launch_bounds__(STRATA_FAST_THREADS, MIN_BLOCKS)                                 \
+    NAME(const float* __restrict__ act, const int* __restrict__ ids, const float* __restrict__ wts,               \
+         const int* __restrict__ slots, const unsigned short* __restrict__ w2,                                    \
+         const unsigned short* __restrict__ host_w2, long long slot_stride, int H, int F, int K,                  \
+         float* __restrict__ out, int accumulate) {                                                                \
+        decode_down3<SPLIT, BATCH>(act, ids, wts, slots, w2, host_w2, slot_stride, H, F, K, out, accumulate);     \
+    }
+STRATA_DOWN3_KERNEL(strata_fast_decode_down3_s1, 1, 12, 2)
+STRATA_DOWN3_KERNEL(strata_fast_decode_down3_s2, 2, 12, 2)
+STRATA_DOWN3_KERNEL(strata_fast_decode_down3_s4, 4, 6, 3)
 
 // The LM head of a few tokens: out[t, o] = x[t] . w[o] for f16 weights w [O, H], f32 sums; grid (ceil(O / rows a
 // block), T). Each warp takes STRATA_GEMV_WROWS rows; a lane loads 8 chunks of 8 halves (16 bytes each) of every
