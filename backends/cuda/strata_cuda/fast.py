@@ -108,6 +108,13 @@ CLASS_MODES = ("classes", "grouped-classes")
 #: 128 rows lost on the device (more problems, each expert's weights read again per piece).
 SPLIT_ROWS = 512
 
+#: Copy the first ring group of a streamed layer's uncached experts before the layer routes (prefetch_misses, which
+#: the layer ops call at the layer's start): without it the link idles ~0.7 ms a layer between one layer's last
+#: landing and the next layer's first copy, spent on the router, the counts' sync and the hits' set-up
+#: (bench/results/k2_h200/call1_trace_run_half_skewed.json). A chunk of thousands of tokens routes to nearly every
+#: uncached expert, so the first group's guess is nearly always right; a wrong guess costs one group's copy.
+PREFETCH_MISSES = True
+
 
 def kernel_source() -> str:
     """The text of strata_cuda/moe_fast.cu."""
@@ -352,6 +359,9 @@ class LayerStats:
     gemm_problems: int = 0
     #: ring slot -> the missed expert it holds after the layer (streamed layers only)
     ring_held: dict | None = None
+    #: the layer's prefetched first group (prefetch_misses): "used", "spent" (the routing missed other experts
+    #: first; its bytes moved all the same and are in bytes_streamed) or "" (none)
+    prefetch: str = ""
 
 
 class _Grown:
@@ -483,6 +493,13 @@ class FastMoE:
         self._graphs: dict[tuple, Any] = {}
         self._capture_stream = cupy.cuda.Stream(non_blocking=True)
         self.stats = LayerStats()
+        #: prefill_layer's ring streaming takes a group prefetch_misses queued (PREFETCH_MISSES)
+        self.prefetch_misses_on = PREFETCH_MISSES
+        self._prefetched: tuple | None = None
+        # ring slot -> the event after the last group that read it, and the event after the layer ops' own reads of
+        # the ring (ring_read): what a prefetch into those slots must wait for
+        self._ring_done: dict[int, Any] = {}
+        self._ring_read_event: Any = None
 
     # -- small helpers -----------------------------------------------------------------------------------------
 
@@ -771,6 +788,7 @@ class FastMoE:
             if placed.any():
                 # every miss admitted: all blocks run as hits, in the device's order (hits, then the former misses)
                 hits, misses = np.concatenate([hits, misses]), misses[:0]
+        spent = self._take_prefetch() if not misses.size else None  # nothing streams: a prefetch was spent
         if misses.size and (host_pool is None or ring is None or ring.size == 0):
             raise ValueError(f"prefill_layer: {misses.size} experts are not cached and no host pool/ring was given")
         order = np.concatenate([hits, misses])
@@ -778,6 +796,9 @@ class FastMoE:
         lay = StackLayout.of(counts_h[order], self.gemm_mode)
         self.stats = LayerStats(experts_used=g_n, hits=int(hits.size), misses=int(misses.size), stack_rows=lay.rows,
                                 routed_rows=t * kk, routed_rows_hit=int(counts_h[hits].sum()))
+        if spent is not None:
+            self.stats.prefetch, self.stats.bytes_streamed = "spent", int(spent[4])
+            st.wait_event(spent[3])  # later writers of those slots (the cache's admissions) come after this stream
         if out is None:
             out = cp.empty((t, h), dtype=cp.float32)
         if g_n == 0:
@@ -930,6 +951,69 @@ class FastMoE:
         sizes = [head // groups + (1 if i < head % groups else 0) for i in range(groups)] if groups else []
         return sizes + tail
 
+    @staticmethod
+    def _host_key(host_pool: ExpertPool) -> tuple:
+        """The host arrays' addresses: which layer's host experts a prefetch copied from."""
+        return tuple(int(a.ctypes.data) for a in host_pool.arrays.values())
+
+    def _take_prefetch(self) -> tuple | None:
+        """The prefetch queued for this layer (experts, ring slots, host key, landed event, bytes), now taken."""
+        pre, self._prefetched = self._prefetched, None
+        return pre
+
+    def prefetch_misses(self, pool: ExpertPool, host_pool: ExpertPool, uncached: np.ndarray, ring: Any,
+                        after_previous_layer: bool) -> int:
+        """Before a streamed layer routes, queue the copy of the first ring group of its `uncached` experts (ascending
+        ids) from host_pool into the ring slots that group takes; prefill_layer's streaming uses the copy when the
+        routing misses exactly those experts first, and otherwise spends it (a wrong guess costs one group's copy).
+        The copy waits for the last readers of those slots: with `after_previous_layer` (the caller's last prefill
+        on this FastMoE was the layer before, in the same chunk and ring), the groups that read them and the
+        ring_read event; else all work queued so far on compute_stream. Returns the bytes queued (0: none)."""
+        self._prefetched = None
+        if not self.prefetch_misses_on or ring is None or host_pool is None:
+            return 0
+        if not isinstance(ring, np.ndarray):
+            ring = np.arange(int(ring[0]), int(ring[0]) + int(ring[1]), dtype=np.int64)
+        uncached = np.asarray(uncached, dtype=np.int64)
+        if uncached.size == 0 or ring.size == 0:
+            return 0
+        slot_bytes = sum(int(a.strides[0]) for a in host_pool.arrays.values())
+        size = self.miss_groups(int(uncached.size), int(ring.size), slot_bytes)[0]
+        if size > ring.size:
+            return 0
+        cp, cs = self._cp, self.copy_stream
+        slots = ring[:size]
+        known = [self._ring_done.get(int(r)) for r in slots]
+        if after_previous_layer and all(e is not None for e in known):
+            for e in {id(e): e for e in known}.values():
+                cs.wait_event(e)
+            if self._ring_read_event is not None:
+                cs.wait_event(self._ring_read_event)
+        else:
+            now = cp.cuda.Event(disable_timing=True)
+            now.record(self.compute_stream)
+            cs.wait_event(now)
+        moved = self._copy_experts(pool, host_pool, uncached[:size].tolist(), slots)
+        landed = cp.cuda.Event(disable_timing=True)
+        landed.record(cs)
+        self._mark("prefetched", cs)
+        self._prefetched = (tuple(int(e) for e in uncached[:size]), tuple(int(r) for r in slots),
+                            self._host_key(host_pool), landed, moved)
+        return moved
+
+    def settle_prefetch(self) -> None:
+        """Wait for a prefetch no layer took (a layer that failed before streaming) and drop it."""
+        pre = self._take_prefetch()
+        if pre is not None:
+            pre[3].synchronize()
+
+    def ring_read(self) -> None:
+        """The caller has queued reads of the ring's slots on compute_stream after the layer (a copy from the ring
+        into the cache): a prefetch into the ring waits for them."""
+        ev = self._cp.cuda.Event(disable_timing=True)
+        ev.record(self.compute_stream)
+        self._ring_read_event = ev
+
     def _stream_misses(self, misses: list[int], pool: ExpertPool, host_pool: ExpertPool, ring: np.ndarray,
                        blk_base: int, lay: StackLayout, bufs: tuple, start: Any,
                        run_hits: Any) -> None:
@@ -952,12 +1036,19 @@ class FastMoE:
             cursor += size
         first_of = np.concatenate([[0], np.cumsum(sizes)]).astype(int)
         cs, st = self.copy_stream, self.compute_stream
-        cs.wait_event(start)  # ring slots may still be read by earlier work on the compute stream
-        self._mark("copy_start", cs)
+        pre = self._take_prefetch()
+        if pre is not None:
+            self.stats.prefetch = "spent"
         landed = [cp.cuda.Event(disable_timing=True) for _ in sizes]
         done = [cp.cuda.Event(disable_timing=True) for _ in sizes]
-        streamed = 0
+        streamed = pre[4] if pre is not None else 0  # a spent prefetch moved its bytes over the link all the same
         next_copy = 0
+        if (pre is not None and pre[0] == tuple(misses[:sizes[0]]) and pre[1] == tuple(int(r) for r in ring[:sizes[0]])
+                and pre[2] == self._host_key(host_pool)):
+            landed[0], next_copy = pre[3], 1  # the first group is in flight already, into the slots it would take
+            self.stats.prefetch = "used"
+        cs.wait_event(start)  # ring slots may still be read by earlier work on the compute stream
+        self._mark("copy_start", cs)
 
         def queue_copies(computed: int) -> int:
             # queue every copy whose ring slots are free once the groups enqueued so far have computed: the copy
@@ -987,6 +1078,10 @@ class FastMoE:
             streamed += queue_copies(g + 1)
         self.stats.bytes_streamed = streamed
         self.stats.copy_groups = len(sizes)
+        for g, size in enumerate(sizes):  # in order: a slot's last reader is the last group placed there
+            for i in range(size):
+                self._ring_done[int(ring[place[g] + i])] = done[g]
+        self._ring_read_event = None  # the layer ops' reads of this layer's ring come after (ring_read)
         # which expert each ring slot holds once the layer has computed (the last group placed there): a caller
         # may copy hot ones into the cache from here, device to device, instead of over the link again
         held = {}

@@ -111,6 +111,7 @@ class CudaLayerOps:
             self._w_dev = cp.empty((int(layers), k), dtype=cp.float32)
         #: a prompt's streamed layers leave their hottest ring experts in the cache (device-to-device copies)
         self.admit_from_ring = True
+        self._prev_streamed: tuple | None = None
         #: decode admits at most this many bytes of the experts it read from host memory per step, off the
         #: critical path (0: decode admits nothing); about one step's worth of the link
         self.decode_admit_bytes = 64 << 20
@@ -252,6 +253,8 @@ class CudaLayerOps:
     def prefill_layer(self, work: LayerWork) -> None:
         """Run one MoE layer of a prompt chunk in place on work.x."""
         self.decode_done()  # a decode step launched and never counted is counted before the prompt reads the cache
+        # (FastMoE, cache, layer, ring) of the last streamed prefill, when it was the call just before this one
+        prev, self._prev_streamed = self._prev_streamed, None
         fast = self._fast_for(work)
         with_ring = work.ring is not None and len(work.ring) > 0
         host = self._host_layer(work, fast.experts) if fast is not None and with_ring else None
@@ -269,6 +272,12 @@ class CudaLayerOps:
         xn = self.kernels.rmsnorm(x, work.norm_w, out=xn)
         logits = self.kernels.linear(xn, work.router_w, out=logits)
         ring = np.asarray(work.ring, dtype=np.int64) if with_ring else None
+        here = (id(fast), id(work.slots), int(work.layer), ring.tobytes()) if with_ring else None
+        if with_ring:
+            # the first copy group starts before the routing is known (fast.PREFETCH_MISSES); its slots' last
+            # readers are known precisely when the previous layer of this chunk streamed through the same ring
+            fast.prefetch_misses(work.pool, host, np.flatnonzero(slot_map < 0), ring,
+                                 after_previous_layer=prev == (here[0], here[1], here[2] - 1, here[3]))
 
         seen_counts: list = []
 
@@ -281,14 +290,23 @@ class CudaLayerOps:
                 return slot_map
             return self._admit(work, slot_map, used, missed)
 
-        fast.prefill_layer(xn, logits, work.pool, slot_map, host, ring, out=x, accumulate=True, on_counts=on_counts)
+        try:
+            fast.prefill_layer(xn, logits, work.pool, slot_map, host, ring, out=x, accumulate=True,
+                               on_counts=on_counts)
+        except BaseException:
+            fast.settle_prefetch()  # no copy may land in the ring after its slots go back to the cache
+            raise
         st = fast.stats
-        if with_ring and st.misses:
+        if st.prefetch:
+            self.counts[f"prefetch_{st.prefetch}"] = self.counts.get(f"prefetch_{st.prefetch}", 0) + 1
+        if with_ring and (st.misses or st.bytes_streamed):
             work.stats["experts_streamed"] += int(st.misses)
             work.stats["bytes_streamed"] += int(st.bytes_streamed)
             work.stats["ring_batches"] += int(st.copy_groups)
             if self.admit_from_ring and st.ring_held and seen_counts:
                 self._admit_from_ring(work, slot_map, st.ring_held, seen_counts[0])
+                fast.ring_read()  # the next layer's prefetch into the ring waits for these reads
+        self._prev_streamed = here
         self.counts["prefill_fused"] += 1
         work.workspace.reset()
         if observer is not None:
