@@ -6,9 +6,8 @@ executor drives the session's layer ops, strata_cuda.layer_ops over strata_cuda.
 reads f16 pools), `--set prefill.chunk=4096`:
 - all: every expert cached (memory.expert_cache = 48 x 128 slots + the chunk's largest loan, which the plan
   grants when VRAM allows: the loan takes empty slots and evicts no expert);
-- half_skewed: half the experts cached, weights generated with the sweep's popularity skew (`--skew`: this script's
-  wrapper around the run command, which calls the synthetic generator with popularity_skew=1.0; the run command has
-  no such flag yet);
+- half_skewed: half the experts cached, weights generated with the sweep's popularity skew (the run command's own
+  `--skew 1`);
 - smallest: the smallest cache the plan allows (found by asking the planner for decreasing caches).
 Peers (one layer's weights, the same shape, times 48 layers): torch._grouped_mm prefill in bf16 and in f16 (the
 faster is the peer), and a decode peer that gathers no weights (torch._grouped_mm over the routed rows with
@@ -42,9 +41,9 @@ def run_strata(extra: list[str], skew: bool, timeout_s: int, decode: int, decode
     decode kernels' first forms, launched plainly, as before the second forms and programmatic launches)."""
     argv = [sys.executable, "-m", "strata_core.cli", "run", "--backend", "cuda", "--model", MODEL,
             "--prompt-tokens", str(PROMPT), "--decode-tokens", str(decode), "--json",
-            "--set", f"prefill.chunk={PROMPT}", *extra]
-    argv = [sys.executable, __file__, "--child-run", *(["--skew"] if skew else []),
-            *(["--decode-baseline"] if decode_baseline else []), "--", *argv[1:]]
+            "--set", f"prefill.chunk={PROMPT}", *(["--skew", "1"] if skew else []), *extra]
+    argv = [sys.executable, __file__, "--child-run", *(["--decode-baseline"] if decode_baseline else []), "--",
+            *argv[1:]]
     t0 = time.perf_counter()
     p = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s)
     wall = time.perf_counter() - t0
@@ -65,14 +64,10 @@ def run_strata(extra: list[str], skew: bool, timeout_s: int, decode: int, decode
 COUNTS_TAG = "strata-bench layer_ops: "
 
 
-def child_run(argv: list[str], skew: bool, decode_baseline: bool = False) -> int:
-    """The run command, with the synthetic generator's popularity skew on when asked (what a run flag would do);
-    which paths the cuda layer ops ran (CudaLayerOps.counts) goes to stderr as one tagged line at exit."""
+def child_run(argv: list[str], decode_baseline: bool = False) -> int:
+    """The run command; which paths the cuda layer ops ran (CudaLayerOps.counts) goes to stderr as one tagged line
+    at exit."""
     import atexit
-    import functools
-    from strata_core.models import synthetic
-    if skew:
-        synthetic.generate_weights = functools.partial(synthetic.generate_weights, popularity_skew=1.0)
     if decode_baseline:  # the decode kernels' first forms, plain launches, the KernelSet's LM head (as before)
         from strata_cuda import fast
         from strata_cuda import layer_ops as lo_base
@@ -367,7 +362,7 @@ def main() -> int:
     """Run the settings and the peers; write the JSON."""
     if "--child-run" in sys.argv:
         i = sys.argv.index("--")
-        return child_run(sys.argv[i + 1:], "--skew" in sys.argv[:i], "--decode-baseline" in sys.argv[:i])
+        return child_run(sys.argv[i + 1:], "--decode-baseline" in sys.argv[:i])
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--out", default=".")
     ap.add_argument("--settings", default="all,half_skewed,smallest")

@@ -25,11 +25,14 @@ from strata_core.errors import BadInput, StrataError
 from strata_core.models.resolve import model_from_gguf, model_from_name
 from strata_core.models.spec import ModelSpec
 from strata_core.registry import load_from_settings
-from strata_core.config.settings import MAX_TOKENS, add_settings_arguments, bounded_int, seed_arg, settings_from_args
+from strata_core.config.settings import (MAX_TOKENS, add_settings_arguments, bounded_float, bounded_int, seed_arg,
+                                         settings_from_args)
 
 SCHEMA = "strata.run/1"
 DEFAULT_PROMPT_TOKENS = 3000
 DEFAULT_DECODE_TOKENS = 64
+#: The largest --skew: at 8 the coldest of 128 experts sits ~39 logits below the hottest (no routing left to skew).
+MAX_SKEW = 8.0
 #: Largest preset whose experts `strata run` generates in host memory, as a fraction of the available RAM.
 GENERATE_RAM_FRACTION = 0.5
 NOTES = ("attention is out of scope for Strata Core: each layer is RMSNorm, router (top-k, renormalized), routed "
@@ -60,6 +63,10 @@ def register(subparsers) -> None:
     p.add_argument("--decode-tokens", type=bounded_int(0, MAX_TOKENS, "tokens"), default=DEFAULT_DECODE_TOKENS, metavar="N",
                    help=f"tokens to decode greedily (default {DEFAULT_DECODE_TOKENS})")
     p.add_argument("--seed", type=seed_arg, default=0, help="seed of the prompt and of generated weights (default 0)")
+    p.add_argument("--skew", type=bounded_float(0.0, MAX_SKEW, "a popularity skew"), default=0.0, metavar="S",
+                   help="generated models: route with the cache sweep's popularity skew (S=1: the expert of popularity "
+                        "rank r gets S*ln(1+r) less router logit, ranks a seeded permutation per layer; default 0, "
+                        "uniform); refused for a GGUF file, whose routers are its own")
     p.add_argument("--check", action="store_true",
                    help="compare every layer and every greedy token with the numpy reference; a mismatch exits 1")
     p.add_argument("--json", action="store_true", help=f"print one {SCHEMA} object")
@@ -119,8 +126,9 @@ def say(line: str) -> None:
 
 # --- inputs -------------------------------------------------------------------------------------------------------
 
-def resolve_run_model(name: str | None, loaded, seed: int) -> tuple[ModelSpec, Any, Any]:
-    """(spec, weights loader, settings) of the model to run; the tiny model gets its half-experts cache default."""
+def resolve_run_model(name: str | None, loaded, seed: int, skew: float = 0.0) -> tuple[ModelSpec, Any, Any]:
+    """(spec, weights loader, settings) of the model to run; the tiny model gets its half-experts cache default;
+    `skew`: generated weights' popularity skew (synthetic.generate_weights)."""
     from strata_core.models.synthetic import generate_weights, tiny_model_spec
     from strata_core.models.weights import weights_from_gguf
     settings = loaded.settings
@@ -128,8 +136,12 @@ def resolve_run_model(name: str | None, loaded, seed: int) -> tuple[ModelSpec, A
         from strata_core.planner.model_defaults import with_model_defaults
         spec = tiny_model_spec()
         # the model's defaults through the path `strata plan` takes too, so both show the same plan
-        return spec, (lambda: generate_weights(spec, seed)), with_model_defaults(loaded, spec).settings
+        return (spec, (lambda: generate_weights(spec, seed, popularity_skew=skew)),
+                with_model_defaults(loaded, spec).settings)
     if str(name).lower().endswith(".gguf"):
+        if skew:
+            raise BadInput(f"--skew {skew:g}: {name} is a GGUF file; its routers route as trained (--skew shapes "
+                           f"generated weights only)")
         from strata_core.models.gguf import dense_ffn_device_bytes
         from strata_core.models.synthetic import device_dense_bytes
         spec = model_from_gguf(name)
@@ -156,7 +168,7 @@ def resolve_run_model(name: str | None, loaded, seed: int) -> tuple[ModelSpec, A
                        f"more than {GENERATE_RAM_FRACTION:.0%} of the {avail / (1 << 30):.1f} GiB available; run a "
                        f"GGUF file, or replay it with `strata plan --model {name}` / `strata simulate`")
     dtype = "q8_0" if spec.quant == "Q8_0" else "f16"
-    return spec, (lambda: generate_weights(spec, seed, dtype=dtype)), settings
+    return spec, (lambda: generate_weights(spec, seed, dtype=dtype, popularity_skew=skew)), settings
 
 
 # --- the run ------------------------------------------------------------------------------------------------------
@@ -172,7 +184,7 @@ def run(args: argparse.Namespace) -> int:
         say(n)
     plugins = load_from_settings(loaded.settings)
     target = plugins.resolve_target(loaded.settings)
-    spec, load_weights, settings = resolve_run_model(args.model, loaded, args.seed)
+    spec, load_weights, settings = resolve_run_model(args.model, loaded, args.seed, getattr(args, "skew", 0.0))
     if args.prompt_tokens > settings.kv.max_context:
         raise BadInput(f"--prompt-tokens: a prompt of {args.prompt_tokens} tokens is longer than kv.max_context "
                        f"({settings.kv.max_context}); raise it with --set kv.max_context=N")
@@ -244,7 +256,7 @@ def _execute(args: argparse.Namespace, target, plan, spec: ModelSpec, load_weigh
         "schema": SCHEMA,
         "backend": plan.backend,
         "device": plan.device.to_json(),
-        "model": spec.to_json(),
+        "model": {**spec.to_json(), "popularity_skew": float(getattr(args, "skew", 0.0))},
         "plan": plan.to_json(),
         "prompt_tokens": args.prompt_tokens,
         "decode_tokens": args.decode_tokens,

@@ -32,6 +32,20 @@ def bounded_int(lo: int, hi: int, unit: str = "") -> Callable[[str], int]:
     return parse
 
 
+def bounded_float(lo: float, hi: float, what: str) -> Callable[[str], float]:
+    """An argparse type: a finite decimal number from `lo` to `hi` (`what` names what it is)."""
+    desc = f"{what} from {lo:g} to {hi:g}"
+
+    def parse(text: str) -> float:
+        s = text.strip()
+        if not re.fullmatch(r"[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?", s) or not lo <= float(s) <= hi:
+            raise argparse.ArgumentTypeError(f"expected {desc}, got {text!r}")
+        return float(s)
+
+    parse.__name__ = desc
+    return parse
+
+
 #: `--seed N`: a non-negative integer.
 seed_arg = bounded_int(0, MAX_SEED)
 
