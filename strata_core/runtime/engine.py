@@ -139,7 +139,7 @@ class Engine:
                                  share=self.share, log=log, top_k=model.top_k, hidden=model.hidden,
                                  workspace_bytes=plan.vram.workspace_bytes, accounting_only=accounting_only,
                                  seed=seed, observer=observer, staging=self.staging, layer_ops=layer_ops,
-                                 regions=self.regions, dense_room_bytes=self._dense_room_bytes())
+                                 regions=self.regions)
         if not accounting_only:
             self.loans.buffer_need = self.executor.buffer_slots_needed
         self.dm.seal()
@@ -283,12 +283,6 @@ class Engine:
             out[name] = region
         return out
 
-    def _dense_room_bytes(self) -> int:
-        """Bytes of the plan's dense line the uploaded dense weights leave (each array's alignment taken off)."""
-        from strata_core.runtime.devmem import ALIGN_BYTES
-        used = sum(-(-int(a.nbytes) // ALIGN_BYTES) * ALIGN_BYTES for a in self.dense_dev.values())
-        return max(0, int(self.plan.vram.dense_bytes) - used - ALIGN_BYTES)
-
     def executor_stream(self) -> Any:
         """The copy stream of start-up uploads (the executor makes its own)."""
         if not hasattr(self, "_warm_stream"):
@@ -419,6 +413,7 @@ class Engine:
 
     def close(self) -> None:
         """Release pinned memory and device arrays."""
+        self.executor.close()
         self.share_pool.close()
         self.staging_pool.close()
         self.store.close()

@@ -90,8 +90,8 @@ LayerObserver = Callable[[str, int, np.ndarray, np.ndarray], None]
 
 _NO_RING = np.zeros(0, np.int32)
 #: What layer ops offer to run greedy decode on the device (besides decode_launch(works, defer=True) and
-#: decode_done(keep)): greedy_table(embed, device_copy) -> table or None, greedy_start(token, table),
-#: greedy_embed(table, x), greedy_argmax(logits), greedy_token() -> int.
+#: decode_done(keep)): greedy_table(embed) -> table or None, greedy_start(token, table), greedy_embed(table, x),
+#: greedy_argmax(logits), greedy_token() -> int; optionally greedy_release() (the executor's close).
 GREEDY_CAPABILITY = ("greedy_table", "greedy_start", "greedy_embed", "greedy_argmax", "greedy_token")
 
 
@@ -102,7 +102,7 @@ class Executor:
                  weights: ModelWeights | None, dense_dev: dict[str, Any] | None, share: CpuShare, log: RunLog,
                  top_k: int, hidden: int, workspace_bytes: int = 0, accounting_only: bool = False, seed: int = 0,
                  observer: LayerObserver | None = None, staging: Any = None, layer_ops: Any = None,
-                 regions: dict[str, Any] | None = None, dense_room_bytes: int = 0):
+                 regions: dict[str, Any] | None = None):
         self.dm = dm
         self.k = kernels
         self.cache = cache
@@ -152,13 +152,10 @@ class Executor:
         #: greedy decode with the token chosen on the device (decode_greedy); False keeps the step loop (tests
         #: compare the two)
         self.greedy_pipeline = True
-        #: bytes of the plan's dense line the uploaded dense weights left free: an embedding copy for the device's
-        #: greedy loop may take them (the plan counts the embedding as a device line)
-        self.dense_room_bytes = int(dense_room_bytes)
         self._greedy_for: Any = None
         self._greedy_table: Any = None
         if self._greedy_ops:
-            self._prepare_greedy()
+            self._prepare_greedy()  # at start-up: the table's copy and the kernels' compile stay out of decode
 
     @property
     def _launches(self) -> bool:
@@ -179,18 +176,20 @@ class Executor:
                 and self.weights.dense is not None)
 
     def _prepare_greedy(self) -> None:
-        """Ask the ops for the embedding table their greedy_embed reads: a device copy when the plan's dense line
-        has room for it and start-up is not over (`dense_room_bytes`), else whatever the ops make of the host's
-        table (None: the step loop runs)."""
+        """Ask the ops for the embedding table their greedy_embed reads, made from the host's (the embedding is
+        no device line of the plan: the ops place it in page-locked memory, charged to the pinned budget); None:
+        the step loop runs."""
         self._greedy_for = self.ops
-        embed = self.weights.dense.embed
-        copy = None
-        if int(embed.nbytes) <= self.dense_room_bytes and not getattr(self.dm, "sealed", True):
-            self.dm.region("dense")
-            copy = self.dm.to_device(np.ascontiguousarray(embed))
-        self._greedy_table = self.ops.greedy_table(embed, copy)
-        if self._greedy_table is None and copy is not None:
-            self.dm.free(copy)
+        self._greedy_table = self.ops.greedy_table(self.weights.dense.embed)
+        if self._greedy_table is None:
+            self.log.trace("greedy decode: the layer ops give no embedding table for the device; step by step")
+
+    def close(self) -> None:
+        """Give back what the greedy loop's ops hold for this run (its page-locked embedding table)."""
+        release = getattr(type(self.ops), "greedy_release", None)
+        if release is not None and self._greedy_table is not None:
+            release(self.ops)
+        self._greedy_table, self._greedy_for = None, None
 
     @property
     def pipelines_greedy(self) -> bool:

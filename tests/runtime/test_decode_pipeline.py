@@ -60,10 +60,14 @@ class Greedy:
         while len(self.launched) > keep:
             self.events.append(("done", self.launched.pop(0)))
 
-    def greedy_table(self, embed, device_copy=None):
+    def greedy_table(self, embed):
         """The host's table (the sim's device memory is host memory)."""
-        self.events.append(("table", device_copy is not None))
+        self.events.append(("table",))
         return embed
+
+    def greedy_release(self):
+        """Recorded (the executor's close)."""
+        self.events.append(("release",))
 
     def greedy_start(self, token, table):
         """The first token onto the "device"."""
@@ -139,7 +143,8 @@ def test_pipelined_greedy_decode_gives_the_step_loops_tokens_counts_and_last_log
     # the step loop downloads the prompt's and every step's logits; the pipeline the prompt's and the last step's
     assert plain["logits_downloads"] == STEPS + 1 and piped["logits_downloads"] == 2
     assert "decode_step" not in events
-    assert events[0] == ("table", False) and ("start", plain["tokens"][0]) in events
+    assert events[0] == ("table",) and ("start", plain["tokens"][0]) in events
+    assert events[-1] == ("release",), "the engine's close gives the table back"
 
 
 def test_each_step_is_queued_before_the_host_counts_the_previous_one_and_reads_its_token(monkeypatch):

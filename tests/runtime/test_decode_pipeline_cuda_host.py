@@ -115,3 +115,19 @@ def test_after_a_deferred_step_the_step_loop_ticks_and_counts_as_before(op):
     op.decode_step(works)
     want = _counted([0, 1])
     assert not op._launched and cache.lookups == want.lookups and np.array_equal(cache.freq, want.freq)
+
+
+@pytest.mark.parametrize("arch", ["compute_75", "compute_90"])
+def test_the_greedy_kernels_compile_with_nvrtc_and_keep_moe_cus_portability_rules(arch):
+    import re
+    try:
+        from cupy_backends.cuda.libs import nvrtc
+        nvrtc.getVersion()
+    except Exception as e:  # cupy or the NVRTC library is not installed here
+        pytest.skip(f"NVRTC is not available here ({type(e).__name__}: {e}); it comes with 'strata-core[cuda]'")
+    from strata_cuda.kernels import GREEDY_KERNEL_NAMES, GREEDY_SOURCE, compile_to_ptx
+    ptx = compile_to_ptx(arch=arch, source=GREEDY_SOURCE)
+    assert set(re.findall(rb"\.entry\s+(\w+)", ptx)) == {n.encode() for n in GREEDY_KERNEL_NAMES}
+    code = "\n".join(line.split("//", 1)[0] for line in GREEDY_SOURCE.splitlines())
+    for banned in ("#include", "__shfl", "__ballot", "warpSize", "__half", "atomic"):
+        assert banned not in code, banned

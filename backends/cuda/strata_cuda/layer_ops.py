@@ -50,9 +50,6 @@ EMPTY = -1
 FUSED_DTYPES = ("f16", "q8_0")
 #: The formats decode_step runs as one graph replay (gguf: QuantMoE's GEMV kernels, every routed expert cached).
 DECODE_DTYPES = ("f16", "q8_0", "gguf")
-#: The largest embedding table greedy decode copies into page-locked memory when the plan's dense line has no room
-#: for a device copy (the tiny model's is 0.5 MiB; a real vocabulary's device copy lives in the dense line).
-GREEDY_HOST_TABLE_MAX_BYTES = 64 << 20
 #: The CPU share stays off on the fused path's fallback (it would need the runtime's share buffers).
 _NO_SHARE = SimpleNamespace(armed_for=lambda tokens: False, rows_capacity=0)
 
@@ -568,7 +565,12 @@ class CudaLayerOps:
         """Admit the hottest experts this step read from host memory, at most `decode_admit_bytes` a step, copied
         on the copy stream while the next steps run: until the copy lands their maps say -1 (host reads), so no
         graph reads a slot being written, and the evicted expert's slot is written only after this step's graph,
-        which the ids' download has waited for."""
+        which the ids' download has waited for (and after every step queued since: a deferred step's successor).
+
+        What is missing is read from the cache's slot table now, not from the maps the step read (`maps` gives
+        only their shape): in the step loop the two agree whenever an admission runs (none runs while an earlier
+        one is in flight), and a deferred step's maps predate the previous step's admission, which they would
+        repeat."""
         cache = works[0].slots
         if self._pending is not None or self.decode_admit_bytes <= 0 or not hasattr(cache, "admit"):
             return
@@ -576,6 +578,7 @@ class CudaLayerOps:
         row_bytes = int(getattr(store, "row_bytes", 0) or 0)
         if row_bytes <= 0:
             return
+        maps = np.asarray(cache.slot_of[self._rows]).reshape(maps.shape)
         e_n = maps.shape[1]
         layer_of = np.asarray([w.layer for w in works], dtype=np.int64)
         routed_missing = np.take_along_axis(maps, ids.astype(np.int64), axis=1) < 0
@@ -778,16 +781,17 @@ class CudaLayerOps:
         cnt = np.bincount(rows, minlength=offs[2])
         used = np.flatnonzero(cnt)
         works[0].slots.lookup(0, used, cnt[used])
-        if maps is not None and (maps < 0).any():
-            self._admit_decode_misses(works, maps, ids)  # after the lookup: this step's experts are warm
+        if maps is not None and ((maps < 0).any() or (tick and (works[0].slots.slot_of[self._rows] < 0).any())):
+            # after the lookup: this step's experts are warm (a deferred step's maps may predate an eviction)
+            self._admit_decode_misses(works, maps, ids)
 
     # --- greedy decode on the device (the executor's pipelined loop) ----------------------------------------
 
-    def greedy_table(self, embed: np.ndarray, device_copy: Any = None) -> Any | None:
-        """The embedding table greedy_embed reads: `device_copy` (the executor's, inside the plan's dense line) when
-        given, else a page-locked copy of `embed` from the session's allocator (its runtime floor, at most
-        GREEDY_HOST_TABLE_MAX_BYTES) that the kernel reads at its mapped address; None when neither applies (the
-        executor then keeps the step loop)."""
+    def greedy_table(self, embed: np.ndarray) -> Any | None:
+        """The embedding table greedy_embed reads: the host's `embed` [V,H] f16 page-locked in place through the
+        session's allocator (charged to the plan's pinned budget outside its runtime floor; no host byte more),
+        which the kernel reads at its mapped address (one row of H halves a step, as decode reads missed
+        experts); None when the budget or the driver refuses it (the executor then keeps the step loop)."""
         import cupy as cp
         if self._greedy is None:
             try:
@@ -796,25 +800,25 @@ class CudaLayerOps:
                 self._tok_dev = cp.zeros(1, dtype=cp.int32)
             except Exception:  # no greedy kernels here: the step loop runs (a compile failure costs only speed)
                 return None
-        if not isinstance(embed, np.ndarray) or embed.dtype != np.float16 or embed.ndim != 2:
+        if (not isinstance(embed, np.ndarray) or embed.dtype != np.float16 or embed.ndim != 2
+                or not embed.flags.c_contiguous or self._pinned is None):
             return None
-        vocab, hidden = (int(d) for d in embed.shape)
-        if device_copy is not None:
-            if (not isinstance(device_copy, cp.ndarray) or device_copy.dtype != cp.float16
-                    or tuple(device_copy.shape) != (vocab, hidden) or not device_copy.flags.c_contiguous):
-                return None
-            return SimpleNamespace(ptr=int(device_copy.data.ptr), vocab=vocab, hidden=hidden, where="device",
-                                   keep=device_copy)
-        if self._pinned is None or embed.nbytes > GREEDY_HOST_TABLE_MAX_BYTES:
-            return None
-        if self._table_buf is not None:
-            self._pinned.free(self._table_buf)
-            self._table_buf = None
-        buf = self._pinned.alloc(int(embed.nbytes), from_floor=True)
+        self.greedy_release()
+        if self._tok_host is None:
+            tok = self._pinned.alloc(64, from_floor=True)
+            if tok is None:
+                self.counts["tokens_pageable"] = 1
+                self._tok_host = np.zeros(2, dtype=np.int32)
+            else:
+                self._tok_buf = tok
+                self._tok_host = np.ndarray((2,), dtype=np.int32, buffer=tok.array)
+            self._tok_events = (cp.cuda.Event(disable_timing=True), cp.cuda.Event(disable_timing=True))
+        buf = self._pinned.register(embed)
         if buf is None or buf.handle is None:
+            if buf is not None:
+                self._pinned.free(buf)
             return None
-        host = np.ndarray(embed.shape, dtype=np.float16, buffer=buf.array)
-        host[...] = embed
+        host = embed
         try:
             # cudaDevAttrCanUseHostPointerForRegisteredMem (91) and the driver's device address of the buffer
             same = bool(self._rt.deviceGetAttribute(91, cp.cuda.Device().id))
@@ -827,23 +831,21 @@ class CudaLayerOps:
             self._pinned.free(buf)
             return None
         self._table_buf = buf
-        return SimpleNamespace(ptr=ptr, vocab=vocab, hidden=hidden, where="page-locked host", keep=host)
+        return SimpleNamespace(ptr=ptr, vocab=int(embed.shape[0]), hidden=int(embed.shape[1]), keep=host)
+
+    def greedy_release(self) -> None:
+        """Give the embedding table's page-locking back to the session's allocator (idempotent)."""
+        if self._table_buf is not None:
+            self._pinned.free(self._table_buf)
+            self._table_buf = None
 
     def greedy_start(self, token: int, table: Any) -> None:
-        """The first decode step's token onto the device (stream-ordered), and the tokens' page-locked host slots."""
+        """The first decode step's token onto the device (stream-ordered); no token of an earlier request is left
+        to read."""
         import cupy as cp
         token = int(token)
         if not 0 <= token < table.vocab:
             raise StrataError(f"greedy decode: token {token} is outside the vocabulary of {table.vocab}")
-        if self._tok_host is None:
-            buf = self._pinned.alloc(64, from_floor=True) if self._pinned is not None else None
-            if buf is None:
-                self.counts["tokens_pageable"] = 1
-                self._tok_host = np.zeros(2, dtype=np.int32)
-            else:
-                self._tok_buf = buf
-                self._tok_host = np.ndarray((2,), dtype=np.int32, buffer=buf.array)
-            self._tok_events = (cp.cuda.Event(disable_timing=True), cp.cuda.Event(disable_timing=True))
         self._tok_queued, self._tok_read = [], []
         self._tok_dev.set(np.array([token], dtype=np.int32), stream=cp.cuda.get_current_stream())
 
