@@ -93,7 +93,7 @@ def main() -> int:
     ap.add_argument("--out", default=".")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--rows", default="2", help="decode_rows_per_warp values for gate/up (the first: every variant)")
-    ap.add_argument("--forms", default="1,2,3,4,5", help="FastMoE.decode_form values to time")
+    ap.add_argument("--forms", default="1,2,3,4,5,6,7,8", help="FastMoE.decode_form values to time")
     args = ap.parse_args()
     args.forms = [int(f) for f in args.forms.split(",") if f]
     import cupy as cp

@@ -15,7 +15,7 @@ import pytest
 
 from strata_core.reference import kernels as ref
 
-from strata_cuda.fast import DECODE_DOWN3
+from strata_cuda.fast import DECODE_THIRD
 
 from .test_fast_paths import (SeededGenerator, _cuda_device_count, device_pool, experts_f16, host_pool, pinned, place,
                               poisoned, reference, rel)
@@ -47,7 +47,7 @@ def moe(cp):
     return FastMoE(E, K, H, F)
 
 
-THIRD_FORMS = sorted(DECODE_DOWN3)
+THIRD_FORMS = sorted(DECODE_THIRD)
 
 
 @pytest.mark.parametrize("form", [1, 2, *THIRD_FORMS])

@@ -64,15 +64,20 @@ DECODE_ROWS_PER_WARP = 2
 #: The decode stack's kernels (FastMoE.decode_form): 1 the first forms of moe_fast.cu; 2 the second norm/router (router
 #: rows loaded before the wait for x) and down (loads in batches of 8) kernels; 3, 4 and 5 the second norm/router
 #: with the third gate/up (routing once a block by rank, one trip to memory a lane, routed slots published) and the
-#: third down kernel at DECODE_DOWN3[form] warps a hidden row. f16 pools; Q8_0 layers keep their own pair in every
-#: form. H200, 48-layer graph (bench/results/k1_h200/call2_decode_kernels_h200.json): 1.995 ms with 2, 2.226 ms with 1.
-DECODE_FORM = 2
-#: Third-form down kernel per decode form: (kernel, warps a hidden row).
-DECODE_DOWN3 = {3: ("strata_fast_decode_down3_s2", 2), 4: ("strata_fast_decode_down3_s1", 1),
-                5: ("strata_fast_decode_down3_s4", 4)}
-#: Decode kernels as programmatic dependent launches (pdl.py; FastMoE.decode_pdl) where the driver has them. Off:
-#: measured slower on the H200 (48-layer graph 2.024 ms against 1.995 ms plain, same file), kept as an option.
-DECODE_PDL = False
+#: third down kernel, as DECODE_THIRD[form] sets them. f16 pools; Q8_0 layers keep their own pair in every form.
+#: H200, 48-layer graph (bench/results/k1_h200/call2_decode_kernels_h200.json): 1.995 ms with 2, 2.226 ms with 1;
+#: bench/results/d_h200/call1_decode_kernels_h200.json: form 2 1.987 ms, 3 1.790, 4 1.756, 5 1.794 plain, and
+#: 1.986, 1.731, 1.671, 1.696 as programmatic launches: 4 (one warp a hidden row in the down kernel) the fastest.
+DECODE_FORM = 4
+#: The third forms: (down kernel, its warps a hidden row, gate/up row pairs a warp, gate/up hints the routed down
+#: matrices into L2 for the down kernel).
+DECODE_THIRD = {3: ("strata_fast_decode_down3_s2", 2, 1, False), 4: ("strata_fast_decode_down3_s1", 1, 1, False),
+                5: ("strata_fast_decode_down3_s4", 4, 1, False), 6: ("strata_fast_decode_down3_s1", 1, 3, False),
+                7: ("strata_fast_decode_down3_s1", 1, 3, True), 8: ("strata_fast_decode_down3_s1", 1, 1, True)}
+#: Decode kernels as programmatic dependent launches (pdl.py; FastMoE.decode_pdl) where the driver has them. On: with
+#: the third forms the 48-layer graph takes 1.671 ms against 1.756 ms plain (form 4; d_h200/call1, same call; the LM
+#: head GEMV 137.5 against 140.4 us); the second forms gained nothing (1.986 / 1.987 ms; k1_h200/call2: 2.024 / 1.995).
+DECODE_PDL = True
 #: Output rows per warp of the f16-weight GEMV (STRATA_GEMV_WROWS in the source).
 GEMV_ROWS_PER_WARP = 2
 #: A streamed copy group carries at least this many bytes (small experts go many to a group): each group costs the
@@ -449,7 +454,7 @@ class FastMoE:
         self._k = {n: self._module.get_function(n) for n in KERNEL_NAMES}
         #: decode kernels launched as programmatic dependent launches (pdl.py) where the driver allows
         self.decode_pdl = DECODE_PDL
-        #: the decode stack's kernels: 1 the first forms, 2 the second, 3-5 the third (DECODE_FORM, moe_fast.cu)
+        #: the decode stack's kernels: 1 the first forms, 2 the second, DECODE_THIRD's the third (DECODE_FORM)
         self.decode_form = DECODE_FORM
         # made here, outside any capture (the device query and the driver library load are not stream work)
         self._pdl = _launcher(cupy)
@@ -1156,10 +1161,13 @@ class FastMoE:
             b["ids"], b["w"] = ids_out, w_out
         h, f, kk = self.hidden, self.ffn, self.top_k
         if self._third_form(pool, refill_from, skip_missing):
-            self._dlaunch("strata_fast_decode_gate_up3", ((f + WARPS - 1) // WARPS, kk), (THREADS,),
+            _, _, pairs, prefetch = DECODE_THIRD[self.decode_form]
+            rows = WARPS * pairs
+            self._dlaunch("strata_fast_decode_gate_up3", ((f + rows - 1) // rows, kk), (THREADS,),
                           (x, logits, np.int32(self.experts), np.int32(kk), slot_map, pool.arrays["w_gate_up"],
                            np.uint64(host_w13), np.int64(2 * f * h), np.int32(h), np.int32(f), b["act"], b["ids"],
-                           b["w"], b["slots"] if slots_out is None else slots_out))
+                           b["w"], b["slots"] if slots_out is None else slots_out,
+                           pool.arrays["w_down"] if prefetch else np.uint64(0), np.int64(h * f)))
             return
         rows_per_block = (THREADS // WARP_LANES) * self.decode_rows_per_warp
         if pool.dtype == "q8_0":
@@ -1188,7 +1196,7 @@ class FastMoE:
         warps = THREADS // WARP_LANES
         if self._third_form(pool, only_missing_in, skip_missing):
             # reads the routed slots the third gate/up kernel published (not slot_map: no look-up chained on ids)
-            name, split = DECODE_DOWN3[self.decode_form]
+            name, split, _, _ = DECODE_THIRD[self.decode_form]
             rows = WARPS // split
             self._dlaunch(name, ((h + rows - 1) // rows,), (THREADS,),
                           (b["act"], b["ids"], b["w"], b["slots"] if slots is None else slots, pool.arrays["w_down"],
@@ -1242,9 +1250,9 @@ class FastMoE:
         g.launch(self.compute_stream)
 
     def _third_form(self, pool: ExpertPool, partial_map: Any, skip_missing: int) -> bool:
-        """Whether a decode launch takes the third-form kernels: decode_form 3-5, an f16 pool, and neither of the
-        first form's partial launches (decode_layer_misses' refill / skip), which the third forms do not have."""
-        return self.decode_form in DECODE_DOWN3 and pool.dtype == "f16" and partial_map is None and not skip_missing
+        """Whether a decode launch takes the third-form kernels: decode_form in DECODE_THIRD, an f16 pool, and
+        neither of the first form's partial launches (decode_layer_misses' refill / skip: not in the third forms)."""
+        return self.decode_form in DECODE_THIRD and pool.dtype == "f16" and partial_map is None and not skip_missing
 
     def _decode_stack_body(self, x: Any, layers: Sequence["DecodeLayer"]) -> None:
         b = self.decode_buffers()  # allocated before any capture: no allocation may happen inside one

@@ -43,6 +43,13 @@
 #else
 #define STRATA_ISSUE_FENCE()
 #endif
+// A hint that a 128-byte line will be read soon by a later kernel: fetched into L2 with the last eviction priority
+// (sm_80+; nothing elsewhere). Only a hint: the reader loads it as usual.
+#if !defined(STRATA_HIP) && defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 800)
+#define STRATA_PREFETCH_L2(p) asm volatile("prefetch.global.L2::evict_last [%0];" ::"l"(p))
+#else
+#define STRATA_PREFETCH_L2(p)
+#endif
 
 
 #define STRATA_FAST_THREADS 256
@@ -669,9 +676,12 @@ __device__ void block_rank_topk(const float* __restrict__ logits, int E, int K, 
 }
 
 // Step 1, third form: act[k,i] = silu(x . Wg[i]) * (x . Wu[i]), one warp a row pair (gate row i and up row i of
-// expert k), each lane loading STRATA_GU3_GROUP 16-byte chunks of both rows before any sum (16 loads in flight a
-// lane; H = 2048 is one group). Sums in the LM-head GEMV's tree shape. Grid (ceil(F / warps), K). Block (0,0)
-// writes ids, softmax weights (warp_topk's arithmetic, the same bits) and the routed slots slot_map[id] for step 2.
+// expert k) at a time, each lane loading STRATA_GU3_GROUP 16-byte chunks of both rows before any sum (16 loads in
+// flight a lane; H = 2048 is one group). Sums in the LM-head GEMV's tree shape. Grid (gx, K): the warps stride over
+// the F row pairs (gx = ceil(F / warps) gives one pair a warp; fewer blocks route fewer times and fit in one wave).
+// Block (0,0) writes ids, softmax weights (warp_topk's arithmetic, the same bits) and the routed slots slot_map[id]
+// for step 2. With w2_prefetch (may be null), the blocks of expert k hint its cached down matrix (w2_stride halves
+// at slot * w2_stride) into L2, split between them, so step 2 reads it from L2 while this kernel reads HBM.
 // Misses as strata_fast_decode_gate_up without refill_from / skip_missing (host_w13 or NaN).
 #define STRATA_GU3_GROUP 8
 extern "C" __global__ void __launch_bounds__(STRATA_FAST_THREADS, 2)
@@ -679,7 +689,8 @@ strata_fast_decode_gate_up3(const float* __restrict__ x, const float* __restrict
                             const int* __restrict__ slot_map, const unsigned short* __restrict__ w13,
                             const unsigned short* __restrict__ host_w13, long long slot_stride, int H, int F,
                             float* __restrict__ act, int* __restrict__ ids_out, float* __restrict__ w_out,
-                            int* __restrict__ slots_out) {
+                            int* __restrict__ slots_out, const unsigned short* __restrict__ w2_prefetch,
+                            long long w2_stride) {
     __shared__ float s_l[STRATA_FAST_THREADS];
     __shared__ int s_part[STRATA_FAST_THREADS];
     __shared__ int s_sel[STRATA_FAST_MAXK];
@@ -700,49 +711,59 @@ strata_fast_decode_gate_up3(const float* __restrict__ x, const float* __restrict
         w_out[r] = expf(s_lg[r] - top0) / s;
         slots_out[r] = slot_map[s_sel[r]];
     }
-    const int row = blockIdx.x * STRATA_FAST_WARPS + warp;
-    if (row >= F) return;  // whole warps, after the block's last barrier
-    const unsigned short* base;
+    if (w2_prefetch != 0 && slot >= 0) {
+        const char* p = (const char*)(w2_prefetch + slot * w2_stride);
+        const long long bytes = 2 * w2_stride;
+        const long long per_block = (bytes + 128LL * gridDim.x - 1) / (128LL * gridDim.x) * 128;
+        const long long b1 = min(bytes, (blockIdx.x + 1) * per_block);
+        for (long long o = blockIdx.x * per_block + 128LL * threadIdx.x; o < b1; o += 128LL * blockDim.x)
+            STRATA_PREFETCH_L2(p + o);
+    }
+    const unsigned short* base = w13;
+    const bool unread = slot < 0 && host_w13 == 0;
     if (slot >= 0) {
         base = w13 + slot * slot_stride;
     } else if (host_w13 != 0) {
         base = host_w13 + (long long)e * slot_stride;
-    } else {
-        if (lane == 0) act[(long long)k * F + row] = __int_as_float(0x7fc00000);
-        return;
     }
-    const uint4* g = (const uint4*)(base + (long long)row * H);
-    const uint4* u = (const uint4*)(base + (long long)(F + row) * H);
     const float4* x4 = (const float4*)x;
     const int h8 = H / 8;
-    float ag = 0.f, au = 0.f;
-    // chunks past H re-read the last one (clamped, not predicated) and count zero: a loop body without branches,
-    // so the compiler issues all of a group's loads before the first sum (a load under a branch stays behind it)
-    for (int c0 = 0; c0 < h8; c0 += STRATA_GU3_GROUP * STRATA_WARP) {
-        uint4 vg[STRATA_GU3_GROUP], vu[STRATA_GU3_GROUP];
-#pragma unroll
-        for (int j = 0; j < STRATA_GU3_GROUP; ++j) {
-            const int c = min(c0 + j * STRATA_WARP + lane, h8 - 1);
-            vg[j] = g[c];
-            vu[j] = u[c];
+    for (int row = blockIdx.x * STRATA_FAST_WARPS + warp; row < F; row += gridDim.x * STRATA_FAST_WARPS) {
+        if (unread) {
+            if (lane == 0) act[(long long)k * F + row] = __int_as_float(0x7fc00000);
+            continue;
         }
-        STRATA_ISSUE_FENCE();
-        float dg[STRATA_GU3_GROUP], du[STRATA_GU3_GROUP];
+        const uint4* g = (const uint4*)(base + (long long)row * H);
+        const uint4* u = (const uint4*)(base + (long long)(F + row) * H);
+        float ag = 0.f, au = 0.f;
+        // chunks past H re-read the last one (clamped, not predicated) and count zero: a loop body without branches,
+        // so the compiler issues all of a group's loads before the first sum (a load under a branch stays behind it)
+        for (int c0 = 0; c0 < h8; c0 += STRATA_GU3_GROUP * STRATA_WARP) {
+            uint4 vg[STRATA_GU3_GROUP], vu[STRATA_GU3_GROUP];
 #pragma unroll
-        for (int j = 0; j < STRATA_GU3_GROUP; ++j) {
-            const int cj = c0 + j * STRATA_WARP + lane, c = min(cj, h8 - 1);
-            const float4 xa = x4[2 * c], xb = x4[2 * c + 1];
-            const float xv[8] = {xa.x, xa.y, xa.z, xa.w, xb.x, xb.y, xb.z, xb.w};
-            const float a = dot8(vg[j], xv), b = dot8(vu[j], xv);
-            dg[j] = cj < h8 ? a : 0.f;
-            du[j] = cj < h8 ? b : 0.f;
+            for (int j = 0; j < STRATA_GU3_GROUP; ++j) {
+                const int c = min(c0 + j * STRATA_WARP + lane, h8 - 1);
+                vg[j] = g[c];
+                vu[j] = u[c];
+            }
+            STRATA_ISSUE_FENCE();
+            float dg[STRATA_GU3_GROUP], du[STRATA_GU3_GROUP];
+#pragma unroll
+            for (int j = 0; j < STRATA_GU3_GROUP; ++j) {
+                const int cj = c0 + j * STRATA_WARP + lane, c = min(cj, h8 - 1);
+                const float4 xa = x4[2 * c], xb = x4[2 * c + 1];
+                const float xv[8] = {xa.x, xa.y, xa.z, xa.w, xb.x, xb.y, xb.z, xb.w};
+                const float a = dot8(vg[j], xv), b = dot8(vu[j], xv);
+                dg[j] = cj < h8 ? a : 0.f;
+                du[j] = cj < h8 ? b : 0.f;
+            }
+            ag += ((dg[0] + dg[1]) + (dg[2] + dg[3])) + ((dg[4] + dg[5]) + (dg[6] + dg[7]));
+            au += ((du[0] + du[1]) + (du[2] + du[3])) + ((du[4] + du[5]) + (du[6] + du[7]));
         }
-        ag += ((dg[0] + dg[1]) + (dg[2] + dg[3])) + ((dg[4] + dg[5]) + (dg[6] + dg[7]));
-        au += ((du[0] + du[1]) + (du[2] + du[3])) + ((du[4] + du[5]) + (du[6] + du[7]));
+        ag = warp_sum(ag);
+        au = warp_sum(au);
+        if (lane == 0) act[(long long)k * F + row] = silu(ag) * au;
     }
-    ag = warp_sum(ag);
-    au = warp_sum(au);
-    if (lane == 0) act[(long long)k * F + row] = silu(ag) * au;
 }
 
 // Step 2, third forms: out[h] (+)= sum_k w_k * (Wd[slot_k, h] . act[k]) with SPLIT warps a hidden row, each taking
