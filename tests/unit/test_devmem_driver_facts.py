@@ -69,3 +69,65 @@ def test_no_page_locking_where_its_memory_is_capped():
     rt = DriverRuntime()
     assert cuda_probe.driver_memory_facts(rt, 0, page_lock=False) == (2 * MIB, 0)
     assert rt.table_bytes == 0
+
+
+class KeyedRuntime(DriverRuntime):
+    """DriverRuntime that names its card and driver (what the kept facts are keyed by) and counts page-locks."""
+
+    def __init__(self, driver=12080, bus="0000:3b:00.0", **kw):
+        super().__init__(**kw)
+        self.driver, self.bus, self.page_locks = driver, bus, 0
+
+    def deviceGetPCIBusId(self, i):
+        return self.bus
+
+    def getDeviceProperties(self, i):
+        return {"name": b"NVIDIA H200"}
+
+    def driverGetVersion(self):
+        return self.driver
+
+    def hostAlloc(self, n, flags):
+        self.page_locks += 1
+        return super().hostAlloc(n, flags)
+
+
+def test_measured_facts_are_kept_for_the_next_process_of_the_same_card_and_driver(tmp_path):
+    kept = tmp_path / "cache" / cuda_probe.DRIVER_FACTS_FILE
+    first = KeyedRuntime(granule=64 << 10, tables=4 * MIB)
+    assert cuda_probe.driver_memory_facts(first, 0, kept=kept) == (64 << 10, 4 * MIB)
+    assert first.page_locks == cuda_probe.PINNED_PROBE_GIB and kept.is_file()
+    # a new process (a new runtime object): read from the file, nothing page-locked, no allocation made
+    later = KeyedRuntime()
+    assert cuda_probe.driver_memory_facts(later, 0, kept=kept) == (64 << 10, 4 * MIB)
+    assert later.page_locks == 0 and not later.live and later.next_ptr == 1
+    # another driver, or another card: measured again, and both kept
+    updated = KeyedRuntime(driver=12090)
+    assert cuda_probe.driver_memory_facts(updated, 0, kept=kept) == (2 * MIB, 2 * MIB)
+    assert updated.page_locks == cuda_probe.PINNED_PROBE_GIB
+    other = KeyedRuntime(bus="0000:5e:00.0", tables=8 * MIB)
+    assert cuda_probe.driver_memory_facts(other, 0, kept=kept) == (2 * MIB, 8 * MIB)
+    again = KeyedRuntime(driver=12090)
+    assert cuda_probe.driver_memory_facts(again, 0, kept=kept) == (2 * MIB, 2 * MIB) and again.page_locks == 0
+
+
+def test_a_failed_measurement_or_a_bad_file_keeps_nothing_and_never_raises(tmp_path):
+    kept = tmp_path / cuda_probe.DRIVER_FACTS_FILE
+    assert cuda_probe.driver_memory_facts(KeyedRuntime(fail_host=True), 0, kept=kept) == (2 * MIB, 0)
+    assert not kept.exists(), "a measurement without its page tables is tried again next time"
+    kept.write_text("{not json")
+    rt = KeyedRuntime()
+    assert cuda_probe.driver_memory_facts(rt, 0, kept=kept) == (2 * MIB, 2 * MIB) and rt.page_locks > 0
+    kept.write_text('{"0000:3b:00.0|NVIDIA H200|driver 12080|page_lock 1": ["x", -1]}')
+    rt = KeyedRuntime()
+    assert cuda_probe.driver_memory_facts(rt, 0, kept=kept) == (2 * MIB, 2 * MIB) and rt.page_locks > 0
+    # an unwritable folder: measured, nothing kept, no error
+    blocked = tmp_path / "file_not_folder"
+    blocked.write_text("")
+    rt = KeyedRuntime()
+    assert cuda_probe.driver_memory_facts(rt, 0, kept=blocked / "facts.json") == (2 * MIB, 2 * MIB)
+
+
+def test_without_a_kept_file_every_process_measures():
+    rt = KeyedRuntime()
+    assert cuda_probe.driver_memory_facts(rt, 0) == (2 * MIB, 2 * MIB) and rt.page_locks > 0

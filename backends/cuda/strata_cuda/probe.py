@@ -5,7 +5,9 @@ and they honour the CUDA device order the process was given); the memory, displa
 NVML (nvidia-ml-py), matched by PCI bus id, read before any CUDA context exists. Without NVML the probe falls back
 to cudaMemGetInfo. Then the probe measures two facts of the driver with a context (`driver_memory_facts`, once per
 process and device): its allocation granularity and the device bytes its page tables take per GiB of page-locked
-host memory, which the plan makes lines of (strata_core.planner.driver_memory).
+host memory, which the plan makes lines of (strata_core.planner.driver_memory). They are kept in the user's cache
+folder (DRIVER_FACTS_FILE), keyed by the card's bus id and name and the driver's version, so a later process (a
+`strata backends`, a `strata plan`) reads them instead of making a context and page-locking 2 GiB again.
 
 The helpers under "cupy probing" serve the rocm backend's probe too: cupy's runtime API is the same on its CUDA
 and ROCm builds.
@@ -13,6 +15,8 @@ and ROCm builds.
 
 from __future__ import annotations
 
+import json
+import os
 import sys
 import weakref
 from pathlib import Path
@@ -240,17 +244,62 @@ def _pinned_map_per_gib(runtime: Any) -> int:
     return most if most <= GIB // 64 else 0  # more than 16 MiB a GiB is another process's allocation, not tables
 
 
-def driver_memory_facts(runtime: Any, index: int, page_lock: bool = True) -> tuple[int, int]:
+#: The file, in the user's cache folder, that keeps the driver facts across processes (`_probe_cuda` names it).
+DRIVER_FACTS_FILE = "cuda_driver_facts.json"
+
+
+def _facts_key(runtime: Any, index: int, page_lock: bool) -> str | None:
+    """What the driver facts of a card depend on: its PCI bus id and name, the driver's version, page locking; None
+    when the runtime cannot say (the facts are then measured, not kept)."""
+    try:
+        bus = text(runtime.deviceGetPCIBusId(index))
+        name = text(runtime.getDeviceProperties(index).get("name", ""))
+        driver = int(runtime.driverGetVersion())
+    except Exception:
+        return None
+    return f"{bus}|{name}|driver {driver}|page_lock {int(bool(page_lock))}"
+
+
+def _kept_facts(path: Path) -> dict:
+    """The kept driver facts ({key: [granularity, tables per GiB]}); empty when the file is missing or unreadable."""
+    try:
+        got = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return got if isinstance(got, dict) else {}
+
+
+def _keep_facts(path: Path, key: str, facts: tuple[int, int]) -> None:
+    """Add one card's facts to the file (written whole, then renamed: a reader never sees half a file); a folder that
+    cannot be written keeps nothing."""
+    kept = _kept_facts(path)
+    kept[key] = [int(facts[0]), int(facts[1])]
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(kept, indent=1, sort_keys=True))
+        os.replace(tmp, path)
+    except OSError:
+        pass
+
+
+def driver_memory_facts(runtime: Any, index: int, page_lock: bool = True, kept: Path | None = None) -> tuple[int, int]:
     """(allocation granularity, device bytes per page-locked GiB) of device `index`, measured once per process
     through the runtime (it makes the device's context); 0 for a fact the runtime cannot give (a test double, no
     host memory to page-lock) and for the page tables without `page_lock` (WDDM and WSL2, whose page-locked memory
-    is capped near the probe's 2 GiB: the probe does not spend it)."""
+    is capped near the probe's 2 GiB: the probe does not spend it). With `kept` (a JSON file), facts measured for
+    this card and driver before are read from it, so a later process makes no context and page-locks nothing."""
     if not all(hasattr(runtime, f) for f in ("malloc", "free", "hostAlloc", "freeHost")):
         return 0, 0  # a runtime that only enumerates (a test double): nothing to measure with, no context made
     try:
         known = _DRIVER_FACTS.setdefault(runtime, {})
     except TypeError:  # not weakly referable: measured every time
         known = {}
+    key = _facts_key(runtime, index, page_lock) if kept is not None else None
+    if int(index) not in known and key is not None:
+        got = _kept_facts(kept).get(key)
+        if isinstance(got, list) and len(got) == 2 and all(isinstance(v, int) and v >= 0 for v in got):
+            known[int(index)] = (got[0], got[1])
     if int(index) not in known:
         granularity = pinned_map = 0
         try:
@@ -270,11 +319,15 @@ def driver_memory_facts(runtime: Any, index: int, page_lock: bool = True) -> tup
         except Exception:  # no device to make current: nothing measured
             granularity = pinned_map = 0
         known[int(index)] = (granularity, pinned_map)
+        if key is not None and granularity > 0 and (pinned_map > 0 or not page_lock):
+            _keep_facts(kept, key, known[int(index)])  # only complete measurements: a failed one is tried again
     return known[int(index)]
 
 
-def device_info(index: int, runtime: Any, nvml: Any | None, os_name: str, wsl: bool, count: int = 1) -> DeviceInfo:
-    """DeviceInfo of CUDA device `index` (of `count`): NVML's facts where it has them, cupy's runtime for the rest."""
+def device_info(index: int, runtime: Any, nvml: Any | None, os_name: str, wsl: bool, count: int = 1,
+                kept: Path | None = None) -> DeviceInfo:
+    """DeviceInfo of CUDA device `index` (of `count`): NVML's facts where it has them, cupy's runtime for the rest
+    (the driver facts read from the `kept` file where it has them)."""
     props = runtime.getDeviceProperties(index)
     arch = f"sm_{int(props['major'])}{int(props['minor'])}"
     facts: dict = {}
@@ -294,7 +347,7 @@ def device_info(index: int, runtime: Any, nvml: Any | None, os_name: str, wsl: b
         # the kernel watchdog is on exactly when the card runs a display
         facts["drives_display"] = bool(int(props.get("kernelExecTimeoutEnabled", 0)))
     granularity, pinned_map = driver_memory_facts(runtime, index,
-                                                  page_lock=facts["driver_model"] not in ("wddm", "wsl2"))
+                                                  page_lock=facts["driver_model"] not in ("wddm", "wsl2"), kept=kept)
     return DeviceInfo(backend=NAME, vendor="nvidia", name=facts.get("name") or text(props.get("name", "")),
                       arch=arch, vram_total_bytes=facts["vram_total_bytes"], vram_free_bytes=facts["vram_free_bytes"],
                       driver_model=facts["driver_model"], drives_display=facts["drives_display"], index=index,
@@ -309,11 +362,12 @@ def device_type(props: dict) -> DeviceType:
 
 
 def probe_with(runtime: Any, nvml: Any | None = None, os_name: str | None = None, wsl: bool | None = None,
-               version: str = "") -> ProbeResult:
-    """Probe through the given runtime (cupy's, or a fake in tests) and NVML module; never raises."""
+               version: str = "", kept: Path | None = None) -> ProbeResult:
+    """Probe through the given runtime (cupy's, or a fake in tests) and NVML module (`kept`: the driver facts'
+    file, see driver_memory_facts); never raises."""
     os_name = os_name or current_os()
     wsl = is_wsl() if wsl is None else wsl
-    return probe_devices(runtime, lambda i, n: device_info(i, runtime, nvml, os_name, wsl, n), label="CUDA",
+    return probe_devices(runtime, lambda i, n: device_info(i, runtime, nvml, os_name, wsl, n, kept=kept), label="CUDA",
                          no_device="cupy is installed but no CUDA device", count_call="cudaGetDeviceCount",
                          version=version)
 
@@ -323,7 +377,8 @@ def _probe_cuda(runtime: Any, cupy_version: str) -> ProbeResult:
     version = f"cupy {cupy_version}"
     nvml = _load_nvml()
     try:
-        result = probe_with(runtime, nvml=nvml, version=version)
+        from strata_core.config import user_cache_dir
+        result = probe_with(runtime, nvml=nvml, version=version, kept=user_cache_dir() / DRIVER_FACTS_FILE)
     finally:
         if nvml is not None:
             try:
