@@ -78,6 +78,8 @@ _ROW0 = np.zeros(1, dtype=np.intp)
 SEQUENTIAL_ROWS = 8
 #: route_topk of one row takes up to this many argmaxes instead of a stable sort of the row
 TOPK_BY_ARGMAX = 8
+#: numpy adds a contiguous row of fewer than this many f32 in order (from 8 on, pairwise in 8 partial sums)
+SEQUENTIAL_SUM = 8
 _NEG_INF = np.float32(-np.inf)
 #: compared with an array's dtype (a dtype against a dtype: no conversion of np.float32 on every call)
 _F32 = np.dtype(np.float32)
@@ -122,12 +124,15 @@ class HostKernels(ReferenceKernels):
         if out is None or type(x) is not np.ndarray or type(w) is not np.ndarray or x.ndim != 2 \
                 or x.dtype != _F32 or w.dtype != _F32:
             return super().rmsnorm(x, w, eps, out=out)
-        s = np.add.reduce(x * x, 1, None, None, True)
-        if s.size == 1:
+        if x.shape[0] == 1 and not np.may_share_memory(x, out):
             # one row: np.mean's f32 sum / intp count (computed in f64, cast to f32), + eps, sqrt and 1/ on the f32
-            # scalar: each an IEEE-rounded f32 operation, the same bits as the (1, 1) arrays give, without their calls
-            m = np.float32(float(s[0, 0]) / x.shape[1])
-            return np.multiply(x * (1.0 / np.sqrt(m + eps)), w, out=out)
+            # scalar: each an IEEE-rounded f32 operation, the same bits as the (1, 1) arrays give, without their
+            # calls; x * x and x * r go through `out` (no temporaries)
+            np.multiply(x, x, out=out)
+            m = np.float32(float(np.add.reduce(out[0])) / x.shape[1])
+            np.multiply(x, 1.0 / np.sqrt(m + eps), out=out)
+            return np.multiply(out, w, out=out)
+        s = np.add.reduce(x * x, 1, None, None, True)
         np.true_divide(s, np.intp(x.shape[1]), out=s, casting="unsafe")
         return np.multiply(x * (1.0 / np.sqrt(s + eps)), w, out=out)
 
@@ -148,14 +153,22 @@ class HostKernels(ReferenceKernels):
                 picks.append(i)
                 left[i] = _NEG_INF
             picks.append(pick())
-            top = row[picks]
+            top = row.take(picks)
             # a repeated id: the last pick met only -inf left (a taken id among them); else every pick is the
             # sort's, -inf ties included (argmax takes the lowest id left)
             if top[0] == top[0] and len(set(picks)) == k:
                 out[0][0] = picks
                 e = np.exp(top - top[:1])
-                # e.sum(keepdims=True) without its Python wrapper: the same reduction
-                np.divide(e, np.add.reduce(e, 0, None, None, True), out=out[1][0])
+                if k < SEQUENTIAL_SUM:
+                    # the row's sum as f32 scalars: numpy sums fewer than 8 elements in order, a0 + a1 + ...
+                    # (8 and more pairwise), the same bits without a reduction call
+                    it = iter(e)
+                    s = next(it)
+                    for v in it:
+                        s = s + v
+                    np.divide(e, s, out=out[1][0])
+                else:
+                    np.divide(e, np.add.reduce(e, 0, None, None, True), out=out[1][0])
                 return out
         order = np.argsort(-row, kind="stable")[:k]
         top = row[order]

@@ -78,15 +78,16 @@ class ExpertCache:
         """`lookup(layer, experts)` for distinct experts as Python ints (one decode token's top k): the same
         counts, frequencies (+1.0 each) and slots, without an array op per step of it (k is a handful)."""
         base = layer * self.experts_per_layer
-        slot_of, freq = self.slot_of, self.freq
+        slot, freq = self.slot_of.item, self.freq
+        heat = freq.item
         out = []
         hits = 0
         for e in experts:
             r = base + e
-            s = int(slot_of[r])
+            s = slot(r)
             out.append(s)
             hits += s != EMPTY
-            freq[r] += 1.0
+            freq[r] = heat(r) + 1.0  # item() and a float: the f64 add of `freq[r] += 1.0`, without numpy scalars
         self.hits += hits
         self.misses += len(out) - hits
         return out

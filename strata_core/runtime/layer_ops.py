@@ -567,7 +567,7 @@ class ComposedLayerOps:
                 bufs = None
                 self._layer(w)
                 continue
-            scales = wts0[order]
+            scales = wts0.take(order)
             slots = cache.lookup_distinct(layer, experts)
             if EMPTY in slots:
                 miss = [i for i in ks if slots[i] == EMPTY]
