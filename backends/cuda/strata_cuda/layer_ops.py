@@ -122,7 +122,7 @@ class CudaLayerOps:
         self._ids_host: np.ndarray | None = None
         self._launch_no = 0
         #: greedy decode on the device (greedy_*): its kernels, the token on the device, the tokens' two page-locked
-        #: host slots with their copy events, the slots queued and not read yet, and the page-locked embedding copy
+        #: host slots with their copy events, the slots queued and not read yet, and the embedding table's page-locking
         self._greedy: Any = None
         self._tok_dev: Any = None
         self._tok_host: np.ndarray | None = None
@@ -132,6 +132,14 @@ class CudaLayerOps:
         self._tok_read: list[int] = []
         self._tok_no = 0
         self._table_buf: Any = None
+        try:
+            # with the session, as the decode tables above: compiled and allocated before the plan's regions
+            from .kernels import GreedyKernels
+            import cupy as cp
+            self._greedy = GreedyKernels()
+            self._tok_dev = cp.zeros(1, dtype=cp.int32)
+        except Exception:  # no greedy kernels here: the executor keeps the step loop (it costs only speed)
+            self._greedy = self._tok_dev = None
         #: the session's page-locked allocator (the plan's pinned budget): the routed ids' host buffer comes from
         #: its runtime floor, so no page-locked byte of a decode step is outside the plan
         self._pinned = pinned
@@ -793,13 +801,8 @@ class CudaLayerOps:
         which the kernel reads at its mapped address (one row of H halves a step, as decode reads missed
         experts); None when the budget or the driver refuses it (the executor then keeps the step loop)."""
         import cupy as cp
-        if self._greedy is None:
-            try:
-                from .kernels import GreedyKernels
-                self._greedy = GreedyKernels()
-                self._tok_dev = cp.zeros(1, dtype=cp.int32)
-            except Exception:  # no greedy kernels here: the step loop runs (a compile failure costs only speed)
-                return None
+        if self._greedy is None or self._tok_dev is None:
+            return None
         if (not isinstance(embed, np.ndarray) or embed.dtype != np.float16 or embed.ndim != 2
                 or not embed.flags.c_contiguous or self._pinned is None):
             return None
