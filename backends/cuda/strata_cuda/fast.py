@@ -67,16 +67,20 @@ DECODE_ROWS_PER_WARP = 2
 #: third down kernel, as DECODE_THIRD[form] sets them. f16 pools; Q8_0 layers keep their own pair in every form.
 #: H200, 48-layer graph (bench/results/k1_h200/call2_decode_kernels_h200.json): 1.995 ms with 2, 2.226 ms with 1;
 #: bench/results/d_h200/call1_decode_kernels_h200.json: form 2 1.987 ms, 3 1.790, 4 1.756, 5 1.794 plain, and
-#: 1.986, 1.731, 1.671, 1.696 as programmatic launches: 4 (one warp a hidden row in the down kernel) the fastest.
-DECODE_FORM = 4
+#: 1.986, 1.731, 1.671, 1.696 as programmatic launches; call2_decode_kernels_h200.json (programmatic): 4 1.662 ms,
+#: 6 1.467 (gate/up 20.2 -> 16.9 us: 256 blocks in one wave, each routing once for 3 row pairs a warp), 7 1.706 and
+#: 8 1.826 (the L2 hint of the down matrices slowed gate/up more than it sped down). 6 the fastest; end to end
+#: (call2_strata_run_h200.json) the all-cached run decoded 504.5 tok/s with 4, 444.7 with form 2 plain in that call.
+DECODE_FORM = 6
 #: The third forms: (down kernel, its warps a hidden row, gate/up row pairs a warp, gate/up hints the routed down
 #: matrices into L2 for the down kernel).
 DECODE_THIRD = {3: ("strata_fast_decode_down3_s2", 2, 1, False), 4: ("strata_fast_decode_down3_s1", 1, 1, False),
                 5: ("strata_fast_decode_down3_s4", 4, 1, False), 6: ("strata_fast_decode_down3_s1", 1, 3, False),
                 7: ("strata_fast_decode_down3_s1", 1, 3, True), 8: ("strata_fast_decode_down3_s1", 1, 1, True)}
 #: Decode kernels as programmatic dependent launches (pdl.py; FastMoE.decode_pdl) where the driver has them. On: with
-#: the third forms the 48-layer graph takes 1.671 ms against 1.756 ms plain (form 4; d_h200/call1, same call; the LM
-#: head GEMV 137.5 against 140.4 us); the second forms gained nothing (1.986 / 1.987 ms; k1_h200/call2: 2.024 / 1.995).
+#: the third forms the 48-layer graph takes 1.671 ms against 1.756 ms plain (form 4; d_h200/call1, same call; call2:
+#: form 6 1.467 against 1.559; the LM head GEMV 137.5 against 140.4 us); the second forms gained nothing
+#: (1.986 / 1.987 ms; k1_h200/call2: 2.024 / 1.995).
 DECODE_PDL = True
 #: Output rows per warp of the f16-weight GEMV (STRATA_GEMV_WROWS in the source).
 GEMV_ROWS_PER_WARP = 2
