@@ -84,3 +84,29 @@ def test_the_size_classes_bound_the_padding():
     assert list(lay.row0) == [0, 3904, 3912, 3920, 4176] and lay.rows == 4184
     lay = StackLayout.of(counts, "classes")
     assert list(lay.cap) == [4096, 8, 8, 256, 8] and lay.rows == int(lay.cap.sum())
+
+
+# each third-form decode kernel's weight loads a lane issues before its first sum (moe_fast.cu: 2 x STRATA_GU3_GROUP
+# for gate/up, BATCH for the down kernels)
+THIRD_FORM_LOADS = {"strata_fast_decode_gate_up3": 16, "strata_fast_decode_down3_s1": 12,
+                    "strata_fast_decode_down3_s2": 12, "strata_fast_decode_down3_s4": 6}
+
+
+def test_the_third_decode_forms_issue_every_load_of_a_trip_before_the_fence():
+    """In the PTX of each third-form kernel, the lane's weight loads (16-byte ld.v4.u32) all sit between the kernel's
+    first griddepcontrol.launch_dependents and the issue fence (the second), with no half conversion among them and no
+    weight load after it: the order moe_fast.cu's STRATA_ISSUE_FENCE keeps (without it ptxas interleaved loads and
+    sums, several trips to memory a warp). Every kernel of fast.DECODE_THIRD is one of them."""
+    _nvrtc_or_skip()
+    from strata_cuda import fast
+    assert {v[0] for v in fast.DECODE_THIRD.values()} | {"strata_fast_decode_gate_up3"} == set(THIRD_FORM_LOADS)
+    ptx = fast.compile_to_ptx(arch="compute_90").decode()
+    for name, loads in THIRD_FORM_LOADS.items():
+        body = ptx[ptx.index(f".entry {name}("):]
+        body = body[:body.index("\n}\n")]
+        fences = [m.start() for m in re.finditer(r"griddepcontrol\.launch_dependents", body)]
+        assert len(fences) == 2, f"{name}: {len(fences)} launch_dependents (the start's and the issue fence)"
+        before, after = body[fences[0]:fences[1]], body[fences[1]:]
+        assert len(re.findall(r"ld\.[\w.]*v4\.u32", before)) == loads, name
+        assert "cvt.f32.f16" not in before, f"{name}: a sum before the fence"
+        assert not re.search(r"ld\.[\w.]*v4\.u32", after), f"{name}: a weight load after the fence"
