@@ -45,7 +45,7 @@ GEMV_MAX_T = 8
 #: the host has read the token. Kept to moe.cu's portability rules (no headers, no warp intrinsics, reductions through
 #: shared memory); one block per launch.
 GREEDY_SOURCE = r"""
-#define STRATA_GREEDY_THREADS 1024
+#define STRATA_GREEDY_THREADS 256
 #define STRATA_NO_ID 0x7fffffff
 
 // np.argmax's order: a NaN beats every number (the first NaN wins), else the larger value, ties to the lower index
@@ -58,16 +58,8 @@ __device__ inline bool strata_greedy_better(float a, int ia, float b, int ib) {
     return ia < ib;
 }
 
-// out[0] = the first index of the largest of v[0..n) (np.argmax), one block of STRATA_GREEDY_THREADS threads
-extern "C" __global__ void strata_argmax_f32(const float* v, int n, int* out) {
-    __shared__ float sv[STRATA_GREEDY_THREADS];
-    __shared__ int si[STRATA_GREEDY_THREADS];
-    float best = 0.0f;
-    int bi = STRATA_NO_ID;
-    for (int i = threadIdx.x; i < n; i += blockDim.x) {
-        const float x = v[i];
-        if (strata_greedy_better(x, i, best, bi)) { best = x; bi = i; }
-    }
+// the block's best (value, index) of what each thread holds, into (sv[0], si[0]); blockDim.x a power of two
+__device__ inline void strata_greedy_block_best(float* sv, int* si, float best, int bi) {
     sv[threadIdx.x] = best;
     si[threadIdx.x] = bi;
     __syncthreads();
@@ -79,6 +71,39 @@ extern "C" __global__ void strata_argmax_f32(const float* v, int n, int* out) {
         }
         __syncthreads();
     }
+}
+
+// pass 1 of np.argmax over v[0..n): block b takes the b-th of gridDim.x contiguous ranges, its best into
+// (part_v[b], part_i[b]) (index STRATA_NO_ID for an empty range)
+extern "C" __global__ void strata_argmax_part_f32(const float* v, int n, float* part_v, int* part_i) {
+    __shared__ float sv[STRATA_GREEDY_THREADS];
+    __shared__ int si[STRATA_GREEDY_THREADS];
+    const int per = (n + gridDim.x - 1) / gridDim.x;
+    const int lo = blockIdx.x * per;
+    const int hi = lo + per < n ? lo + per : n;
+    float best = 0.0f;
+    int bi = STRATA_NO_ID;
+    for (int i = lo + threadIdx.x; i < hi; i += blockDim.x) {
+        const float x = v[i];
+        if (strata_greedy_better(x, i, best, bi)) { best = x; bi = i; }
+    }
+    strata_greedy_block_best(sv, si, best, bi);
+    if (threadIdx.x == 0) {
+        part_v[blockIdx.x] = sv[0];
+        part_i[blockIdx.x] = si[0];
+    }
+}
+
+// pass 2: out[0] = the best of the parts (one block); 0 when every part was empty (n == 0)
+extern "C" __global__ void strata_argmax_final_f32(const float* part_v, const int* part_i, int parts, int* out) {
+    __shared__ float sv[STRATA_GREEDY_THREADS];
+    __shared__ int si[STRATA_GREEDY_THREADS];
+    float best = 0.0f;
+    int bi = STRATA_NO_ID;
+    for (int p = threadIdx.x; p < parts; p += blockDim.x) {
+        if (strata_greedy_better(part_v[p], part_i[p], best, bi)) { best = part_v[p]; bi = part_i[p]; }
+    }
+    strata_greedy_block_best(sv, si, best, bi);
     if (threadIdx.x == 0) out[0] = si[0] == STRATA_NO_ID ? 0 : si[0];
 }
 
@@ -102,24 +127,32 @@ extern "C" __global__ void strata_embed_row_f16(const unsigned short* table, con
     }
 }
 """
-GREEDY_KERNEL_NAMES = ("strata_argmax_f32", "strata_embed_row_f16")
-#: Threads of the argmax's one block (STRATA_GREEDY_THREADS in GREEDY_SOURCE) and of the embedding row's blocks.
-GREEDY_THREADS = 1024
+GREEDY_KERNEL_NAMES = ("strata_argmax_part_f32", "strata_argmax_final_f32", "strata_embed_row_f16")
+#: Threads of every greedy kernel's blocks (STRATA_GREEDY_THREADS in GREEDY_SOURCE), and the argmax's first-pass
+#: blocks (contiguous ranges of the vocabulary: 151936 logits are 1187 a block, under 5 loads a thread).
+GREEDY_THREADS = 256
+ARGMAX_PARTS = 128
 EMBED_THREADS = 256
 
 
 class GreedyKernels:
-    """GREEDY_SOURCE compiled once (at construction), launched on cupy's current stream with raw addresses."""
+    """GREEDY_SOURCE compiled once (at construction), launched on cupy's current stream with raw addresses; the
+    argmax's per-block partial results live in two small device arrays made here."""
 
     def __init__(self) -> None:
         import cupy
         self._cp = cupy
         module = cupy.RawModule(code=GREEDY_SOURCE, options=COMPILE_OPTIONS)
         self._k = {n: module.get_function(n) for n in GREEDY_KERNEL_NAMES}
+        self._part_v = cupy.empty(ARGMAX_PARTS, dtype=cupy.float32)
+        self._part_i = cupy.empty(ARGMAX_PARTS, dtype=cupy.int32)
 
     def argmax(self, logits_ptr: int, n: int, out_ptr: int) -> None:
-        """int32 at out_ptr = np.argmax of the n f32 values at logits_ptr (device addresses)."""
-        self._k["strata_argmax_f32"]((1,), (GREEDY_THREADS,), (np.uint64(logits_ptr), np.int32(n), np.uint64(out_ptr)))
+        """int32 at out_ptr = np.argmax of the n f32 values at logits_ptr (device addresses), in two launches."""
+        self._k["strata_argmax_part_f32"]((ARGMAX_PARTS,), (GREEDY_THREADS,),
+                                          (np.uint64(logits_ptr), np.int32(n), self._part_v, self._part_i))
+        self._k["strata_argmax_final_f32"]((1,), (GREEDY_THREADS,),
+                                           (self._part_v, self._part_i, np.int32(ARGMAX_PARTS), np.uint64(out_ptr)))
 
     def embed_row(self, table_ptr: int, tok_ptr: int, hidden: int, out_ptr: int) -> None:
         """hidden f32 at out_ptr = f16 row (int32 at tok_ptr) of the [V, hidden] table at table_ptr."""
