@@ -291,6 +291,9 @@ class PlatformDefaults:
     #: pieces of one); the workspace line counts it for such models (planner.buffers.dequant_scratch_bytes).
     #: 0: the backend's kernels read those quants directly.
     dequant_scratch_bytes: int = 0
+    #: The backend's kernels keep an f32 copy of each read-only non-f32 weight they multiply (the routers, the LM
+    #: head) whose copy takes at most this many bytes; the host plan counts those copies (0: no such copies).
+    kernel_f32_copy_limit_bytes: int = 0
     #: Where these defaults came from, for the plan's decisions.
     source: str = "core"
 

@@ -39,7 +39,8 @@ class CpuDevice:
     def platform_defaults(self, host: HostInfo) -> PlatformDefaults:
         """Host defaults: no VRAM reserve beyond the OS's, chunk ceiling 4096, the share is moot (all of it is CPU)."""
         return PlatformDefaults(chunk_ceiling_tokens=4096, vram_reserve_mib=1024, cpu_share_default=False,
-                                cpu_share_reason="the device is the CPU", source="cpu backend")
+                                cpu_share_reason="the device is the CPU", source="cpu backend",
+                                kernel_f32_copy_limit_bytes=F32_COPY_LIMIT_BYTES)
 
     def open(self, plan: Any) -> DeviceSession:
         """A session over host memory whose pinned allocator charges the plan's budget."""

@@ -301,6 +301,7 @@ def print_plan(console: Console, plan, inputs: PlanInputs, report: dict) -> None
     t.add_column("item"), t.add_column("value", justify="right")
     for label, n in (("RAM available", h.available_bytes), ("resident experts", h.resident_bytes),
                      ("prompt-path borrow", h.borrow_bytes), ("pinned KV", h.kv_pinned_bytes),
+                     ("kernel weight copies", h.weight_copies_bytes),
                      ("headroom", h.headroom_bytes), ("page-locked limit", pin.limit_bytes),
                      ("page-locked cap", pin.cap_bytes), ("pinned arena", pin.arena_bytes),
                      ("kept floor", pin.floor_bytes), ("CPU-share buffer", pin.cpu_share_bytes)):
@@ -360,9 +361,9 @@ def plot_plan(plan, requests: tuple[int, ...], path: Path) -> None:
                  ("workspace", v.workspace_bytes), ("prompt buffers", owned),
                  ("cache", v.expert_cache_bytes - lent), ("lent region", lent), ("left", max(0, v.left_bytes))],
         "host RAM": [("resident", h.resident_bytes), ("borrow", h.borrow_bytes), ("pinned KV", h.kv_pinned_bytes),
-                     ("headroom", h.headroom_bytes),
+                     ("weight copies", h.weight_copies_bytes), ("headroom", h.headroom_bytes),
                      ("left", max(0, h.available_bytes - h.resident_bytes - h.borrow_bytes - h.kv_pinned_bytes
-                                  - h.headroom_bytes))],
+                                  - h.weight_copies_bytes - h.headroom_bytes))],
         "page-locked": [("pinned arena", pin.arena_bytes), ("floor", pin.floor_bytes),
                         ("left", max(0, pin.limit_bytes - pin.arena_bytes - pin.floor_bytes))],
     }

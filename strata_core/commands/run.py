@@ -290,7 +290,8 @@ def _execute(args: argparse.Namespace, target, plan, spec: ModelSpec, load_weigh
         "device_bytes_peak_measured": measured_bytes,
         "device_bytes_peak_source": measured_source,
         "device_regions": dict(engine.dm.regions),
-        "host_bytes_planned": max(hm.resident_bytes, plan.pinned.arena_bytes) + hm.borrow_bytes + hm.kv_pinned_bytes,
+        "host_bytes_planned": max(hm.resident_bytes, plan.pinned.arena_bytes) + hm.borrow_bytes + hm.kv_pinned_bytes
+        + hm.weight_copies_bytes,
         "host_rss_peak_bytes": host_rss_peak_bytes(),
         "pinned_bytes_peak": engine.budget.peak_bytes,
         "prefill_s": result.prefill_s,

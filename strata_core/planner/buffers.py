@@ -98,3 +98,15 @@ def dequant_scratch_bytes(model, defaults) -> int:
         return scratch_layout(model.hidden, model.expert_ffn, model.experts_per_layer, budget).nbytes
     except ValueError:
         return budget
+
+
+def weight_copies_bytes(model, defaults) -> int:
+    """Host bytes of the f32 copies a backend's kernels keep of read-only dense weights they multiply: each router
+    [experts, hidden] and the LM head [vocab, hidden] as f32, those whose copy is within the backend's
+    `kernel_f32_copy_limit_bytes` (an upper bound: a weight already in f32 is not copied); 0 without such a limit."""
+    limit = int(getattr(defaults, "kernel_f32_copy_limit_bytes", 0) or 0)
+    if limit <= 0:
+        return 0
+    router = model.experts_per_layer * model.hidden * F32_BYTES
+    head = model.vocab * model.hidden * F32_BYTES
+    return model.moe_layers * (router if router <= limit else 0) + (head if head <= limit else 0)

@@ -41,14 +41,15 @@ def check_loans(plan) -> None:
 
 
 def check_host(plan) -> None:
-    """max(resident, pinned arena) + borrow + pinned KV + headroom <= available host RAM."""
+    """max(resident, pinned arena) + borrow + pinned KV + kernel weight copies + headroom <= available host RAM."""
     h, p = plan.host_memory, plan.pinned
     store = max(h.resident_bytes, p.arena_bytes)
-    need = store + h.borrow_bytes + h.kv_pinned_bytes + h.headroom_bytes
+    need = store + h.borrow_bytes + h.kv_pinned_bytes + h.weight_copies_bytes + h.headroom_bytes
     if need > h.available_bytes:
         raise InvariantBroken(f"host: in-RAM store {store} (max of resident {h.resident_bytes}, arena "
-                              f"{p.arena_bytes}) + borrow {h.borrow_bytes} + pinned KV {h.kv_pinned_bytes} + headroom "
-                              f"{h.headroom_bytes} = {need} bytes > available {h.available_bytes}")
+                              f"{p.arena_bytes}) + borrow {h.borrow_bytes} + pinned KV {h.kv_pinned_bytes} + kernel "
+                              f"weight copies {h.weight_copies_bytes} + headroom {h.headroom_bytes} = {need} bytes > "
+                              f"available {h.available_bytes}")
 
 
 def check_pinned(plan) -> None:

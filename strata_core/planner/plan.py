@@ -105,6 +105,8 @@ class HostPlan:
     resident_experts: int
     borrow_bytes: int
     kv_pinned_bytes: int
+    #: f32 copies the backend's kernels keep of read-only dense weights (cpu: the routers and the LM head)
+    weight_copies_bytes: int = 0
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ from strata_core.errors import PlanRefused
 from strata_core.api.facts import GIB, MIB, DeviceInfo, HostInfo, PlatformDefaults
 from strata_core.models.spec import ModelSpec, kv_bytes_per_token
 from strata_core.api.plan_draft import PlanDraft
-from strata_core.planner.buffers import dequant_scratch_bytes
+from strata_core.planner.buffers import dequant_scratch_bytes, weight_copies_bytes
 from strata_core.planner.chunks import grid_chunks, halve
 from strata_core.planner.driver_memory import (alignment_allowance_bytes, alloc_rounding_bound_bytes,
                                                alloc_rounding_bytes, pinned_map_bytes, staging_bytes)
@@ -308,32 +308,37 @@ def _compute(device: DeviceInfo, host: HostInfo, model: ModelSpec, settings: Any
     kv_pinned = 0
     if settings.kv.resident_cells is not None and settings.kv.resident_cells < settings.kv.max_context:
         kv_pinned = kv_bytes_per_token(model, settings.kv.dtype) * (settings.kv.max_context - settings.kv.resident_cells)
+    # the f32 copies the backend's kernels keep of read-only dense weights (cpu: routers, LM head): host RAM too
+    copies = weight_copies_bytes(model, defaults)
 
     def borrow(c: int) -> int:
         if not defaults.host_borrow or owned or c <= 0:
             return 0
         return _max_loan_upto(loans, grid, c)[0] * model.slot_bytes
 
-    while (chunk > grid and resident_experts * model.slot_bytes + borrow(chunk) + kv_pinned + headroom > avail):
+    while (chunk > grid and resident_experts * model.slot_bytes + borrow(chunk) + kv_pinned + copies + headroom
+           > avail):
         new = halve(chunk, grid)
         led.note("prompt.chunk", new, f"resident experts ({_mib(resident_experts * model.slot_bytes)}) + the prompt "
                  f"path's host borrow at {chunk} tokens ({_mib(borrow(chunk))}) + headroom do not fit the "
                  f"{_mib(avail)} of available RAM: stepped down (seed #2090, gfx12)", "core")
         chunk = new
         source = f"{source}, stepped down for host RAM"
-    if resident_experts * model.slot_bytes + borrow(chunk) + kv_pinned + headroom > avail:
-        room = max(0, avail - borrow(chunk) - kv_pinned - headroom)
+    if resident_experts * model.slot_bytes + borrow(chunk) + kv_pinned + copies + headroom > avail:
+        room = max(0, avail - borrow(chunk) - kv_pinned - copies - headroom)
         keep = min(resident_experts, room // model.slot_bytes)
         led.warnings.append(f"only {keep} of {resident_experts} experts can stay resident in host RAM "
                             f"({_mib(avail)} available); the hottest are kept, the rest are read from storage")
         led.note("host_memory.resident_experts", keep, "the hottest experts that fit beside the borrow and headroom",
                  "core")
         resident_experts = keep
-        if borrow(chunk) + kv_pinned + headroom > avail:
-            short = borrow(chunk) + kv_pinned + headroom - avail
+        if borrow(chunk) + kv_pinned + copies + headroom > avail:
+            short = borrow(chunk) + kv_pinned + copies + headroom - avail
             raise PlanRefused(f"host RAM: the prompt path's borrow, pinned KV and headroom need "
-                              f"{_mib(borrow(chunk) + kv_pinned + headroom)} but {_mib(avail)} is available: short "
-                              f"by {_mib(short)}; lower memory.resident_headroom_gib or kv.resident_cells")
+                              f"{_mib(borrow(chunk) + kv_pinned + copies + headroom)} but {_mib(avail)} is "
+                              f"available: short by {_mib(short)} (kernel weight copies {_mib(copies)} "
+                              f"included); lower "
+                              f"memory.resident_headroom_gib or kv.resident_cells")
 
     # Step 4: the page-locked arena leaves room for the borrow, and host RAM holds max(resident, arena). A smaller
     # arena may change the ring (the pinned fraction): then the loans are re-derived and the chunk halved to fit.
@@ -341,7 +346,7 @@ def _compute(device: DeviceInfo, host: HostInfo, model: ModelSpec, settings: Any
     for _ in range(4):
         step_led = _Ledger()
         pin = _pinned_step(device, host, model, settings, defaults, step_led, bsrc, borrow=borrow(chunk),
-                           room=avail - borrow(chunk) - kv_pinned - headroom)
+                           room=avail - borrow(chunk) - kv_pinned - copies - headroom)
         fraction = pin.arena / model.host_arena_bytes if model.host_arena_bytes else 1.0
         if fraction == loans.pinned_fraction:
             break
@@ -418,7 +423,8 @@ def _compute(device: DeviceInfo, host: HostInfo, model: ModelSpec, settings: Any
                           stream_min_tokens=stream_min, loans=tuple(rows)),
         host_memory=HostPlan(available_bytes=avail, headroom_bytes=headroom,
                              resident_bytes=resident_experts * model.slot_bytes, resident_experts=resident_experts,
-                             borrow_bytes=borrow(chunk), kv_pinned_bytes=kv_pinned),
+                             borrow_bytes=borrow(chunk), kv_pinned_bytes=kv_pinned,
+                             weight_copies_bytes=copies),
         pinned=PinnedPlan(limit_bytes=limit, cap_bytes=pin_cap, arena_bytes=arena,
                           arena_wanted_bytes=model.host_arena_bytes, floor_bytes=floor, cpu_share_bytes=share_bytes,
                           exhausted=exhausted, registration_slice_bytes=REGISTRATION_SLICE_BYTES),
