@@ -17,7 +17,7 @@ from typing import Callable
 
 import numpy as np
 
-from strata_core.reference.kernels import QK8_0, ExpertPool, quantize_q8_0
+from strata_core.reference.kernels import QK8_0, ExpertPool, dequantize_q8_0, quantize_q8_0, route_topk
 from strata_core.models.spec import ModelSpec, prompt_bytes_for
 from strata_core.models.weights import DenseWeights, ModelWeights
 
@@ -65,6 +65,41 @@ ROWS_PER_TASK = 8
 #: With a popularity skew, the residual's last coordinate holds this many times the other coordinates' rms, so the
 #: router's last column can add a per-expert bias to the logits (the model has no router bias of its own).
 SKEW_CARRIER = 8.0
+#: Tokens of the Monte Carlo estimate of what one MoE layer adds to the residual (skewed weights only).
+SKEW_PROBE_TOKENS = 64
+#: With a popularity skew, this FFN unit of every expert carries the skew's carrier: its gate and up rows are equal, so
+#: its activation silu(z) * z is never negative, and its down weight into the carrier coordinate grows the carrier
+#: layer by layer as the rest of the residual grows.
+SKEW_UNIT = 0
+
+
+def _dense_expert(experts: ExpertPool, e: int) -> tuple[np.ndarray, np.ndarray]:
+    """Expert row e's (gate|up [2F,H], down [H,F]) as f32."""
+    a = experts.arrays
+    if experts.dtype == "f16":
+        return a["w_gate_up"][e].astype(np.float32), a["w_down"][e].astype(np.float32)
+    return (dequantize_q8_0(a["gate_up_q"][e], a["gate_up_d"][e]).astype(np.float32),
+            dequantize_q8_0(a["down_q"][e], a["down_d"][e]).astype(np.float32))
+
+
+def layer_growth(experts: ExpertPool, router: np.ndarray, top_k: int, hidden: int, ffn: int,
+                 rng: np.random.Generator, tokens: int = SKEW_PROBE_TOKENS) -> tuple[float, float]:
+    """(per-coordinate variance one MoE layer adds to the residual's other coordinates, the routed mean of the
+    carrier unit's activation): layer 0's experts (rows 0..E-1) and `router` over `tokens` random unit-rms inputs.
+    Every layer's experts are drawn alike and the skew keeps every layer's routing alike, so one layer tells all."""
+    xn = rng.standard_normal((tokens, hidden), dtype=np.float32)
+    ids, wts = route_topk(xn @ router.T, top_k)
+    y = np.zeros((tokens, hidden), np.float32)
+    unit = np.zeros(tokens, np.float64)
+    for e in np.unique(ids).tolist():
+        gu, dn = _dense_expert(experts, e)
+        rows, ks = np.nonzero(ids == e)
+        h = xn[rows] @ gu.T
+        act = h[:, :ffn] / (1 + np.exp(-h[:, :ffn])) * h[:, ffn:]
+        y[rows] += wts[rows, ks, None] * (act @ dn.T)
+        np.add.at(unit, rows, wts[rows, ks] * act[:, SKEW_UNIT])
+    return float(np.mean(y[:, : hidden - 1].astype(np.float64) ** 2)), float(unit.mean())
+
 
 GenerateProgress = Callable[[int, int], None]
 
@@ -97,8 +132,11 @@ def generate_weights(spec: ModelSpec, seed: int = 0, dtype: str = "f16", popular
     by offset, so routing and every check work as with independent draws; the cost is one memory copy per byte.
     popularity_skew > 0 reproduces the cache sweep's skewed routing: in each layer the expert of popularity rank r
     (a seeded permutation) gets about popularity_skew * -ln(1+r) added to its router logit, carried by the
-    residual's last coordinate (held at SKEW_CARRIER x the rms of the others; no expert writes it). The bias fades
-    a little in later layers as the residual grows. progress(bytes_done, bytes_total) is called as experts land.
+    residual's last coordinate, SKEW_CARRIER x the spread of the others. The other coordinates grow layer by layer,
+    so the experts grow the carrier with them (SKEW_UNIT: a unit whose activation is never negative writes it, with
+    a per-layer weight from layer_growth's measurement on layer 0): after rmsnorm the carrier, and so the bias, is
+    about the same in every layer, as the sweep applies it, and the embedding's routing stands for every layer's.
+    progress(bytes_done, bytes_total) is called as experts land.
     """
     if spec.expert_ffn <= 0:
         raise ValueError("generate_weights needs the model's expert_ffn")
@@ -166,11 +204,33 @@ def generate_weights(spec: ModelSpec, seed: int = 0, dtype: str = "f16", popular
         carrier = SKEW_CARRIER * sigma
         embed[:, H - 1] = np.float16(carrier)
         xn_last = SKEW_CARRIER / np.sqrt((SKEW_CARRIER ** 2 + H - 1) / H)  # after rmsnorm with unit weights
-        down = arrays["w_down"] if dtype == "f16" else arrays["down_q"]
-        down[:, H - 1, :] = 0  # no expert writes the carrier
         for r in routers:
             rank = rng.permutation(E)
             r[:, H - 1] = (-popularity_skew * np.log1p(rank) / xn_last).astype(np.float32)
+        # the carrier unit: up row = gate row, so its activation silu(z) * z >= 0; no other unit writes the carrier
+        if dtype == "f16":
+            arrays["w_gate_up"][:, F + SKEW_UNIT, :] = arrays["w_gate_up"][:, SKEW_UNIT, :]
+            arrays["w_down"][:, H - 1, :] = 0
+        else:
+            for name in ("gate_up_q", "gate_up_d"):
+                arrays[name][:, F + SKEW_UNIT, :] = arrays[name][:, SKEW_UNIT, :]
+            arrays["down_q"][:, H - 1, :] = 0
+            arrays["down_d"][:, H - 1, :] = 0
+        # its own generator: the draws after this one (the LM head) stay those of the seed
+        grow, unit_mean = layer_growth(experts, routers[0], spec.top_k, H, F, np.random.default_rng([seed, 1]))
+        for layer in range(L):
+            # the carrier stays SKEW_CARRIER x the others' spread: o_l^2 = sigma^2 + l * grow
+            step = SKEW_CARRIER * (np.sqrt(sigma ** 2 + (layer + 1) * grow) - np.sqrt(sigma ** 2 + layer * grow))
+            weight = step / max(unit_mean, 1e-6)
+            rows = slice(layer * E, (layer + 1) * E)
+            if dtype == "f16":
+                arrays["w_down"][rows, H - 1, SKEW_UNIT] = np.float16(weight)
+            else:
+                row = np.zeros((1, F), np.float32)
+                row[0, SKEW_UNIT] = weight
+                q, d = quantize_q8_0(row)
+                arrays["down_q"][rows, H - 1, :] = q[0]
+                arrays["down_d"][rows, H - 1, :] = d[0]
     dense = DenseWeights(embed=embed, norms=[np.ones(H, np.float32) for _ in range(L)], routers=routers,
                          final_norm=np.ones(H, np.float32), lm_head=matrix(V, H, dtype=np.float16))
     return ModelWeights(spec=spec, dense=dense, experts=experts, expert_ffn=F)

@@ -115,7 +115,7 @@ def test_skew_concentrates_the_generated_routing_where_a_half_cache_holds_it(cle
     assert rc0 == rc1 == 0
     assert plain["model"]["popularity_skew"] == 0.0 and skewed["model"]["popularity_skew"] == 1.0
     # the tiny model's cache holds half its experts, the popular ones first: under the skew decode's rows land
-    # on them (measured 0.96 skewed, 0.52 uniform)
+    # on them (measured 0.98 skewed, 0.52 uniform)
     assert skewed["cache_hit_rate_decode"] > plain["cache_hit_rate_decode"] + 0.25, (plain, skewed)
     assert skewed["tokens"] != plain["tokens"], "the same weights were generated"
 
