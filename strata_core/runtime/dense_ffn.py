@@ -78,6 +78,11 @@ class DenseFfnLayerOps:
                             if b is not None}
         self._takes_out = {n: _takes_out(getattr(kernels, n, None))
                            for n in ("rmsnorm", "linear", "moe_grouped_ffn")}
+        #: (rows, ffn) -> the intermediate a kernel set's grouped FFN needs as `scratch`, or None (opencl/sycl's
+        #: two-pass FFN on small work-groups): carved from the workspace after the FFN's output, inside the plan
+        self._ffn_scratch = getattr(kernels, "ffn_scratch_shape", None)
+        #: the widest FFN of these blocks (the dry replay carves the largest scratch any of them takes)
+        self._ffn_width = max((_ffn_width(f.pool) for f in ffns), default=0)
 
     def __getattr__(self, name: str) -> Any:
         """Everything but the two layer ops is the inner op's (its precision, counters, `_takes_out`...)."""
@@ -140,10 +145,20 @@ class DenseFfnLayerOps:
         return arr
 
     def _ffn(self, w: LayerWork, f: DenseFfn, xn: Any, out: Any) -> Any:
-        """ffn(xn) [T,H] f32 through moe_grouped_ffn (into `out`): every token one group of the FFN's one slot."""
+        """ffn(xn) [T,H] f32 through moe_grouped_ffn (into `out`): every token one group of the FFN's one slot;
+        the kernel's scratch, where it needs one, carved after the offsets and slot."""
         offsets = self._put(w, np.array([0, w.tokens], np.int32))
         slots = self._put(w, np.zeros(1, np.int32))
-        return self._call("moe_grouped_ffn", xn, offsets, slots, self.pools[f.key], out=out)
+        shape = self._scratch_shape(w.tokens, _ffn_width(f.pool))
+        if shape is None:
+            return self._call("moe_grouped_ffn", xn, offsets, slots, self.pools[f.key], out=out)
+        return self.k.moe_grouped_ffn(xn, offsets, slots, self.pools[f.key], out=out,
+                                      scratch=w.workspace.carve(shape, np.float32))
+
+    def _scratch_shape(self, rows: int, ffn: int) -> tuple[int, ...] | None:
+        """The grouped FFN's scratch shape for `rows` rows of an FFN `ffn` wide, or None where it needs none."""
+        shape = self._ffn_scratch(int(rows), int(ffn)) if self._ffn_scratch is not None else None
+        return tuple(shape) if shape else None
 
     def _observe(self, w: LayerWork, phase: str, layer: int, x_in: np.ndarray | None) -> None:
         """Hand the observer (--check) this step's input and output residual."""
@@ -210,13 +225,23 @@ class DenseFfnLayerOps:
         f32, i32 = np.float32, np.int32
         H = self.hidden
         steps: list = ["fix"]
+        scratch = self._scratch_shape(T, self._ffn_width)
+        ffn_steps = [((2,), i32), ((1,), i32)] + ([(scratch, f32)] if scratch else [])
         if self.before:
-            steps += ["mark", ((T, H), f32), ((2,), i32), ((1,), i32), ((T, H), f32), ((T,), i32), ((T,), f32),
-                      "release"]
+            steps += ["mark", ((T, H), f32), ((T, H), f32), *ffn_steps, ((T,), i32), ((T,), f32), "release"]
         if self.shared:
-            steps += [((T, H), f32), ((T,), i32), ((T,), f32), "mark", ((T, H), f32), ((2,), i32), ((1,), i32),
+            steps += [((T, H), f32), ((T,), i32), ((T,), f32), "mark", ((T, H), f32), *ffn_steps,
                       ((T, 1), f32), "release", "fix"]
         return steps + (inner[1:] if inner and inner[0] == "fix" else inner)
+
+
+def _ffn_width(pool: ExpertPool) -> int:
+    """The FFN width of a one-slot pool: its format's, else its gate-up rows / 2 ('f16' w_gate_up, 'q8_0'
+    gate_up_q: [slots, 2 * ffn, hidden])."""
+    if pool.formats:
+        return int(pool.formats[0].ffn)
+    a = pool.arrays.get("w_gate_up", pool.arrays.get("gate_up_q"))
+    return int(a.shape[1]) // 2 if a is not None else 0
 
 
 def _sigmoid(z: np.ndarray) -> np.ndarray:

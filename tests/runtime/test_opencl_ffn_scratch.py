@@ -77,3 +77,44 @@ def test_layer_ops_carve_the_scratch_after_the_ffn_output_and_the_dry_replay_doe
     n = next(shape[0] for shape, dt in steps if len(shape) == 2 and shape[1] == H and dt == np.float32
              and shape[0] != 64)  # the call's rows: its gather output
     assert (((n, F), np.float32) in steps) is (not tiled), steps
+
+
+def _dense_ops(k, m, pool, kind: str):
+    """DenseFfnLayerOps around a do-nothing inner op, with one dense block (before layer 0) or one shared expert."""
+    from strata_core.models.weights import DenseFfn
+    from strata_core.runtime.dense_ffn import DenseFfnLayerOps
+    f = DenseFfn(kind=kind, layer=0, block=0, pool=pool)
+    dense = {f"{f.key}.{n}": a for n, a in pool.arrays.items()}
+    dense[f"{f.key}.norm"] = m.to_device(np.ones(H, np.float32))
+    inner = SimpleNamespace(hidden=H, decode_step=lambda works: None, prefill_layer=lambda w: None,
+                            worst_carves=lambda tokens, vocab, top_k=None: ["fix"])
+    return DenseFfnLayerOps(inner, [f], dense, m, k, layers=1), f
+
+
+@pytest.mark.parametrize("kind", ["dense", "shared"])
+@pytest.mark.parametrize("tiled", [True, False])
+def test_dense_ffn_blocks_carve_the_two_pass_scratch_from_the_workspace(tiled, kind):
+    k, m, pool = _kit(tiled)
+    one = ExpertPool("f16", {n: m.to_device(np.asarray(m.download(a))[:1]) for n, a in pool.arrays.items()})
+    ops, f = _dense_ops(k, m, one, kind)
+    region = m.alloc((16384,), np.uint8)
+    ws = Arena(m, [region])
+    T = 6
+    x = ws.carve((T, H), np.float32)
+    ws.fix()
+    w = SimpleNamespace(workspace=ws, x=x, tokens=T, layer=0, phase="prefill",
+                        norm_w=m.to_device(np.ones(H, np.float32)), extras={})
+    peak = m.peak_bytes()
+    ops.prefill_layer(w)
+    assert m.peak_bytes() == peak, "a dense FFN block allocated device memory outside the workspace"
+    ups = [a for name, _, _, a in k.launches if name == "ffn_gate_up_f16"]
+    assert len(ups) == (0 if tiled else 1)
+    if not tiled:
+        assert ups[0][-2][1] == (T, F), "the two-pass FFN's intermediate must be the carved scratch"
+    steps = [s for s in ops.worst_carves(T, 0, 2) if isinstance(s, tuple)]
+    assert (((T, F), np.float32) in steps) is (not tiled), steps
+    # the dry replay (loan sizing) reaches the scratch too: the residual, the norm's and the FFN's outputs, the
+    # scratch where the kit needs one
+    dry = Arena(None, sizes=[16384])
+    assert dry.replay([((T, H), np.float32), "fix"] + ops.worst_carves(T, 0, 2)[1:])
+    assert dry.high_water_bytes >= 3 * T * H * 4 + (0 if tiled else T * F * 4)
