@@ -3,10 +3,13 @@ q2): one process, the quant bench's layer (bench/quant_layer_h200.py: Qwen3-30B-
 tokens), variants timed interleaved round by round (medians), each call's device time (events around it on the
 compute stream), the host's enqueue time (perf_counter from the call to its return) and each ring group's host time
 (`_group` from _stream_misses); stage timelines (FastMoE.trace, with the host's clock at every mark); cProfile of
-three cold calls; host costs of single steps. Variants: the tree's QuantMoE (32-expert scratch halves, ring 32 =
-8-expert copy groups) and its settings (split_rows 0, gemm_mode grouped, rings 64/128, copy groups of 10 or 16 on
-ring 32), the same classes from 07691a1 (--old: a directory holding a package strata_cuda_old made of that commit's
-strata_cuda files, `files("strata_cuda")` renamed), and f16 FastMoE, new and old, cold on the same ring.
+three cold and three warm calls; host costs of single steps. Variants, all on a 32-slot ring unless named: "cur",
+the working tree's QuantMoE (32-expert scratch halves; copy groups two in flight, RING_GROUPS_IN_FLIGHT) and its
+settings by attribute (4fly/3fly: groups in flight, t4/t0: tail sizes, grouped: gemm_mode, r64/r128: rings);
+"head", the committed tree before the fix (--old/strata_cuda_head: `git show HEAD:` of strata_cuda's files, named in
+its SOURCE.txt) and its settings (split0: split_rows 0, g16: copy groups of 16); "old", 07691a1's
+(--old/strata_cuda_old), the cold run of 1.076x; "*f16": FastMoE over the same layer's f16 weights, cold on the same
+ring (its own link floor) and warm. Each package's `files("strata_cuda")` is renamed to its own, so its .cu files load.
 Writes q2_diag.json, q2_profile.txt under --out.
 
 Run (H200, repository root): python3 bench/q2_diag_h200.py --out $OUT --old .q2_old
@@ -72,12 +75,14 @@ def run(args, res: dict, prof_txt: io.StringIO) -> None:
     from strata_core.testing import reference64 as r64
     from strata_cuda import fast as new_fast
     from strata_cuda.quant_ffn import QuantMoE, scratch_bytes
-    old = None
+    old = head = None
     if args.old:
         sys.path.insert(0, args.old)
+        import strata_cuda_head.fast as head_fast
+        import strata_cuda_head.quant_ffn as head_q
         import strata_cuda_old.fast as old_fast
         import strata_cuda_old.quant_ffn as old_q
-        old = (old_fast, old_q)
+        old, head = (old_fast, old_q), (head_fast, head_q)
 
     qargs = argparse.Namespace(templates=args.templates)
     fmt, blob, w13, w2 = qb.build(qargs)
@@ -137,29 +142,28 @@ def run(args, res: dict, prof_txt: io.StringIO) -> None:
     def qm(**kw):
         return lambda: QuantMoE(E, K, fmt, group_experts=32, scratch_budget_bytes=gb, **kw)
 
+    def hm(**kw):
+        return lambda: head[1].QuantMoE(E, K, fmt, group_experts=32, scratch_budget_bytes=gb, **kw)
+
+    def setter(**kw):
+        return lambda m: [setattr(m, k, v) for k, v in kw.items()]
+
     add("cur", qm(), pool, host_pool, 32)
-    add("cur_split0", qm(), pool, host_pool, 32,
-        patch=lambda m: setattr(m, "split_rows", 0))
-    add("cur_grouped", qm(gemm_mode="grouped"), pool,
-        host_pool, 32)
+    add("cur_4fly", qm(), pool, host_pool, 32, warm=False, patch=setter(ring_groups_in_flight=4))
+    add("cur_3fly", qm(), pool, host_pool, 32, warm=False, patch=setter(ring_groups_in_flight=3))
+    add("cur_t4", qm(), pool, host_pool, 32, warm=False, patch=setter(ring_tail=(4,)))
+    add("cur_t0", qm(), pool, host_pool, 32, warm=False, patch=setter(ring_tail=()))
+    add("cur_grouped", qm(gemm_mode="grouped"), pool, host_pool, 32)
     add("cur_r64", qm(), pool, host_pool, 64, warm=False)
     add("cur_r128", qm(), pool, host_pool, 128, warm=False)
-    add("cur_g10", qm(), pool, host_pool, 32, warm=False,
-        patch=lambda m: setattr(m, "miss_groups", groups_of(10)))
-    add("cur_g16", qm(), pool, host_pool, 32, warm=False,
-        patch=lambda m: setattr(m, "miss_groups", groups_of(16)))
-    add("cur_g16_t4", qm(), pool, host_pool, 32, warm=False,
-        patch=lambda m: setattr(m, "miss_groups", groups_of(16, (4,))))
-    add("cur_g16_t0", qm(), pool, host_pool, 32, warm=False,
-        patch=lambda m: setattr(m, "miss_groups", groups_of(16, ())))
-    # "_fp": gemm_pieces answered without its piece arithmetic where no group exceeds split_rows (a candidate fix)
-    add("cur_fp", qm(), pool, host_pool, 32)
-    add("cur_g16_fp", qm(), pool, host_pool, 32, warm=False,
-        patch=lambda m: setattr(m, "miss_groups", groups_of(16)))
     add("f16", lambda: new_fast.FastMoE(E, K, H, F), f16_pool, f16_host, 32)
+    if head:
+        add("head", hm(), pool, host_pool, 32)
+        add("head_split0", hm(), pool, host_pool, 32, patch=setter(split_rows=0))
+        add("head_g16", hm(), pool, host_pool, 32, warm=False, patch=setter(miss_groups=groups_of(16)))
+        add("head_f16", lambda: head[0].FastMoE(E, K, H, F), f16_pool, f16_host, 32)
     if old:
         add("old", lambda: old[1].QuantMoE(E, K, fmt, group_experts=32), pool, host_pool, 32)
-        add("old_r64", lambda: old[1].QuantMoE(E, K, fmt, group_experts=32), pool, host_pool, 64, warm=False)
         add("old_f16", lambda: old[0].FastMoE(E, K, H, F), f16_pool, f16_host, 32)
 
     # each ring group's host time, from _stream_misses's self._group calls (an instance attribute over the method;
@@ -178,32 +182,17 @@ def run(args, res: dict, prof_txt: io.StringIO) -> None:
 
     outs = {n: cp.empty((T, H), cp.float32) for n in variants}
 
-    orig_pieces = new_fast.gemm_pieces
-    fp = {"on": False}
-
-    def pieces(count, cap, piece_rows, round_rows):
-        count = np.asarray(count, dtype=np.int64).reshape(-1)
-        if fp["on"] and (piece_rows <= 0 or count.max(initial=0) <= piece_rows):
-            live = np.flatnonzero(count > 0)  # class modes: cap is class_rows(count), what gemm_pieces gives
-            return live, np.zeros(live.size, dtype=np.int64), np.asarray(cap, dtype=np.int64)[live]
-        return orig_pieces(count, cap, piece_rows, round_rows)
-    new_fast.gemm_pieces = pieces
-
     def cold(n):
         v = variants[n]
-        in_cold["on"], fp["on"] = True, n.endswith("_fp")
+        in_cold["on"] = True
         try:
             return v["moe"].prefill_layer(xd, ld, v["pool"], cold_map, v["host"], (E, v["ring"]), out=outs[n])
         finally:
-            in_cold["on"] = fp["on"] = False
+            in_cold["on"] = False
 
     def warm(n):
         v = variants[n]
-        fp["on"] = n.endswith("_fp")
-        try:
-            return v["moe"].prefill_layer(xd, ld, v["pool"], warm_map, out=outs[n])
-        finally:
-            fp["on"] = False
+        return v["moe"].prefill_layer(xd, ld, v["pool"], warm_map, out=outs[n])
 
     def one(fn, n):
         """(device ms between events on the compute stream, host ms to return, wall ms to done)."""
@@ -267,7 +256,7 @@ def run(args, res: dict, prof_txt: io.StringIO) -> None:
 
     # stage timelines: device ms (events) and host ms (perf_counter at the mark) from the first mark
     res["trace"] = {}
-    for n in [k for k in ("cur", "old", "cur_g16", "f16") if k in variants]:
+    for n in [k for k in ("cur", "head", "old", "cur_4fly") if k in variants]:
         moe = variants[n]["moe"]
         host_t: list = []
         orig_mark = moe._mark
@@ -286,7 +275,7 @@ def run(args, res: dict, prof_txt: io.StringIO) -> None:
     print("traces", {n: len(t) for n, t in res["trace"].items()}, flush=True)
 
     # cProfile of three cold and three warm calls (host side)
-    for n, kind, fn in [(k, kind, fn) for k in ("cur", "old") if k in variants
+    for n, kind, fn in [(k, kind, fn) for k in ("cur", "head", "old") if k in variants
                         for kind, fn in (("cold", cold), ("warm", warm))]:
         cp.cuda.Device().synchronize()
         pr = cProfile.Profile()
@@ -336,6 +325,12 @@ def run(args, res: dict, prof_txt: io.StringIO) -> None:
         for _ in range(200):
             gemm_pieces(cnt, cap, 512, new_fast.class_rows)
         steps["gemm_pieces_8_us"] = (time.perf_counter() - t0) / 200 * 1e6
+        if head:
+            import strata_cuda_head.grouping as hg
+            t0 = time.perf_counter()
+            for _ in range(200):
+                hg.gemm_pieces(cnt, cap, 512, new_fast.class_rows)
+            steps["head_gemm_pieces_8_us"] = (time.perf_counter() - t0) / 200 * 1e6
         t0 = time.perf_counter()
         for _ in range(200):
             cp.cuda.Event(disable_timing=True)

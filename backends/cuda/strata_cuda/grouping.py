@@ -85,7 +85,9 @@ def gemm_pieces(count, cap, piece_rows: int, round_rows) -> tuple[np.ndarray, np
     if count.shape != cap.shape or np.any(cap < count):
         raise ValueError("gemm_pieces: every block needs cap >= count")
     live = np.flatnonzero(count > 0)
-    if piece_rows <= 0:
+    # no group to split (a uniform chunk, every ring group): the pieces below would give these same problems, at
+    # ~15 numpy calls a group of host time (FastMoE._group runs this per streamed copy group)
+    if piece_rows <= 0 or count.max(initial=0) <= piece_rows:
         whole = np.minimum(np.asarray(round_rows(count[live]), dtype=np.int64), cap[live])
         return live, np.zeros(live.size, dtype=np.int64), whole
     full = np.where(count > piece_rows, count // piece_rows, 0)

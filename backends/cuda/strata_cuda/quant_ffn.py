@@ -11,6 +11,8 @@
   groups of whole experts dequantized into one of two halves on a side stream, so the dequantization of group i+1
   overlaps the GEMMs of group i; where one expert's f16 does not fit a half (Mixtral 8x7B: 352 MB), pieces of it
   on the compute stream: gate/up by blocks of output columns, down by blocks of K accumulated with beta = 1.
+  Streamed misses go through the ring in copy groups two at a time (RING_GROUPS_IN_FLIGHT; FastMoE keeps four),
+  so a small ring still gives groups large enough that the link, not the host, sets the pace.
   Never an f16 copy of a whole layer. decode_layer / decode_stack: route, one GEMV kernel for gate/up of all K
   experts and one for down with the routing weights (QF_DW warps a row), no host sync, captured as a CUDA graph.
   strata_cuda.layer_ops takes QuantMoE (quant_moe_for) for prefill chunks of a 'gguf' model.
@@ -29,7 +31,8 @@ from strata_core.planner.buffers import SCRATCH_GROUP_EXPERTS, f16_expert_bytes,
 from strata_core.reference.quants import GGML_TYPES
 
 from .fast import (_CUBLAS_COMPUTE_32F, _CUBLAS_GEMM_DEFAULT, _CUBLAS_OP_N, _CUBLAS_OP_T,
-                   _CUBLAS_POINTER_MODE_HOST, _CUDA_R_16F, CLASS_MODES, THREADS, DecodeLayer, FastMoE, _Grown)
+                   _CUBLAS_POINTER_MODE_HOST, _CUDA_R_16F, CLASS_MODES, COPY_GROUP_BYTES, THREADS, DecodeLayer,
+                   FastMoE, _Grown)
 from .rules import DEQUANT_SCRATCH_BYTES
 
 SOURCE_NAME = "moe_quant.cu"
@@ -61,6 +64,14 @@ GROUP_EXPERTS = SCRATCH_GROUP_EXPERTS
 SCRATCH_BUDGET_BYTES = DEQUANT_SCRATCH_BYTES
 #: Types quant_fast.cu decodes (quants.cuh's).
 FAST_TYPES = frozenset(GGML_TYPES)
+#: Copy groups of a streamed layer in flight on QuantMoE's ring (FastMoE.miss_groups keeps 4). A copy group costs the
+#: host about the same whatever its size (the slot table, two dequantization launches, the GEMM calls of its size
+#: classes), and a Q4_K_M expert is only 3 MB: a 32-slot ring in four groups of 8 gave groups of 0.44 ms of link, and
+#: the host, not the link, set the pace (bench/results/q2_h200/). Two groups of 16 keep the link busy as long as a
+#: group computes in less time than the next one copies (a 16-expert group: ~0.2 ms of device work, 0.9 ms of link).
+RING_GROUPS_IN_FLIGHT = 2
+#: The last copy groups' sizes (FastMoE's 4, 2, 2), so the compute left after the last byte lands is small.
+RING_TAIL = (4, 2, 2)
 
 
 def source_dir() -> str:
@@ -115,6 +126,18 @@ def tile_list(offsets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 def scratch_bytes(hidden: int, ffn: int, group_experts: int = GROUP_EXPERTS) -> int:
     """Device bytes of two scratch buffers of group_experts whole experts' f16 gate|up and down matrices."""
     return 2 * int(group_experts) * f16_expert_bytes(hidden, ffn)
+
+
+def ring_group_sizes(n: int, ring_slots: int, want: int, in_flight: int = RING_GROUPS_IN_FLIGHT,
+                     tail: tuple[int, ...] = RING_TAIL) -> list[int]:
+    """Sizes of the copy groups that stream n missed experts through a ring of ring_slots: at most `want` each and
+    in_flight groups on the ring, the head split evenly, then `tail` (each size at most the groups') when n is at
+    least two groups."""
+    big = max(1, min(int(want), int(ring_slots) // max(1, int(in_flight))))
+    end = [s for s in tail if s <= big] if n >= 2 * big else []
+    head = n - sum(end)
+    groups = -(-head // big) if head > 0 else 0
+    return [head // groups + (1 if i < head % groups else 0) for i in range(groups)] + end
 
 
 def fast_path_takes(fmt: ExpertFormat) -> bool:
@@ -272,6 +295,9 @@ class QuantMoE(FastMoE):
         self._beta = (np.zeros(1, np.float32), np.ones(1, np.float32))  # host scalars cuBLAS reads at enqueue
         #: decode's down projection with QF_DW warps a row (False: one warp a row, the first kernel)
         self.decode_down_wide = True
+        #: streamed copy groups in flight on the ring, and the last groups' sizes (RING_GROUPS_IN_FLIGHT, RING_TAIL)
+        self.ring_groups_in_flight = RING_GROUPS_IN_FLIGHT
+        self.ring_tail = RING_TAIL
         # page-locked staging of the slot tables the dequantization reads, used from a cursor that restarts once
         # its last upload has run (as FastMoE's pointer staging)
         n = 64 * max(experts, 64)
@@ -280,6 +306,13 @@ class QuantMoE(FastMoE):
         self._slot_dev = cupy.cuda.alloc(4 * n)
         self._slot_cursor = 0
         self._slot_done = cupy.cuda.Event(disable_timing=True)
+
+    def miss_groups(self, n: int, ring_slots: int, slot_bytes: int = 0) -> list[int]:
+        """Copy groups of n streamed experts (ring_group_sizes): FastMoE's sizes (group_experts, or COPY_GROUP_BYTES
+        a group) with ring_groups_in_flight groups on the ring; _group computes a group larger than a scratch half
+        in halves' worth."""
+        want = max(self.group_experts, COPY_GROUP_BYTES // slot_bytes if slot_bytes > 0 else 0)
+        return ring_group_sizes(n, ring_slots, want, self.ring_groups_in_flight, self.ring_tail)
 
     def scratch_bytes(self) -> int:
         """The dequantization scratch a prefill layer takes (both halves, or the one buffer of pieces)."""
