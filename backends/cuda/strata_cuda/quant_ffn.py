@@ -298,6 +298,8 @@ class QuantMoE(FastMoE):
         #: streamed copy groups in flight on the ring, and the last groups' sizes (RING_GROUPS_IN_FLIGHT, RING_TAIL)
         self.ring_groups_in_flight = RING_GROUPS_IN_FLIGHT
         self.ring_tail = RING_TAIL
+        #: experts of a warm prefill's first dequantized group (None: a quarter of a scratch half's)
+        self.first_group_experts: int | None = None
         # page-locked staging of the slot tables the dequantization reads, used from a cursor that restarts once
         # its last upload has run (as FastMoE's pointer staging)
         n = 64 * max(experts, 64)
@@ -449,9 +451,10 @@ class QuantMoE(FastMoE):
         fork.record(main)
         side.wait_event(fork)  # the table has landed and earlier readers of the scratch are done
         done: list = []
-        # the first group is a quarter of the others, so the GEMMs start after a short dequantization and the rest
-        # of it hides behind them
-        first = max(1, step // 4) if n > step else n
+        # the first group is a quarter of the others (first_group_experts), so the GEMMs start after a short
+        # dequantization and the rest of it hides behind them
+        quarter = max(1, step // 4) if self.first_group_experts is None else max(1, int(self.first_group_experts))
+        first = min(quarter, step) if n > step else n
         starts = [0] + list(range(first, n, step))
         try:
             for j, sub in enumerate(starts):
