@@ -196,6 +196,8 @@ def run(args, res: dict) -> None:
             v["cold"] = time_ms(cp, lambda: moe.prefill_layer(xd, ld, pool, cold_map, host_pool, (E, RING), out=out),
                                 moe.compute_stream, args.reps)
             v["cold_bytes_streamed"] = int(moe.stats.bytes_streamed)
+            v["cold_copy_groups"] = int(moe.stats.copy_groups)
+            v["cold_group_sizes"] = moe.miss_groups(E, RING, fmt.nbytes)
             v["cold_x_floor"] = v["cold"]["median_ms"] / res["floor_cold_ms"]
             # the dequantization alone: every expert of the layer, group by group, on one stream
             with moe.compute_stream:
