@@ -6,7 +6,8 @@ compute stream), the host's enqueue time (perf_counter from the call to its retu
 three cold and three warm calls; host costs of single steps. Variants, all on a 32-slot ring unless named: "cur",
 the working tree's QuantMoE (32-expert scratch halves; copy groups two in flight, RING_GROUPS_IN_FLIGHT) and its
 settings by attribute (4fly/3fly: groups in flight, t4/t0: tail sizes, grouped: gemm_mode, r64/r128: rings,
-first32: a warm prefill's first group of 32 experts, not 8; 1lane: gemm_streams=1, no side lanes);
+first32: a warm prefill's first group of 32 experts, not 8; 1lane: gemm_streams=1, no side lanes; g64: scratch
+halves of 64 experts, twice the product's budget);
 "head", the committed tree before the fix (--old/strata_cuda_head: `git show HEAD:` of strata_cuda's files, named in
 its SOURCE.txt) and its settings (split0: split_rows 0, g16: copy groups of 16); "old", 07691a1's
 (--old/strata_cuda_old), the cold run of 1.076x; "*f16": FastMoE over the same layer's f16 weights, cold on the same
@@ -157,6 +158,8 @@ def run(args, res: dict, prof_txt: io.StringIO) -> None:
     add("cur_grouped", qm(gemm_mode="grouped"), pool, host_pool, 32)
     add("cur_first32", qm(), pool, host_pool, 32, patch=setter(first_group_experts=32))
     add("cur_1lane", qm(gemm_streams=1), pool, host_pool, 32)
+    add("cur_g64", lambda: QuantMoE(E, K, fmt, group_experts=64, scratch_budget_bytes=scratch_bytes(H, F, 64)), pool,
+        host_pool, 32)
     add("cur_r64", qm(), pool, host_pool, 64, warm=False)
     add("cur_r128", qm(), pool, host_pool, 128, warm=False)
     add("f16", lambda: new_fast.FastMoE(E, K, H, F), f16_pool, f16_host, 32)
