@@ -82,6 +82,7 @@ TOPK_BY_ARGMAX = 8
 #: numpy adds a contiguous row of fewer than this many f32 in order (from 8 on, pairwise in 8 partial sums)
 SEQUENTIAL_SUM = 8
 _NEG_INF = np.float32(-np.inf)
+_NEG_ZERO = np.float32(-0.0)
 #: compared with an array's dtype (a dtype against a dtype: no conversion of np.float32 on every call)
 _F32 = np.dtype(np.float32)
 
@@ -195,10 +196,9 @@ class HostKernels(ReferenceKernels):
         n = len(t)
         if 2 <= n <= SEQUENTIAL_ROWS:
             # reduceat's sum of one segment of n <= 8 rows, spelled out: the first row plus the others summed in
-            # order (numpy's pairwise sum is sequential below 8 elements); a few adds instead of reduceat's setup
-            rest = t[1] + t[2] if n > 2 else t[1].copy()
-            for i in range(3, n):
-                rest += t[i]
+            # order (a reduction over the outer axis adds its up to 7 rows in order; from -0.0, which leaves every
+            # first term as it is, signed zeros included); three calls instead of reduceat's setup
+            rest = np.add.reduce(t[1:], 0, None, None, False, _NEG_ZERO)
             np.add(t[0], rest, out=rest)
             out[0] += rest
             return
