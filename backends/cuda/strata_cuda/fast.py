@@ -433,11 +433,16 @@ class FastMoE:
 
     def __init__(self, experts: int, top_k: int, hidden: int, ffn: int, group_experts: int = 8,
                  hit_batch_experts: int = 0, decode_rows_per_warp: int = DECODE_ROWS_PER_WARP,
-                 gemm_mode: str | None = None, gemm_streams: int = 4):
+                 gemm_mode: str | None = None, gemm_streams: int = 4, pinned: Any = None):
         import cupy
         from cupy.cuda import runtime
         from cupy_backends.cuda.libs import cublas
         self._cp = cupy
+        #: the session's page-locked allocator (the plan's pinned budget): the staging below comes from its runtime
+        #: floor; None (or a refusal): cupy's own page-locked memory, counted in staging_outside_plan_bytes
+        self._pinned = pinned
+        self._pinned_bufs: list = []
+        self.staging_outside_plan_bytes = 0
         self._rt = runtime
         self._cublas = cublas
         if hidden % 8 or ffn % 8 or hidden % QK8_0 or ffn % QK8_0:
@@ -481,7 +486,7 @@ class FastMoE:
         # upload from it has run (an event), so the host never overwrites a table a queued copy still reads
         # (room for a layer's two projections with hot experts split into pieces, so the cursor need not restart)
         n_ptr = 64 * max(experts, 64)
-        self._ptr_mem = cupy.cuda.alloc_pinned_memory(8 * n_ptr)
+        self._ptr_mem = self._page_locked(8 * n_ptr)
         self._ptr_stage = np.frombuffer(self._ptr_mem, dtype=np.int64, count=n_ptr)
         self._ptr_dev = cupy.cuda.alloc(8 * n_ptr)
         self._ptr_cursor = 0
@@ -491,9 +496,9 @@ class FastMoE:
         self._zero = np.zeros(1, dtype=np.float32)
         # page-locked staging: small tables to the device (block map, slot map) and counts/ids back, all async
         n_stage = 4 * max(experts, 64)
-        self._stage_mem = cupy.cuda.alloc_pinned_memory(4 * n_stage)
+        self._stage_mem = self._page_locked(4 * n_stage)
         self._stage = np.frombuffer(self._stage_mem, dtype=np.int32, count=n_stage)
-        self._back_mem = cupy.cuda.alloc_pinned_memory(4 * max(experts, MAX_TOPK))
+        self._back_mem = self._page_locked(4 * max(experts, MAX_TOPK))
         self._back = np.frombuffer(self._back_mem, dtype=np.int32, count=max(experts, MAX_TOPK))
         self._synced = cupy.cuda.Event(disable_timing=True)
         self._ws = {n: _Grown(cupy) for n in ("route", "xs", "gu", "act", "ys")}
@@ -511,6 +516,16 @@ class FastMoE:
         self._ring_read_event: Any = None
 
     # -- small helpers -----------------------------------------------------------------------------------------
+
+    def _page_locked(self, nbytes: int) -> Any:
+        """nbytes of page-locked host staging (a buffer np.frombuffer reads): from the session's pinned allocator's
+        runtime floor, so the plan's pinned budget counts it; else cupy's own, outside the plan (counted here)."""
+        buf = self._pinned.alloc(int(nbytes), from_floor=True) if self._pinned is not None else None
+        if buf is not None:
+            self._pinned_bufs.append(buf)
+            return buf.array
+        self.staging_outside_plan_bytes += int(nbytes)
+        return self._cp.cuda.alloc_pinned_memory(int(nbytes))
 
     def _gemm_tn(self, m: int, n: int, k: int, a: int, lda: int, sa: int, b: int, ldb: int, sb: int,
                  c: int, ldc: int, sc: int, batch: int) -> None:

@@ -78,7 +78,7 @@ class CudaLayerOps:
             try:
                 # the plan's shape: its FastMoE built now and every GEMM size class its chunks can meet run once,
                 # so cuBLAS loads its kernels here and not inside the first request's layers
-                self._fast[tuple(shape)] = FastMoE(*shape)
+                self._fast[tuple(shape)] = FastMoE(*shape, pinned=pinned)
                 warm_gemms(self._fast[tuple(shape)], max(1, int(max_tokens)))
                 self._fast[tuple(shape)].decode_buffers()
                 self._warm_router(kernels, max(1, int(max_tokens)), e, h)
@@ -207,13 +207,13 @@ class CudaLayerOps:
             return None
         if w.pool is not None and w.pool.dtype == "gguf":  # Q4_K/Q5_K/Q6_K/MXFP4 rows: f16 scratch per expert group
             from .quant_ffn import quant_moe_for
-            return quant_moe_for(self._fast, w)
+            return quant_moe_for(self._fast, w, self._pinned)
         shape = self._shape(w)
         if shape is None:
             return None
         if shape not in self._fast:
             from .fast import FastMoE
-            self._fast[shape] = FastMoE(*shape)
+            self._fast[shape] = FastMoE(*shape, pinned=self._pinned)
         return self._fast[shape]
 
     def _fallback(self, w: LayerWork) -> Any:

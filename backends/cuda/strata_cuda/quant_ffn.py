@@ -303,7 +303,7 @@ class QuantMoE(FastMoE):
         # page-locked staging of the slot tables the dequantization reads, used from a cursor that restarts once
         # its last upload has run (as FastMoE's pointer staging)
         n = 64 * max(experts, 64)
-        self._slot_mem = cupy.cuda.alloc_pinned_memory(4 * n)
+        self._slot_mem = self._page_locked(4 * n)
         self._slot_stage = np.frombuffer(self._slot_mem, dtype=np.int32, count=n)
         self._slot_dev = cupy.cuda.alloc(4 * n)
         self._slot_cursor = 0
@@ -544,9 +544,10 @@ class QuantMoE(FastMoE):
         return out
 
 
-def quant_moe_for(cache: dict, work: Any) -> QuantMoE | None:
-    """The QuantMoE of a LayerWork over a 'gguf' pool (built once into `cache`), or None where it does not apply
-    (several formats in the pool, biases, shapes off the fast path): then the composed path runs the layer."""
+def quant_moe_for(cache: dict, work: Any, pinned: Any = None) -> QuantMoE | None:
+    """The QuantMoE of a LayerWork over a 'gguf' pool (built once into `cache`, its staging from `pinned`, the
+    session's page-locked allocator), or None where it does not apply (several formats in the pool, biases, shapes
+    off the fast path): then the composed path runs the layer."""
     pool = work.pool
     if pool is None or pool.dtype != "gguf" or work.router_w is None or "blob" not in pool.arrays:
         return None
@@ -562,7 +563,7 @@ def quant_moe_for(cache: dict, work: Any) -> QuantMoE | None:
         return None
     key = ("gguf", e, k, fmt)
     if key not in cache:
-        cache[key] = QuantMoE(e, k, fmt)
+        cache[key] = QuantMoE(e, k, fmt, pinned=pinned)
     return cache[key]
 
 
