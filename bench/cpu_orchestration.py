@@ -12,7 +12,9 @@ Each variant runs in its own process, `repeats` times, the two interleaved; the 
 machine is shared), and the median over repeats of each adjacent pair's ratio is reported beside it (a load change
 between the fastest real run and the fastest no-op run moves the first figure, less the second). With
 --before-label the figures already in --out are kept under "before" with that label (earlier "before" entries too);
---baseline-tree measures another checkout's strata_core in the same run, interleaved with this one.
+--baseline-tree measures another checkout's strata_core in the same run, interleaved with this one. The child also
+times each of strata run's decode steps: orchestration_fraction_step_median is no-op over real of the median step (each
+run's median, the median over repeats), which a slow stretch of a run hardly moves.
 """
 
 from __future__ import annotations
@@ -46,8 +48,25 @@ if sys.argv[1] == "noop":
         y.fill(0)
         return y
     ref.ReferenceKernels.moe_grouped_ffn = moe_grouped_ffn
+import io, contextlib, statistics, time
+from strata_core.runtime import executor
+steps = []
+step = executor.Executor.decode_step
+def timed_step(self, token):
+    # a timer around each of strata run's own decode steps (its embed, layers and LM head)
+    t0 = time.perf_counter()
+    try:
+        return step(self, token)
+    finally:
+        steps.append(time.perf_counter() - t0)
+executor.Executor.decode_step = timed_step
 from strata_core.cli import main
-sys.exit(main(["run", "--backend", "cpu", "--json"] + sys.argv[2:]))
+with contextlib.redirect_stdout(io.StringIO()) as out:
+    rc = main(["run", "--backend", "cpu", "--json"] + sys.argv[2:])
+r = json.loads(out.getvalue())
+r["decode_step_median_s"] = statistics.median(steps) if steps else None
+print(json.dumps(r))
+sys.exit(rc)
 """
 
 
@@ -64,7 +83,7 @@ def run_variant(variant: str, args: list[str], tree: str = "-") -> dict:
 def figures(r: dict) -> dict:
     """The fields of one run this benchmark reports."""
     return {k: r.get(k) for k in ("prefill_tokens_per_s", "decode_tokens_per_s", "prefill_s", "decode_s",
-                                  "decode_cpu_s",
+                                  "decode_cpu_s", "decode_step_median_s",
                                   "time_per_layer_us", "cache_hit_rate_prefill", "cache_hit_rate_decode",
                                   "chunk", "decode_tokens", "prompt_tokens")}
 
@@ -86,15 +105,26 @@ def main() -> int:
     trees = ["-"] + ([str(a.baseline_tree)] if a.baseline_tree else [])
     best: dict[str, dict[str, dict]] = {t: {} for t in trees}
     pairs: dict[str, list[tuple[float, float]]] = {t: [] for t in trees}  # (no-op / real wall, CPU) a repeat
+    step_medians: dict[str, dict[str, list[float]]] = {t: {"real": [], "noop": []} for t in trees}
     for i in range(a.repeats):
         for tree in (trees if i % 2 == 0 else trees[::-1]):
             got = {}
             for variant in ("real", "noop"):
                 r = got[variant] = run_variant(variant, args, tree)
+                step_medians[tree][variant].append(r["decode_step_median_s"])
                 if variant not in best[tree] or r["decode_s"] < best[tree][variant]["decode_s"]:
                     best[tree][variant] = r
             pairs[tree].append((got["noop"]["decode_s"] / got["real"]["decode_s"],
                                 got["noop"]["decode_cpu_s"] / got["real"]["decode_cpu_s"]))
+    def by_step(tree: str) -> dict:
+        """The median decode step of each variant (median over the repeats of each run's median step) and their
+        ratio: one slow stretch of a run moves a run's total, hardly its median step."""
+        m = {v: statistics.median(step_medians[tree][v]) for v in ("real", "noop")}
+        return {"decode_step_median_us_per_layer": {v: 1e6 * s / layers for v, s in m.items()},
+                "orchestration_fraction_step_median": m["noop"] / m["real"],
+                "step_medians_s": step_medians[tree]}
+
+    layers = int(best[trees[0]]["real"]["model"]["moe_layers"])
     baseline = None
     if a.baseline_tree:
         b, bp = best[str(a.baseline_tree)], pairs[str(a.baseline_tree)]
@@ -105,7 +135,7 @@ def main() -> int:
                     "orchestration_fraction_cpu_time": b["noop"]["decode_cpu_s"] / b["real"]["decode_cpu_s"],
                     "orchestration_fraction_paired_median": statistics.median(p[0] for p in bp),
                     "orchestration_fraction_cpu_time_paired_median": statistics.median(p[1] for p in bp),
-                    "paired_fractions": [list(p) for p in bp]}
+                    "paired_fractions": [list(p) for p in bp], **by_step(str(a.baseline_tree))}
     best, pairs = best["-"], pairs["-"]
     real_us = best["real"]["time_per_layer_us"]["decode"]
     noop_us = best["noop"]["time_per_layer_us"]["decode"]
@@ -126,11 +156,14 @@ def main() -> int:
         "orchestration_fraction_paired_median": statistics.median(p[0] for p in pairs),
         "orchestration_fraction_cpu_time_paired_median": statistics.median(p[1] for p in pairs),
         "paired_fractions": [list(p) for p in pairs],
+        **by_step("-"),
         "target_fraction": 0.20,
         "how": "noop_ffn replaces ReferenceKernels.moe_grouped_ffn by a zero-fill in the child process; "
                "time_per_layer_us.decode is strata run's own decode_s / (decode steps x MoE layers); the fastest of "
                "`repeats` runs of each variant is kept; the _cpu_time fraction uses strata run's decode_cpu_s (process CPU "
-               "seconds), steadier than wall time when other work shares the cores",
+               "seconds), steadier than wall time when other work shares the cores; _step_median: a timer around "
+               "each of strata run's decode steps in the child (Executor.decode_step: embed, layers, LM head), the "
+               "median step of each run, the median of those over the repeats, no-op over real",
     }
     out["target_met"] = out["orchestration_fraction"] <= out["target_fraction"]
     if baseline is not None:
@@ -145,6 +178,10 @@ def main() -> int:
         out["before"] = [{"tree": a.before_label, **keep}] + earlier
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps(out, indent=2) + "\n")
+    sm = out["decode_step_median_us_per_layer"]
+    print(f"median decode step per layer: real {sm['real']:.0f} us, no-op FFN {sm['noop']:.0f} us -> "
+          f"{out['orchestration_fraction_step_median']:.1%}" + (
+              f" (baseline tree {baseline['orchestration_fraction_step_median']:.1%})" if baseline else ""))
     print(f"decode per layer: real {real_us:.0f} us, no-op FFN {noop_us:.0f} us -> orchestration "
           f"{out['orchestration_fraction']:.1%} of decode wall time, "
           f"{out['orchestration_fraction_cpu_time']:.1%} of its CPU time (target <= 20%); paired medians "
