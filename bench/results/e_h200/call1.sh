@@ -11,13 +11,15 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH=$PWD:$PWD/backends/cuda:$PWD/backends/rocm:$PWD/backends/sycl:/tmp/site PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv,noheader
 rc=0
-timeout -k 5 "${TEST_S:-110}" python3 -m pytest -p no:cacheprovider -q -rfE --durations=8 \
-  tests/gpu/test_decode_loop.py tests/gpu/test_layer_ops.py > "$OUT/gpu_tests.log" 2>&1 || rc=1
-grep -E "passed|failed|FAILED|ERROR|Error" "$OUT/gpu_tests.log" | tail -12
-echo "tests done at ${SECONDS}s"
+for f in test_decode_loop:70 test_layer_ops:40; do  # one file at a time, each result line written as it ends
+  timeout -k 5 "${f#*:}" python3 -m pytest -p no:cacheprovider -v -rfE --durations=5 "tests/gpu/${f%:*}.py" \
+    >> "$OUT/gpu_tests.log" 2>&1 || rc=1
+  echo "${f%:*} done at ${SECONDS}s" | tee -a "$OUT/gpu_tests.log"
+done
+grep -E "PASSED|FAILED|ERROR|passed|failed" "$OUT/gpu_tests.log" | cut -c1-160 | tail -24
 for mode in check plain; do
   flag=$([[ $mode == check ]] && echo --check)
-  timeout -k 5 40 python3 -m strata_core.cli run --backend cuda $flag --json > "$OUT/run_tiny_$mode.json" \
+  timeout -k 5 30 python3 -m strata_core.cli run --backend cuda $flag --json > "$OUT/run_tiny_$mode.json" \
     2>> "$OUT/runs.err" || rc=1
 done
 python3 - "$OUT" <<'PY'
@@ -36,7 +38,7 @@ if len(r) == 2:
     print("same tokens, --check (step loop) and plain (pipeline):", r["check"]["tokens"] == r["plain"]["tokens"])
 PY
 echo "runs done at ${SECONDS}s"
-timeout -k 5 "${RUN_S:-70}" python3 bench/strata_run_h200.py --out "$OUT" --settings all --skip-peers \
+timeout -k 5 "${RUN_S:-60}" python3 bench/strata_run_h200.py --out "$OUT" --settings all --skip-peers \
   > "$OUT/strata_run.log" 2>&1 || rc=1
 grep -E "^all|exit|Error" "$OUT/strata_run.log" | cut -c1-600
 echo "bench done at ${SECONDS}s"
