@@ -6,7 +6,7 @@ compute stream), the host's enqueue time (perf_counter from the call to its retu
 three cold and three warm calls; host costs of single steps. Variants, all on a 32-slot ring unless named: "cur",
 the working tree's QuantMoE (32-expert scratch halves; copy groups two in flight, RING_GROUPS_IN_FLIGHT) and its
 settings by attribute (4fly/3fly: groups in flight, t4/t0: tail sizes, grouped: gemm_mode, r64/r128: rings,
-first32: a warm prefill's first group of 32 experts, not 8; 1lane: gemm_streams=1, no side lanes; g64: scratch
+first32/first8: a warm prefill's first group of 32 or 8 experts (the default: a whole half; 8 before); 1lane: gemm_streams=1, no side lanes; g64: scratch
 halves of 64 experts, twice the product's budget);
 "head", the committed tree before the fix (--old/strata_cuda_head: `git show HEAD:` of strata_cuda's files, named in
 its SOURCE.txt) and its settings (split0: split_rows 0, g16: copy groups of 16); "old", 07691a1's
@@ -55,6 +55,7 @@ def main() -> int:
     ap.add_argument("--old", default="", help="directory holding strata_cuda_old (07691a1's strata_cuda)")
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--templates", type=int, default=4)
+    ap.add_argument("--only", default="", help="comma-separated variant names to run (default: all)")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -130,7 +131,11 @@ def run(args, res: dict, prof_txt: io.StringIO) -> None:
 
     res["variant_errors"] = {}
 
+    only = set(filter(None, args.only.split(",")))
+
     def add(name, make, p, hp, ring, warm=True, patch=None):
+        if only and name not in only:
+            return
         try:
             moe = make()
         except Exception:
@@ -157,18 +162,19 @@ def run(args, res: dict, prof_txt: io.StringIO) -> None:
     add("cur_t0", qm(), pool, host_pool, 32, warm=False, patch=setter(ring_tail=()))
     add("cur_grouped", qm(gemm_mode="grouped"), pool, host_pool, 32)
     add("cur_first32", qm(), pool, host_pool, 32, patch=setter(first_group_experts=32))
+    add("cur_first8", qm(), pool, host_pool, 32, patch=setter(first_group_experts=8))
     add("cur_1lane", qm(gemm_streams=1), pool, host_pool, 32)
     add("cur_g64", lambda: QuantMoE(E, K, fmt, group_experts=64, scratch_budget_bytes=scratch_bytes(H, F, 64)), pool,
         host_pool, 32)
     add("cur_r64", qm(), pool, host_pool, 64, warm=False)
     add("cur_r128", qm(), pool, host_pool, 128, warm=False)
     add("f16", lambda: new_fast.FastMoE(E, K, H, F), f16_pool, f16_host, 32)
-    if head:
+    if head and (not only or only & {"head", "head_split0", "head_g16", "head_f16"}):
         add("head", hm(), pool, host_pool, 32)
         add("head_split0", hm(), pool, host_pool, 32, patch=setter(split_rows=0))
         add("head_g16", hm(), pool, host_pool, 32, warm=False, patch=setter(miss_groups=groups_of(16)))
         add("head_f16", lambda: head[0].FastMoE(E, K, H, F), f16_pool, f16_host, 32)
-    if old:
+    if old and (not only or only & {"old", "old_f16"}):
         add("old", lambda: old[1].QuantMoE(E, K, fmt, group_experts=32), pool, host_pool, 32)
         add("old_f16", lambda: old[0].FastMoE(E, K, H, F), f16_pool, f16_host, 32)
 

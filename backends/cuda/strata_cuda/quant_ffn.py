@@ -298,7 +298,10 @@ class QuantMoE(FastMoE):
         #: streamed copy groups in flight on the ring, and the last groups' sizes (RING_GROUPS_IN_FLIGHT, RING_TAIL)
         self.ring_groups_in_flight = RING_GROUPS_IN_FLIGHT
         self.ring_tail = RING_TAIL
-        #: experts of a warm prefill's first dequantized group (None: a quarter of a scratch half's)
+        #: experts of a warm prefill's first dequantized group (None: a whole scratch half's). A first group of a
+        #: quarter hid the first dequantization behind GEMMs sooner, but each group costs the host ~0.6 ms and the
+        #: warm layer is host-bound: 4 groups of 32 took 2.13 ms against 3.13 ms for 8 + 32 + 32 + 32 + 24 (H200,
+        #: bench/results/q2_h200/call1_q2_diag.json)
         self.first_group_experts: int | None = None
         # page-locked staging of the slot tables the dequantization reads, used from a cursor that restarts once
         # its last upload has run (as FastMoE's pointer staging)
@@ -451,10 +454,10 @@ class QuantMoE(FastMoE):
         fork.record(main)
         side.wait_event(fork)  # the table has landed and earlier readers of the scratch are done
         done: list = []
-        # the first group is a quarter of the others (first_group_experts), so the GEMMs start after a short
-        # dequantization and the rest of it hides behind them
-        quarter = max(1, step // 4) if self.first_group_experts is None else max(1, int(self.first_group_experts))
-        first = min(quarter, step) if n > step else n
+        # groups of a scratch half each (the first may be smaller: first_group_experts), the next one dequantized
+        # on the side stream while this one's GEMMs run
+        lead = step if self.first_group_experts is None else max(1, int(self.first_group_experts))
+        first = min(lead, step) if n > step else n
         starts = [0] + list(range(first, n, step))
         try:
             for j, sub in enumerate(starts):
