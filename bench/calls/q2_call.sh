@@ -16,7 +16,9 @@ rc=0; t0=$(date +%s)
 timeout -k 5 "${TEST_S:-70}" python3 -m pytest -p no:cacheprovider -q -rfE tests/gpu/test_quant_cuda.py \
   > "$OUT/gpu_quant_tests.log" 2>&1 || rc=1
 tail -3 "$OUT/gpu_quant_tests.log"; echo "tests took $(( $(date +%s) - t0 )) s"
-timeout -k 5 "${DIAG_S:-110}" python3 bench/q2_diag_h200.py --out "$OUT" --old .q2_old ${DIAG_ARGS:-} 2>&1 | tee "$OUT/q2_diag.log" || rc=1
+if [[ "${SKIP_DIAG:-0}" != 1 ]]; then
+  timeout -k 5 "${DIAG_S:-110}" python3 bench/q2_diag_h200.py --out "$OUT" --old .q2_old ${DIAG_ARGS:-} 2>&1 | tee "$OUT/q2_diag.log" || rc=1
+fi
 if [[ "${BENCH:-0}" == 1 ]]; then
   timeout -k 5 "${BENCH_S:-60}" python3 bench/quant_layer_h200.py --out "$OUT" --reps 5 --variants 32:classes \
     2>&1 | tee "$OUT/quant_layer.log" || rc=1
