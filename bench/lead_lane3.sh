@@ -29,6 +29,6 @@ SKIP_TESTS=1 SKIP_LAYER=1 RUN_S="${RUN_S:-260}" RUN_ARGS="--fidelity --timeout 8
 if [[ "${REPEAT_ALL:-0}" == 1 ]]; then
   timeout -k 10 90 python3 bench/strata_run_h200.py --settings all --skip-peers --out /tmp/repeat_all 2>&1 | tail -3 || rc=1
 fi
-timeout -k 10 "${QUANT_S:-80}" python3 bench/quant_layer_h200.py --out "$OUT" --reps 5 --variants 32:classes 2>&1 | tail -15 || rc=1
+timeout -k 10 "${QUANT_S:-80}" python3 bench/quant_layer_h200.py --out "$OUT" --reps 5 --variants auto:classes 2>&1 | tail -15 || rc=1
 echo "lane took $(( $(date +%s) - t0 )) s"
 exit $rc
