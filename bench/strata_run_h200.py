@@ -339,6 +339,16 @@ def verdict(res: dict) -> dict:
     floor = p.get("link_floor_prefill_tokens_per_s_all_streamed")
     if floor and val("smallest", "prefill_tokens_per_s"):
         res["smallest_over_link_floor"] = round(val("smallest", "prefill_tokens_per_s") / floor, 4)
+    hs, link = runs.get("half_skewed") or {}, p.get("link_bytes_per_s")
+    slot = ((hs.get("plan") or {}).get("expert_cache") or {}).get("slot_bytes")
+    admitted = sum(int(c.get("decode_admitted", 0)) for c in (hs.get("layer_ops") or []))
+    if link and slot and hs.get("bytes_streamed") and hs.get("prefill_tokens_per_s"):
+        # bytes_streamed counts the prefill's ring copies and decode's admissions, one slot each
+        prefill_experts = int(hs["bytes_streamed"]) // int(slot) - admitted
+        floor = res["prompt_tokens"] / (prefill_experts * int(slot) / link)
+        res["half_skewed_prefill_experts_streamed"] = prefill_experts
+        res["half_skewed_link_floor_prefill_tokens_per_s"] = round(floor, 1)
+        res["half_skewed_prefill_over_link_floor"] = round(hs["prefill_tokens_per_s"] / floor, 4)
     res["targets"] = {
         "all_prefill_ge_40000": ge(val("all", "prefill_tokens_per_s"), 40000),
         "all_decode_ge_450": ge(val("all", "decode_tokens_per_s"), 450),
