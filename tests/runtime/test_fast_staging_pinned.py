@@ -79,3 +79,14 @@ def test_the_cuda_layer_ops_hand_their_pinned_allocator_to_every_fast_path_they_
         assert any(k.arg == "pinned" for k in call.keywords), f"{where} builds a fast path without pinned="
     handed = _calls(CUDA_DIR / "layer_ops.py", "quant_moe_for")
     assert handed and all(len(c.args) == 3 for c, _ in handed), "quant_moe_for without the session's allocator"
+
+
+def test_the_kernel_sets_grouped_ffn_fast_paths_stage_through_the_sessions_allocator_too():
+    # the KernelSet's moe_grouped_ffn (the composed layer ops' path) builds a FastMoE and, for gguf pools, a QuantMoE
+    built = _calls(CUDA_DIR / "kernels.py", "FastMoE") + _calls(CUDA_DIR / "quant_ffn.py", "QuantMoE") + \
+        _calls(CUDA_DIR / "kernels.py", "QuantGroupedFFN")
+    assert len(built) >= 4, [where for _, where in built]
+    for call, where in built:
+        assert any(k.arg == "pinned" for k in call.keywords), f"{where} builds a fast path without pinned="
+    backend = (CUDA_DIR / "backend.py").read_text()
+    assert "kernels.pinned = session.pinned" in backend, "the session's kernels are not handed its allocator"

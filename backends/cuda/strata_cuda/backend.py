@@ -116,6 +116,7 @@ class CupyBackendPlugin:
         session = DeviceSession(memory=memory, kernels=kernels, budget=budget,
                                 pinned=CupyPinnedAllocator(budget, kind=self.pinned_kind),
                                 closers=[memory.release_cached])
+        kernels.pinned = session.pinned  # the grouped FFN's fast paths stage through the plan's pinned budget
         session.layer_ops = self._layer_ops(session, plan)
         return session
 

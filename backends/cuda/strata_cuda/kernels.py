@@ -198,6 +198,9 @@ class CupyKernels:
         #: route moe_grouped_ffn through strata_cuda.fast (cuBLAS strided-batched GEMMs over slot runs, CUDA only)
         self.fast_grouped_ffn = fast_grouped_ffn
         self._fast: dict[tuple[int, int], Any] = {}
+        #: the session's page-locked allocator (backend.open sets it): the grouped FFN's fast paths take their staging
+        #: from it, so the plan's pinned budget counts it
+        self.pinned: Any = None
         cupy.cuda.Device(device_index).use()
         self._module = cupy.RawModule(code=kernel_source(), options=COMPILE_OPTIONS)
         # compile now, so a broken toolchain fails at start-up and not in the middle of a request
@@ -323,7 +326,7 @@ class CupyKernels:
         if weights.dtype == "gguf":  # GGUF rows, dequantized per tile inside moe_quant.cu's GEMMs (issue 14)
             if getattr(self, "_quant", None) is None:
                 from .quant_ffn import QuantGroupedFFN
-                self._quant = QuantGroupedFFN(self._cp)
+                self._quant = QuantGroupedFFN(self._cp, pinned=self.pinned)
             return self._quant(x, offsets, slots, weights)
         fast = self._fast_path(weights)
         if fast is not None:
@@ -345,7 +348,7 @@ class CupyKernels:
             return None
         if (h, f) not in self._fast:
             from .fast import FastMoE
-            self._fast[(h, f)] = FastMoE(experts=8, top_k=1, hidden=h, ffn=f)
+            self._fast[(h, f)] = FastMoE(experts=8, top_k=1, hidden=h, ffn=f, pinned=self.pinned)
         return self._fast[(h, f)]
 
     # -- grouped FFN steps ------------------------------------------------------------------------------------

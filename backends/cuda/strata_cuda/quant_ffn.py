@@ -155,8 +155,10 @@ def gemv_takes(fmt: ExpertFormat) -> bool:
 class QuantGroupedFFN:
     """moe_grouped_ffn over a 'gguf' pool on the current cupy device (see the module docstring)."""
 
-    def __init__(self, cupy: Any, mma: bool | None = None, fast: bool = True):
+    def __init__(self, cupy: Any, mma: bool | None = None, fast: bool = True, pinned: Any = None):
         self._cp = cupy
+        #: the session's page-locked allocator: the QuantMoE it builds takes its staging from it (None: cupy's own)
+        self._pinned = pinned
         #: tensor cores (mma.sync, f16 inputs) or the f32 SIMT kernels, for the tiled path
         self.mma = MMA_BY_DEFAULT if mma is None else bool(mma)
         #: the GEMV kernels for small groups and QuantMoE for large ones (False: the tiled kernels for everything;
@@ -195,7 +197,7 @@ class QuantGroupedFFN:
         if self.fast and fast_path_takes(fmt) and s_slots <= (1 << 31) - 1:
             key = (h, f)
             if key not in self._moe:
-                self._moe[key] = QuantMoE(256, 1, fmt)
+                self._moe[key] = QuantMoE(256, 1, fmt, pinned=self._pinned)
             self.counts["dequant_gemm"] += 1
             moe = self._moe[key]
             moe.compute_stream = cp.cuda.get_current_stream()
