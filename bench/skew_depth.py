@@ -16,8 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from strata_core.models.synthetic import generate_weights, model_spec
-from strata_core.reference.kernels import route_topk
+from strata_core.models.synthetic import generate_weights, model_spec, popular_half_shares
 
 L, E, K, H, F, V, T = 48, 128, 8, 512, 64, 2048, 256
 
@@ -25,23 +24,7 @@ L, E, K, H, F, V, T = 48, 128, 8, 512, 64, 2048, 256
 def shares(skew: float) -> list[float]:
     """Top-half share of the routed rows, layer by layer."""
     w = generate_weights(model_spec("skew-depth", L, E, K, H, F, V), 0, popularity_skew=skew)
-    d, a = w.dense, w.experts.arrays
-    x = d.embed[np.random.default_rng(1).integers(0, V, T)].astype(np.float32)
-    out = []
-    for layer in range(L):
-        xn = x / np.sqrt((x * x).mean(1, keepdims=True) + 1e-6) * d.norms[layer]
-        ids, wts = route_topk(xn @ d.routers[layer].T, K)
-        c = np.bincount(ids.ravel(), minlength=E)
-        out.append(float(np.sort(c)[::-1][: E // 2].sum() / c.sum()))
-        y = np.zeros_like(x)
-        for e in np.unique(ids).tolist():
-            gu = a["w_gate_up"][layer * E + e].astype(np.float32)
-            dn = a["w_down"][layer * E + e].astype(np.float32)
-            rows, ks = np.nonzero(ids == e)
-            h = xn[rows] @ gu.T
-            y[rows] += wts[rows, ks, None] * ((h[:, :F] / (1 + np.exp(-h[:, :F])) * h[:, F:]) @ dn.T)
-        x = x + y
-    return out
+    return popular_half_shares(w, np.random.default_rng(1).integers(0, V, T))
 
 
 def main() -> int:

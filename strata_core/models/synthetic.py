@@ -17,7 +17,8 @@ from typing import Callable
 
 import numpy as np
 
-from strata_core.reference.kernels import QK8_0, ExpertPool, dequantize_q8_0, quantize_q8_0, route_topk
+from strata_core.reference.kernels import (QK8_0, ExpertPool, dequantize_q8_0, linear, moe_grouped_ffn, quantize_q8_0,
+                                           rmsnorm, route_topk, scatter_add)
 from strata_core.models.spec import ModelSpec, prompt_bytes_for
 from strata_core.models.weights import DenseWeights, ModelWeights
 
@@ -99,6 +100,27 @@ def layer_growth(experts: ExpertPool, router: np.ndarray, top_k: int, hidden: in
         y[rows] += wts[rows, ks, None] * (act @ dn.T)
         np.add.at(unit, rows, wts[rows, ks] * act[:, SKEW_UNIT])
     return float(np.mean(y[:, : hidden - 1].astype(np.float64) ** 2)), float(unit.mean())
+
+
+def popular_half_shares(weights: ModelWeights, tokens: np.ndarray) -> list[float]:
+    """Share of each MoE layer's routed rows that its most popular half of experts takes, for `tokens` run through
+    the layers as the runtime computes them (reference kernels: rmsnorm, router, top k, experts, residual add; no
+    attention): how strongly a model's routing is skewed at each depth."""
+    spec, d, pool = weights.spec, weights.dense, weights.experts
+    e_n, k = spec.experts_per_layer, spec.top_k
+    x = np.asarray(d.embed[np.asarray(tokens)], dtype=np.float32)
+    shares = []
+    for layer in range(spec.moe_layers):
+        xn = rmsnorm(x, d.norms[layer])
+        ids, wts = route_topk(linear(xn, d.routers[layer]), k)
+        counts = np.bincount(ids.ravel(), minlength=e_n)
+        shares.append(float(np.sort(counts)[::-1][: e_n // 2].sum() / counts.sum()))
+        order = np.argsort(ids.ravel(), kind="stable")
+        experts, starts = np.unique(ids.ravel()[order], return_index=True)
+        rows = order // k
+        y = moe_grouped_ffn(xn[rows], np.append(starts, order.size), layer * e_n + experts, pool)
+        scatter_add(x, rows, y, wts.ravel()[order])
+    return shares
 
 
 GenerateProgress = Callable[[int, int], None]

@@ -2,8 +2,8 @@
 
 The residual grows layer by layer; a carrier that did not grow with it lost its share of the normalized input, and
 the 48th layer of a Qwen3-30B-A3B-shaped model routed 0.62 of its rows to its most popular half against 0.99 in the
-first (the sweep's skew is the same bias in every layer). The forward pass here is the runtime's math in float32:
-rmsnorm, router, top k, SwiGLU experts, residual add.
+first (the sweep's skew is the same bias in every layer; bench/results/skew_depth.json). The forward pass is the
+runtime's math through the reference kernels (synthetic.popular_half_shares).
 """
 
 from __future__ import annotations
@@ -11,8 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from strata_core.models.synthetic import generate_weights, model_spec
-from strata_core.reference.kernels import dequantize_q8_0, route_topk
+from strata_core.models.synthetic import generate_weights, model_spec, popular_half_shares
 
 L, E, K, H, F = 16, 64, 4, 128, 64
 
@@ -21,27 +20,7 @@ def top_half_share_by_layer(dtype: str, skew: float) -> list[float]:
     """Share of each layer's routed rows that its most popular half of experts takes, over 128 prompt tokens."""
     spec = model_spec("skew-probe", L, E, K, H, F, 1024, dtype=dtype)
     w = generate_weights(spec, 0, dtype=dtype, popularity_skew=skew)
-    d, a = w.dense, w.experts.arrays
-    x = d.embed[np.random.default_rng(1).integers(0, 1024, 128)].astype(np.float32)
-    shares = []
-    for layer in range(L):
-        xn = x / np.sqrt((x * x).mean(1, keepdims=True) + 1e-6) * d.norms[layer]
-        ids, wts = route_topk(xn @ d.routers[layer].T, K)
-        counts = np.bincount(ids.ravel(), minlength=E)
-        shares.append(float(np.sort(counts)[::-1][: E // 2].sum() / counts.sum()))
-        y = np.zeros_like(x)
-        for e in np.unique(ids).tolist():
-            r = layer * E + e
-            if dtype == "f16":
-                gu, dn = a["w_gate_up"][r].astype(np.float32), a["w_down"][r].astype(np.float32)
-            else:
-                gu = dequantize_q8_0(a["gate_up_q"][r], a["gate_up_d"][r]).astype(np.float32)
-                dn = dequantize_q8_0(a["down_q"][r], a["down_d"][r]).astype(np.float32)
-            rows, ks = np.nonzero(ids == e)
-            h = xn[rows] @ gu.T
-            y[rows] += wts[rows, ks, None] * ((h[:, :F] / (1 + np.exp(-h[:, :F])) * h[:, F:]) @ dn.T)
-        x = x + y
-    return shares
+    return popular_half_shares(w, np.random.default_rng(1).integers(0, 1024, 128))
 
 
 @pytest.mark.parametrize("dtype", ["f16", "q8_0"])
