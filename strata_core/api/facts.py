@@ -294,6 +294,10 @@ class PlatformDefaults:
     #: The backend's kernels keep an f32 copy of each read-only non-f32 weight they multiply (the routers, the LM
     #: head) whose copy takes at most this many bytes; the host plan counts those copies (0: no such copies).
     kernel_f32_copy_limit_bytes: int = 0
+    #: The backend's greedy decode on the device page-locks the host's embedding table (f16, vocab x hidden) so its
+    #: kernel reads a row a step: the driver's page tables for it are planned with the rest (an upper bound: the
+    #: runtime pins it only where the pinned budget has room).
+    pins_embedding: bool = False
     #: Where these defaults came from, for the plan's decisions.
     source: str = "core"
 

@@ -221,8 +221,9 @@ def _compute(device: DeviceInfo, host: HostInfo, model: ModelSpec, settings: Any
     if settings.kv.resident_cells is not None and settings.kv.resident_cells < settings.kv.max_context:
         kv_pinned_bound = kv_bytes_per_token(model, settings.kv.dtype) * (settings.kv.max_context
                                                                           - settings.kv.resident_cells)
+    embed_pinned = 2 * int(model.vocab or 0) * int(model.hidden) if defaults.pins_embedding else 0
     driver_bound = alloc_rounding_bound_bytes(device, model) + pinned_map_bytes(
-        device, first_pin.arena + first_pin.floor + kv_pinned_bound, device.vram_total_bytes)
+        device, first_pin.arena + first_pin.floor + kv_pinned_bound + embed_pinned, device.vram_total_bytes)
     free, reserve, kv, workspace, usable, slots = _cache_step(device, model, settings, defaults, knobs, led, bsrc,
                                                               driver_bound)
     slots_cap = knobs["expert_cache.slots_cap"]
@@ -396,7 +397,7 @@ def _compute(device: DeviceInfo, host: HostInfo, model: ModelSpec, settings: Any
     regions = model.dense_bytes + kv + workspace + cache_bytes + owned_bytes
     rounding = alloc_rounding_bytes(device, model, regions)
     staging = min(max(0, floor - share_bytes), staging_bytes(arena, model.host_arena_bytes, rows, model.slot_bytes))
-    pinned_total = arena + share_bytes + staging + kv_pinned
+    pinned_total = arena + share_bytes + staging + kv_pinned + embed_pinned
     pin_map = pinned_map_bytes(device, pinned_total, regions + rounding)
     probe_src = f"backend {device.backend} probe (measured)"
     if rounding:
@@ -405,7 +406,9 @@ def _compute(device: DeviceInfo, host: HostInfo, model: ModelSpec, settings: Any
                  f"{_mib(device.alloc_granularity_bytes)} allocation granularity", probe_src)
     if pin_map:
         led.note("vram.pinned_map_bytes", pin_map, f"the driver's page tables for {_mib(pinned_total)} of page-locked "
-                 f"host memory (arena, CPU share, staging, pinned KV) at {device.pinned_map_bytes_per_gib:,} bytes a "
+                 f"host memory (arena, CPU share, staging, pinned KV"
+                 + (", the embedding greedy decode pins" if embed_pinned else "")
+                 + f") at {device.pinned_map_bytes_per_gib:,} bytes a "
                  "GiB, and for the start-up block; whole allocation granules from one up", probe_src)
     left = free - reserve - regions - rounding - pin_map
     stream_min = (settings.prefill.stream_min_tokens if settings.prefill.stream_min_tokens is not None

@@ -187,3 +187,23 @@ def test_tables_of_a_granule_or_more_are_planned_in_whole_granules():
     assert pinned_map_bytes(dev, 30802968576 + 8380416, 33390854144) == 29 * GRANULE == 60817408
     assert pinned_map_bytes(dev, 54 * GIB, 0) == 54 * GRANULE
     assert pinned_map_bytes(replace(dev, pinned_map_bytes_per_gib=0), 54 * GIB, GIB) == 0
+
+
+def test_the_page_tables_of_the_embedding_greedy_decode_pins_are_planned_where_the_backend_pins_it():
+    # the cuda backend's greedy loop page-locks the host's f16 embedding (CudaLayerOps.greedy_table): its page tables
+    # are the driver's too (a 622 MB table on Qwen3-30B-A3B, ~1.2 MB of tables)
+    spec = tiny_model_spec()
+    plugins = load_plugins()
+    s = settings_from_partial({"backend": {"name": "sim"}})
+    target = plugins.resolve_target(s)
+    device = replace(target.device.info, alloc_granularity_bytes=GRANULE, pinned_map_bytes_per_gib=TABLES_PER_GIB)
+    plain = make_plan(device, target.host, spec, s, target.defaults)
+    pins = make_plan(device, target.host, spec, s, replace(target.defaults, pins_embedding=True))
+    embed = 2 * spec.vocab * spec.hidden
+    v = pins.vram
+    pinned = pins.pinned.arena_bytes + pins.pinned.cpu_share_bytes + embed
+    assert v.pinned_map_bytes == pinned_map_bytes(device, pinned, v.regions_bytes + v.alloc_rounding_bytes)
+    assert v.pinned_map_bytes > plain.vram.pinned_map_bytes
+    assert v.left_bytes == (v.free_bytes - v.reserve_bytes - v.regions_bytes - v.alloc_rounding_bytes
+                            - v.pinned_map_bytes) >= 0
+    assert "embedding" in next(d.why for d in pins.decisions if d.what == "vram.pinned_map_bytes")

@@ -82,5 +82,7 @@ def nvidia_defaults(device: DeviceInfo, host: HostInfo) -> PlatformDefaults:
         # NVIDIA drivers report free VRAM that can be allocated (no spill into host memory)
         free_vram_trust=1.0,
         dequant_scratch_bytes=DEQUANT_SCRATCH_BYTES,
+        # CudaLayerOps.greedy_table page-locks the embedding in place for the device's greedy loop
+        pins_embedding=True,
         source="cuda backend",
     )
