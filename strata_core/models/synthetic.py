@@ -17,8 +17,8 @@ from typing import Callable
 
 import numpy as np
 
-from strata_core.reference.kernels import (QK8_0, ExpertPool, dequantize_q8_0, linear, moe_grouped_ffn, quantize_q8_0,
-                                           rmsnorm, route_topk, scatter_add)
+from strata_core.reference.kernels import (QK8_0, ExpertPool, expert_matrices, linear, moe_grouped_ffn,
+                                           quantize_q8_0, rmsnorm, route_topk, scatter_add)
 from strata_core.models.spec import ModelSpec, prompt_bytes_for
 from strata_core.models.weights import DenseWeights, ModelWeights
 
@@ -74,15 +74,6 @@ SKEW_PROBE_TOKENS = 64
 SKEW_UNIT = 0
 
 
-def _dense_expert(experts: ExpertPool, e: int) -> tuple[np.ndarray, np.ndarray]:
-    """Expert row e's (gate|up [2F,H], down [H,F]) as f32."""
-    a = experts.arrays
-    if experts.dtype == "f16":
-        return a["w_gate_up"][e].astype(np.float32), a["w_down"][e].astype(np.float32)
-    return (dequantize_q8_0(a["gate_up_q"][e], a["gate_up_d"][e]).astype(np.float32),
-            dequantize_q8_0(a["down_q"][e], a["down_d"][e]).astype(np.float32))
-
-
 def layer_growth(experts: ExpertPool, router: np.ndarray, top_k: int, hidden: int, ffn: int,
                  rng: np.random.Generator, tokens: int = SKEW_PROBE_TOKENS) -> tuple[float, float]:
     """(per-coordinate variance one MoE layer adds to the residual's other coordinates, the routed mean of the
@@ -93,7 +84,7 @@ def layer_growth(experts: ExpertPool, router: np.ndarray, top_k: int, hidden: in
     y = np.zeros((tokens, hidden), np.float32)
     unit = np.zeros(tokens, np.float64)
     for e in np.unique(ids).tolist():
-        gu, dn = _dense_expert(experts, e)
+        gu, dn = expert_matrices(experts, e)
         rows, ks = np.nonzero(ids == e)
         h = xn[rows] @ gu.T
         act = h[:, :ffn] / (1 + np.exp(-h[:, :ffn])) * h[:, ffn:]
