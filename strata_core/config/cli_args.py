@@ -18,32 +18,28 @@ from strata_core.errors import BadInput
 MAX_SEED = (1 << 63) - 1
 
 
+def _bounded(pattern: str, convert: Callable[[str], Any], lo: Any, hi: Any, desc: str) -> Callable[[str], Any]:
+    """An argparse type: text matching `pattern`, converted, from `lo` to `hi`; `desc` names it in the error."""
+
+    def parse(text: str) -> Any:
+        s = text.strip()
+        if not re.fullmatch(pattern, s) or not lo <= convert(s) <= hi:
+            raise argparse.ArgumentTypeError(f"expected {desc}, got {text!r}")
+        return convert(s)
+
+    parse.__name__ = desc  # argparse names the type in its own messages
+    return parse
+
+
 def bounded_int(lo: int, hi: int, unit: str = "") -> Callable[[str], int]:
     """An argparse type: a whole number in ASCII digits from `lo` to `hi` (`unit` names what it counts)."""
-    what = f"a whole number{' of ' + unit if unit else ''} from {lo} to {hi}"
-
-    def parse(text: str) -> int:
-        s = text.strip()
-        if not re.fullmatch(r"[+-]?[0-9]+", s) or not lo <= int(s) <= hi:
-            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
-        return int(s)
-
-    parse.__name__ = what  # argparse names the type in its own messages
-    return parse
+    return _bounded(r"[+-]?[0-9]+", int, lo, hi, f"a whole number{' of ' + unit if unit else ''} from {lo} to {hi}")
 
 
 def bounded_float(lo: float, hi: float, what: str) -> Callable[[str], float]:
     """An argparse type: a finite decimal number from `lo` to `hi` (`what` names what it is)."""
-    desc = f"{what} from {lo:g} to {hi:g}"
-
-    def parse(text: str) -> float:
-        s = text.strip()
-        if not re.fullmatch(r"[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?", s) or not lo <= float(s) <= hi:
-            raise argparse.ArgumentTypeError(f"expected {desc}, got {text!r}")
-        return float(s)
-
-    parse.__name__ = desc
-    return parse
+    return _bounded(r"[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?", float, lo, hi,
+                    f"{what} from {lo:g} to {hi:g}")
 
 
 #: `--seed N`: a non-negative integer.
