@@ -75,8 +75,8 @@ class FakeFast:
         self.replays += 1
 
 
-@pytest.fixture
-def op(monkeypatch):
+def make_op(monkeypatch):
+    """CudaLayerOps over the fake cupy, its fused paths one FakeFast (o._test_fast)."""
     cp = fake_cupy()
     monkeypatch.setitem(sys.modules, "cupy", cp)
     monkeypatch.setitem(sys.modules, "cupy.cuda", cp.cuda)
@@ -88,6 +88,11 @@ def op(monkeypatch):
     o._test_fast = FakeFast()
     monkeypatch.setattr(layer_ops.CudaLayerOps, "_fast_for", lambda self, w: self._test_fast)
     return o
+
+
+@pytest.fixture
+def op(monkeypatch):
+    return make_op(monkeypatch)
 
 
 def step_works(cache: ExpertCache, x: Dev) -> list[LayerWork]:

@@ -27,20 +27,9 @@ L, E, K, H = doubles.L, doubles.E, doubles.K, doubles.H
 def op(monkeypatch):
     """The doubles' CudaLayerOps, its streams recording what they wait for."""
     import sys
-    from types import SimpleNamespace
-    import ctypes
-    cp = doubles.fake_cupy()
-    monkeypatch.setitem(sys.modules, "cupy", cp)
-    monkeypatch.setitem(sys.modules, "cupy.cuda", cp.cuda)
-    cp.cuda.runtime = SimpleNamespace(memcpyDeviceToHost=2,
-                                      memcpyAsync=lambda dst, src, n, kind, stream: ctypes.memmove(dst, src, n))
-    from strata_cuda import fast, layer_ops
-    monkeypatch.setattr(fast, "warm_up", lambda: None)
-    o = layer_ops.CudaLayerOps(memory=None, kernels=None)
-    o._test_fast = doubles.FakeFast()
-    monkeypatch.setattr(layer_ops.CudaLayerOps, "_fast_for", lambda self, w: self._test_fast)
+    o = doubles.make_op(monkeypatch)
     o.waits = []
-    cp.cuda.get_current_stream().wait_event = lambda e: o.waits.append(e)
+    sys.modules["cupy"].cuda.get_current_stream().wait_event = lambda e: o.waits.append(e)
     return o
 
 
