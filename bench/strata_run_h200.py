@@ -327,7 +327,8 @@ def summarize(d: dict) -> dict:
 
 
 def verdict(res: dict) -> dict:
-    """Add issue 13's targets, the smallest run over the link floor and ours over the peers, from the file's own figures."""
+    """Add issue 13's targets, the link floors, and ours over the peers (per run and for `all`), from the file's own
+    figures."""
     runs, p = res.get("runs", {}), res.get("peers", {})
 
     def val(name: str, key: str):
@@ -357,9 +358,14 @@ def verdict(res: dict) -> dict:
         "smallest_prefill_ge_0.9x_link_floor": ge(res.get("smallest_over_link_floor"), 0.9)}
     best_prefill = max((v for k, v in p.items() if k.startswith("prefill_grouped_mm") and k.endswith("tokens_per_s")
                         and "uniform" in k), default=None)
+    peer_decode = p.get("decode_grouped_mm_bf16_tokens_per_s")
+    for r in runs.values():  # each run's time over the peer's (peer tok/s over ours)
+        if best_prefill and r.get("prefill_tokens_per_s"):
+            r["ours_over_peer_time_prefill"] = best_prefill / r["prefill_tokens_per_s"]
+        if peer_decode and r.get("decode_tokens_per_s"):
+            r["ours_over_peer_time_decode"] = peer_decode / r["decode_tokens_per_s"]
     pairs = {"prefill_all_time_vs_grouped_mm_best_uniform": (best_prefill, val("all", "prefill_tokens_per_s")),
-             "decode_all_time_vs_grouped_mm_bf16_graph": (p.get("decode_grouped_mm_bf16_tokens_per_s"),
-                                                          val("all", "decode_tokens_per_s")),
+             "decode_all_time_vs_grouped_mm_bf16_graph": (peer_decode, val("all", "decode_tokens_per_s")),
              "prefill_all_time_vs_accelerate_offload": (p.get("accelerate_offload_prefill_tokens_per_s"),
                                                         val("all", "prefill_tokens_per_s")),
              "decode_all_time_vs_accelerate_offload": (p.get("accelerate_offload_decode_tokens_per_s"),
@@ -424,15 +430,6 @@ def main() -> int:
             peers(res)
         except Exception as e:
             res["peers_error"] = f"{type(e).__name__}: {e}"
-    p = res.get("peers", {})
-    peer_prefill = max((v for k, v in p.items() if k.startswith("prefill_grouped_mm") and k.endswith("tokens_per_s")
-                        and "uniform" in k), default=None)
-    peer_decode = p.get("decode_grouped_mm_bf16_tokens_per_s")
-    for name, r in res["runs"].items():
-        if peer_prefill and r.get("prefill_tokens_per_s"):
-            r["ours_over_peer_time_prefill"] = peer_prefill / r["prefill_tokens_per_s"]
-        if peer_decode and r.get("decode_tokens_per_s"):
-            r["ours_over_peer_time_decode"] = peer_decode / r["decode_tokens_per_s"]
     verdict(res)
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "strata_run_h200.json").write_text(json.dumps(res, indent=1, default=str))
