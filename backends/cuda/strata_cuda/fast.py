@@ -1017,6 +1017,7 @@ class FastMoE:
             now = cp.cuda.Event(disable_timing=True)
             now.record(self.compute_stream)
             cs.wait_event(now)
+        self._mark("prefetch_begin", cs)
         moved = self._copy_experts(pool, host_pool, uncached[:size].tolist(), slots)
         landed = cp.cuda.Event(disable_timing=True)
         landed.record(cs)
@@ -1083,6 +1084,7 @@ class FastMoE:
                 g = next_copy
                 for d in deps[g]:
                     cs.wait_event(done[d])
+                self._mark(f"copy_begin_{g}", cs)  # fires when the link may start this group: idle before it
                 a = first_of[g]
                 moved += self._copy_experts(pool, host_pool, misses[a:a + sizes[g]],
                                             ring[place[g]:place[g] + sizes[g]])

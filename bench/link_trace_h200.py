@@ -1,0 +1,168 @@
+"""Where the half-skewed `strata run` prefill leaves the link idle, and how fast the link moves an expert's bytes.
+
+Two parts, one JSON (link_trace_h200.json under --out):
+- `copies`: host->device copy rates on the H200 for the layouts the prefill streams (Qwen3-30B-A3B F16 experts:
+  gate/up 6.29 MB and down 3.15 MB per expert, separate host arrays, scattered expert ids into consecutive ring
+  slots), on one copy stream and on two, against one large copy (the link floor's rate).
+- `run`: `strata run --backend cuda --model Qwen3-30B-A3B@F16 --skew 1` in-process (4096-token chunk, half the
+  experts cached, as bench/strata_run_h200.py's half_skewed), with FastMoE's stage marks kept across layers: every
+  copy on the copy stream has a begin mark (fires when the stream may start it) and an end mark, so the link's idle
+  time is the sum of begin - previous end, split into idle before a layer's prefetch (between layers) and idle
+  inside a layer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import sys
+import time
+from pathlib import Path
+
+GU, DN = (1536, 2048), (2048, 768)  # Qwen3-30B-A3B expert gate/up and down, f16
+
+
+def copy_rates(reps: int = 5) -> dict:
+    """GB/s of the prefill's copy patterns (median of reps, CUDA events around each pattern)."""
+    import cupy as cp
+    import numpy as np
+    e_n, ring, misses = 128, 87, 64
+    rt = cp.cuda.runtime
+    mem = cp.cuda.alloc_pinned_memory(e_n * 2 * (GU[0] * GU[1] + DN[0] * DN[1]))
+    host = np.frombuffer(mem, dtype=np.float16, count=e_n * (GU[0] * GU[1] + DN[0] * DN[1]))
+    hg = host[: e_n * GU[0] * GU[1]].reshape(e_n, *GU)
+    hd = host[e_n * GU[0] * GU[1]:].reshape(e_n, *DN)
+    hg[:] = 1
+    hd[:] = 1
+    dg = cp.empty((ring, *GU), dtype=cp.float16)
+    dd = cp.empty((ring, *DN), dtype=cp.float16)
+    big = cp.empty(misses * (GU[0] * GU[1] + DN[0] * DN[1]), dtype=cp.float16)
+    ids = np.sort(np.random.default_rng(0).choice(e_n, misses, replace=False))
+    s1, s2 = cp.cuda.Stream(non_blocking=True), cp.cuda.Stream(non_blocking=True)
+    gb, db = GU[0] * GU[1] * 2, DN[0] * DN[1] * 2
+    nbytes = misses * (gb + db)
+
+    def per_expert(streams):
+        for i, e in enumerate(ids):
+            st = streams[i % len(streams)]
+            rt.memcpyAsync(dg.data.ptr + i * gb, hg.ctypes.data + int(e) * gb, gb, 1, st.ptr)
+            rt.memcpyAsync(dd.data.ptr + i * db, hd.ctypes.data + int(e) * db, db, 1, st.ptr)
+
+    def per_array(streams):
+        for i, e in enumerate(ids):
+            rt.memcpyAsync(dg.data.ptr + i * gb, hg.ctypes.data + int(e) * gb, gb, 1, streams[0].ptr)
+            rt.memcpyAsync(dd.data.ptr + i * db, hd.ctypes.data + int(e) * db, db, 1, streams[-1].ptr)
+
+    def one_big(streams):
+        rt.memcpyAsync(big.data.ptr, host.ctypes.data, nbytes, 1, streams[0].ptr)
+
+    def contiguous_experts(streams):  # one 9.44 MB copy an expert: an interleaved host layout's pattern
+        for i, e in enumerate(ids):
+            st = streams[i % len(streams)]
+            rt.memcpyAsync(big.data.ptr + i * (gb + db), host.ctypes.data + int(e) * (gb + db), gb + db, 1, st.ptr)
+
+    out = {}
+    for name, fn, streams in (("one_copy", one_big, [s1]), ("per_expert_1_stream", per_expert, [s1]),
+                              ("per_expert_2_streams", per_expert, [s1, s2]),
+                              ("gate_up_and_down_on_2_streams", per_array, [s1, s2]),
+                              ("contiguous_expert_1_stream", contiguous_experts, [s1]),
+                              ("contiguous_expert_2_streams", contiguous_experts, [s1, s2])):
+        ts = []
+        for _ in range(reps + 1):
+            a, b = cp.cuda.Event(), cp.cuda.Event()
+            a.record(s1)
+            s2.wait_event(a)
+            fn(streams)
+            e2 = cp.cuda.Event()
+            e2.record(s2)
+            s1.wait_event(e2)
+            b.record(s1)
+            b.synchronize()
+            ts.append(cp.cuda.get_elapsed_time(a, b))
+        ms = sorted(ts[1:])[len(ts[1:]) // 2]
+        out[name] = {"ms": round(ms, 4), "gb_per_s": round(nbytes / ms / 1e6, 2), "bytes": nbytes}
+    del dg, dd, big
+    return out
+
+
+def traced_run(cache: int, decode: int) -> dict:
+    """The half-skewed run in-process with every prefill layer's marks kept; the link's idle time split."""
+    import cupy
+    from strata_cuda import fast
+    marks: list = []
+    orig = fast.FastMoE.prefill_layer
+
+    def traced(self, x, *a, **kw):
+        if x.shape[0] >= 1024:  # not the session's tiny warm-up layer
+            self.trace = marks  # kept: the next layer's prefetch (before its prefill_layer) is marked too
+        return orig(self, x, *a, **kw)
+
+    fast.FastMoE.prefill_layer = traced
+    from strata_core.cli import main as cli_main
+    sys.argv = ["strata", "run", "--backend", "cuda", "--model", "Qwen3-30B-A3B@F16", "--prompt-tokens", "4096",
+                "--decode-tokens", str(decode), "--json", "--skew", "1", "--set", "prefill.chunk=4096",
+                "--set", f"memory.expert_cache={cache}"]
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        rc = cli_main()
+    cupy.cuda.Device().synchronize()
+    fast.FastMoE.prefill_layer = orig
+    run = json.loads(buf.getvalue())
+    t0 = marks[0][1]
+    named = [(n, cupy.cuda.get_elapsed_time(t0, e)) for n, e in marks]
+    # the copy stream's marks in queue order: (begin, end) pairs
+    copies, begin = [], None
+    for n, t in named:
+        if n == "prefetch_begin" or n.startswith("copy_begin_"):
+            begin = (n, t)
+        elif (n == "prefetched" or n.startswith("copied_")) and begin is not None:
+            copies.append((begin[0], begin[1], t))
+            begin = None
+    idle_between = idle_inside = busy = 0.0
+    gaps = []
+    for i, (n, b, e) in enumerate(copies):
+        busy += e - b
+        if i:
+            gap = max(0.0, b - copies[i - 1][2])
+            gaps.append(round(gap, 4))
+            if n == "prefetch_begin":
+                idle_between += gap
+            else:
+                idle_inside += gap
+    starts = [t for n, t in named if n == "start"]
+    ends = [t for n, t in named if n == "end"]
+    return {"argv": sys.argv, "rc": rc,
+            "run": {k: run.get(k) for k in ("prefill_tokens_per_s", "decode_tokens_per_s", "cache_hit_rate_prefill",
+                                           "cache_hit_rate_decode", "bytes_streamed", "prefill_s", "layer_ops",
+                                           "time_per_layer_us")},
+            "layers_traced": len(starts), "span_ms": round(ends[-1] - starts[0], 3) if starts else None,
+            "link": {"copies": len(copies), "busy_ms": round(busy, 3), "idle_before_prefetch_ms": round(idle_between, 3),
+                     "idle_inside_layers_ms": round(idle_inside, 3),
+                     "first_copy_ms": round(copies[0][1], 3) if copies else None,
+                     "after_last_copy_ms": round(ends[-1] - copies[-1][2], 3) if copies and ends else None},
+            "gaps_ms": gaps, "marks_ms": [(n, round(t, 4)) for n, t in named]}
+
+
+def main() -> int:
+    """Copy rates, then the traced run; writes link_trace_h200.json."""
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--out", default=".")
+    ap.add_argument("--cache", type=int, default=48 * 128 // 2)
+    ap.add_argument("--decode", type=int, default=32)
+    ap.add_argument("--skip-run", action="store_true")
+    args = ap.parse_args()
+    res = {"schema": "strata.bench.link_trace/1", "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    res["copies"] = copy_rates()
+    print(json.dumps(res["copies"]))
+    if not args.skip_run:
+        res["traced"] = traced_run(args.cache, args.decode)
+        print(json.dumps({k: v for k, v in res["traced"].items() if k not in ("gaps_ms", "marks_ms")}))
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    (Path(args.out) / "link_trace_h200.json").write_text(json.dumps(res, indent=1, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
