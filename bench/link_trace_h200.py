@@ -63,7 +63,7 @@ def copy_rates(reps: int = 5) -> dict:
             st = streams[i % len(streams)]
             rt.memcpyAsync(big.data.ptr + i * (gb + db), host.ctypes.data + int(e) * (gb + db), gb + db, 1, st.ptr)
 
-    out = {}
+    out = {"host_memory": "cudaHostAlloc"}
     for name, fn, streams in (("one_copy", one_big, [s1]), ("per_expert_1_stream", per_expert, [s1]),
                               ("per_expert_2_streams", per_expert, [s1, s2]),
                               ("gate_up_and_down_on_2_streams", per_array, [s1, s2]),
@@ -83,23 +83,69 @@ def copy_rates(reps: int = 5) -> dict:
             ts.append(cp.cuda.get_elapsed_time(a, b))
         ms = sorted(ts[1:])[len(ts[1:]) // 2]
         out[name] = {"ms": round(ms, 4), "gb_per_s": round(nbytes / ms / 1e6, 2), "bytes": nbytes}
+    # the store's arena is a numpy array page-locked in place (cudaHostRegister): the same per-expert pattern from
+    # such memory, with the kernel's default pages and with transparent huge pages asked for before the first touch
+    import mmap
+    for label, huge in (("registered_default_pages", False), ("registered_huge_pages", True)):
+        m = mmap.mmap(-1, host.nbytes)
+        if huge and hasattr(mmap, "MADV_HUGEPAGE"):
+            m.madvise(mmap.MADV_HUGEPAGE)
+        arr = np.frombuffer(m, dtype=np.float16)
+        arr[:] = 1
+        rt.hostRegister(arr.ctypes.data, arr.nbytes, 0)
+        hg = arr[: e_n * GU[0] * GU[1]].reshape(e_n, *GU)
+        hd = arr[e_n * GU[0] * GU[1]:].reshape(e_n, *DN)
+        ts = []
+        for _ in range(reps + 1):
+            a, b = cp.cuda.Event(), cp.cuda.Event()
+            a.record(s1)
+            per_expert([s1])
+            b.record(s1)
+            b.synchronize()
+            ts.append(cp.cuda.get_elapsed_time(a, b))
+        ms = sorted(ts[1:])[len(ts[1:]) // 2]
+        out[f"per_expert_1_stream_{label}"] = {"ms": round(ms, 4), "gb_per_s": round(nbytes / ms / 1e6, 2)}
+        rt.hostUnregister(arr.ctypes.data)
+        del hg, hd, arr
+        m.close()
+    try:
+        out["thp"] = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text().strip()
+    except OSError:
+        pass
     del dg, dd, big
     return out
 
 
-def traced_run(cache: int, decode: int) -> dict:
+def traced_run(cache: int, decode: int, ahead: str = "default") -> dict:
     """The half-skewed run in-process with every prefill layer's marks kept; the link's idle time split."""
     import cupy
     from strata_cuda import fast
     marks: list = []
-    orig = fast.FastMoE.prefill_layer
+    host_copy_s: list[float] = []  # host seconds inside _copy_experts, per prefill layer (its prefetch included)
+    orig, orig_copy = fast.FastMoE.prefill_layer, fast.FastMoE._copy_experts
+    ahead, _, flag = ahead.partition(":")
+    if ahead != "default":
+        fast.COPY_GROUPS_AHEAD = None if ahead == "all" else int(ahead)
+    if flag == "noguard":  # decode admits over any slot, as before ExpertCache.worth_admitting
+        from strata_cuda import layer_ops
+        layer_ops.DECODE_ADMIT_HOTTER = False
 
     def traced(self, x, *a, **kw):
         if x.shape[0] >= 1024:  # not the session's tiny warm-up layer
             self.trace = marks  # kept: the next layer's prefetch (before its prefill_layer) is marked too
+            host_copy_s.append(0.0)
         return orig(self, x, *a, **kw)
 
+    def timed_copy(self, *a, **kw):
+        t = time.perf_counter()
+        try:
+            return orig_copy(self, *a, **kw)
+        finally:
+            if host_copy_s:
+                host_copy_s[-1] += time.perf_counter() - t
+
     fast.FastMoE.prefill_layer = traced
+    fast.FastMoE._copy_experts = timed_copy
     from strata_core.cli import main as cli_main
     sys.argv = ["strata", "run", "--backend", "cuda", "--model", "Qwen3-30B-A3B@F16", "--prompt-tokens", "4096",
                 "--decode-tokens", str(decode), "--json", "--skew", "1", "--set", "prefill.chunk=4096",
@@ -133,9 +179,23 @@ def traced_run(cache: int, decode: int) -> dict:
                 idle_inside += gap
     starts = [t for n, t in named if n == "start"]
     ends = [t for n, t in named if n == "end"]
-    return {"argv": sys.argv, "rc": rc,
+    stalled = 0
+    lay: list[dict] = []
+    for n, t in named:
+        if n == "start":
+            lay.append({})
+        if lay:
+            lay[-1].setdefault(n, t)
+    for d in lay:
+        landed = [v for k, v in d.items() if k.startswith("copied_")]
+        stalled += bool(landed and d.get("hits_done", 0.0) > max(landed))
+    from strata_cuda import layer_ops
+    return {"argv": sys.argv, "rc": rc, "copy_groups_ahead": fast.COPY_GROUPS_AHEAD,
+            "decode_admit_hotter": layer_ops.DECODE_ADMIT_HOTTER,
+            "layers_hits_after_last_landing": stalled,
+            "host_copy_ms_by_layer": [round(v * 1e3, 3) for v in host_copy_s],
             "run": {k: run.get(k) for k in ("prefill_tokens_per_s", "decode_tokens_per_s", "cache_hit_rate_prefill",
-                                           "cache_hit_rate_decode", "bytes_streamed", "prefill_s", "layer_ops",
+                                           "cache_hit_rate_decode", "bytes_streamed", "prefill_s", "decode_s", "experts_admitted",
                                            "time_per_layer_us")},
             "layers_traced": len(starts), "span_ms": round(ends[-1] - starts[0], 3) if starts else None,
             "link": {"copies": len(copies), "busy_ms": round(busy, 3), "idle_before_prefetch_ms": round(idle_between, 3),
@@ -152,13 +212,30 @@ def main() -> int:
     ap.add_argument("--cache", type=int, default=48 * 128 // 2)
     ap.add_argument("--decode", type=int, default=32)
     ap.add_argument("--skip-run", action="store_true")
+    ap.add_argument("--ahead", default="default", help="comma-separated COPY_GROUPS_AHEAD variants (int, all, "
+                    "default), each run in its own process")
+    ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.child is not None:  # one traced run; its JSON on stdout's last line
+        r = traced_run(args.cache, args.decode, args.child)
+        print(json.dumps(r, default=str))
+        return 0
     res = {"schema": "strata.bench.link_trace/1", "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     res["copies"] = copy_rates()
     print(json.dumps(res["copies"]))
     if not args.skip_run:
-        res["traced"] = traced_run(args.cache, args.decode)
-        print(json.dumps({k: v for k, v in res["traced"].items() if k not in ("gaps_ms", "marks_ms")}))
+        import subprocess
+        res["traced"] = {}
+        for v in args.ahead.split(","):
+            p = subprocess.run([sys.executable, __file__, "--child", v, "--cache", str(args.cache), "--decode",
+                                str(args.decode)], capture_output=True, text=True, timeout=240)
+            try:
+                r = json.loads(p.stdout.strip().splitlines()[-1])
+            except (IndexError, ValueError):
+                r = {"rc": p.returncode, "stderr_tail": p.stderr[-2000:]}
+            res["traced"][v] = r
+            keep = ("copy_groups_ahead", "decode_admit_hotter", "layers_hits_after_last_landing", "run", "span_ms", "link", "rc", "stderr_tail")
+            print(v, json.dumps({k: r.get(k) for k in keep}, default=str))
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "link_trace_h200.json").write_text(json.dumps(res, indent=1, default=str))
     return 0

@@ -231,6 +231,19 @@ class ExpertCache:
             out[i] = s
         return out
 
+    def worth_admitting(self, rows: np.ndarray) -> np.ndarray:
+        """The prefix of `rows` (store rows not resident, hottest first) worth admitting now: the i-th goes in only
+        while it is hotter than the i-th coldest usable slot (an empty slot always takes one), since admitting a
+        colder expert evicts a hotter one and spends the link for a likelier miss (the ring's admission rule)."""
+        rows = np.asarray(rows, dtype=np.int64)
+        heat, left = self._heat_blocked()
+        n = min(int(rows.size), left)
+        if n <= 0:
+            return rows[:0]
+        cold = np.sort(np.partition(heat, n - 1)[:n]) if n < heat.size else np.sort(heat)
+        hotter = self.freq[rows[:n]] > cold
+        return rows[:n] if hotter.all() else rows[: int(np.argmin(hotter))]
+
     def admit_distinct(self, layer: int, experts: list[int], keep: list[int]) -> list[int] | None:
         """`admit(layer, experts, keep)` for distinct experts that are not resident (a decode token's misses, as
         Python ints; `keep` its hits' slots): their slots, or None, with nothing changed, when the usable slots

@@ -124,6 +124,13 @@ SPLIT_ROWS = 512
 #: uncached expert, so the first group's guess is nearly always right; a wrong guess costs one group's copy.
 PREFETCH_MISSES = True
 
+#: A streamed layer queues copy groups at most this many ahead of the last group whose compute it has issued (None:
+#: every group whose ring slots are free, at once). Queued all at once, a layer's ~200 copies filled the copy
+#: stream's queue in 28 of 48 half-skewed layers: the host blocked inside memcpyAsync until most copies had landed,
+#: so the hits' GEMMs and every group's compute ran after the last landing instead of under the copies, ~1.4 ms a
+#: layer (bench/results/lead_h200_s5/link_trace_h200.json).
+COPY_GROUPS_AHEAD: int | None = 2
+
 
 def kernel_source() -> str:
     """The text of strata_cuda/moe_fast.cu."""
@@ -509,6 +516,7 @@ class FastMoE:
         self.stats = LayerStats()
         #: prefill_layer's ring streaming takes a group prefetch_misses queued (PREFETCH_MISSES)
         self.prefetch_misses_on = PREFETCH_MISSES
+        self.copy_groups_ahead = COPY_GROUPS_AHEAD
         self._prefetched: tuple | None = None
         # ring slot -> the event after the last group that read it, and the event after the layer ops' own reads of
         # the ring (ring_read): what a prefetch into those slots must wait for
@@ -1080,7 +1088,9 @@ class FastMoE:
             # stream then holds several groups ahead, so a slow host moment does not leave the link idle
             nonlocal next_copy
             moved = 0
-            while next_copy < len(sizes) and all(d < computed for d in deps[next_copy]):
+            ahead = self.copy_groups_ahead
+            while (next_copy < len(sizes) and all(d < computed for d in deps[next_copy])
+                   and (ahead is None or next_copy <= computed + ahead)):
                 g = next_copy
                 for d in deps[g]:
                     cs.wait_event(done[d])

@@ -50,6 +50,8 @@ EMPTY = -1
 FUSED_DTYPES = ("f16", "q8_0")
 #: The formats decode_step runs as one graph replay (gguf: QuantMoE's GEMV kernels, every routed expert cached).
 DECODE_DTYPES = ("f16", "q8_0", "gguf")
+#: CudaLayerOps.decode_admit_hotter's default (bench/link_trace_h200.py measures both)
+DECODE_ADMIT_HOTTER = True
 #: The CPU share stays off on the fused path's fallback (it would need the runtime's share buffers).
 _NO_SHARE = SimpleNamespace(armed_for=lambda tokens: False, rows_capacity=0)
 
@@ -112,6 +114,9 @@ class CudaLayerOps:
         #: decode admits at most this many bytes of the experts it read from host memory per step, off the
         #: critical path (0: decode admits nothing); about one step's worth of the link
         self.decode_admit_bytes = 64 << 20
+        #: decode admits a missed expert only over a colder one (ExpertCache.worth_admitting): without it, each
+        #: step's misses evicted the coldest slots whatever they held
+        self.decode_admit_hotter = DECODE_ADMIT_HOTTER
         self._pending: tuple | None = None
         #: launched steps not counted yet, oldest first (at most two: a deferred step and the one queued after it):
         #: (works, slot maps, ids copy event, experts per layer, host buffer index, tick owed)
@@ -602,6 +607,10 @@ class CudaLayerOps:
             rows = np.unique(layer_of[li] * e_n + ids[li, ki].astype(np.int64))
             budget = max(1, self.decode_admit_bytes // row_bytes)
             rows = rows[np.argsort(-cache.freq[rows], kind="stable")][:budget]
+            if self.decode_admit_hotter and hasattr(cache, "worth_admitting"):
+                rows = cache.worth_admitting(rows)
+                if rows.size == 0:
+                    return
         import cupy as cp
         cs = works[0].copy_stream
         fence = cp.cuda.Event(disable_timing=True)
