@@ -16,8 +16,9 @@ expert is used) and 1-token decode. Every figure is the median of --reps runs be
 - the KernelSet's moe_grouped_ffn over the 4096-token groups (the composed path: QuantGroupedFFN -> QuantMoE);
 - decode with the 8 routed experts cached (target <= 50 us): QuantMoE.decode_layer (route, one GEMV kernel for gate/up
   of all 8 experts, one for down, a CUDA graph replay) and the KernelSet's moe_grouped_ffn of one token (the GEMV
-  kernels; what the composed decode path calls today), beside FastMoE's f16 decode_layer; the graph with the first,
-  one-warp-a-row down kernel too;
+  kernels; what the composed decode path calls today), beside FastMoE's f16 decode_layer; QuantMoE's default is
+  decode form 2 (quant_decode.cu: routing in the gate/up kernel, two kernels), and form 1 (quant_fast.cu's route +
+  GEMV + wide down) and its first, one-warp-a-row down kernel are timed too;
 - the tiled kernels of moe_quant.cu (SIMT f32 and tensor-core mma.sync, dequantized per tile, no scratch) once each,
   for the record.
 Errors: every output against a float64 reference of the same bytes on 8 tokens (strata_core.testing.reference64).
@@ -262,8 +263,29 @@ def run(args, res: dict) -> None:
                                      moe.compute_stream, args.reps)
         d["graph_replay_us"] = d["graph_replays"]["median_ms"] * 1e3 / REPLAYS
         log(f"decode graph replayed {REPLAYS} times back to back: {d['graph_replay_us']:.1f} us a layer")
+        d["form"], d["form_two_kernels"] = moe.quant_decode_form, bool(moe._decode_two(pool, x1))
+        try:  # decode form 1 (quant_fast.cu's route + GEMV + wide down, the kernels before quant_decode.cu): A/B
+            old = QuantMoE(E, K, fmt)
+            old.quant_decode_form = 1
+            o3 = old.decode_layer(x1, l1, pool, smap)
+            old.compute_stream.synchronize()
+            d["layer_form1_rel_err"] = r64.relative_error(cp.asnumpy(o3), want[:1])
+            d["layer_graph_form1"] = time_ms(cp, lambda: old.decode_layer(x1, l1, pool, smap), old.compute_stream,
+                                             max(args.reps, 200))
+            d["layer_graph_form1_us"] = d["layer_graph_form1"]["median_ms"] * 1e3
+            g1 = next(iter(old._graphs.values()))
+            d["graph_replays_form1"] = time_ms(cp, lambda: [g1.launch(old.compute_stream) for _ in range(REPLAYS)],
+                                               old.compute_stream, args.reps)
+            d["graph_replay_form1_us"] = d["graph_replays_form1"]["median_ms"] * 1e3 / REPLAYS
+            old = None
+            log(f"decode form 1 graph {d['layer_graph_form1_us']:.1f} us, replayed {d['graph_replay_form1_us']:.1f} us "
+                f"(err {d['layer_form1_rel_err']:.2e}); form {d['form']} two kernels {d['form_two_kernels']}")
+        except Exception:
+            d["form1_error"] = traceback.format_exc()
+            log(f"decode form 1 FAILED\n{d['form1_error']}")
         try:
             narrow = QuantMoE(E, K, fmt)
+            narrow.quant_decode_form = 1
             narrow.decode_down_wide = False
             o2 = narrow.decode_layer(x1, l1, pool, smap)
             narrow.compute_stream.synchronize()

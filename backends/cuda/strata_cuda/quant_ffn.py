@@ -32,7 +32,7 @@ from strata_core.reference.quants import GGML_TYPES
 
 from .fast import (_CUBLAS_COMPUTE_32F, _CUBLAS_GEMM_DEFAULT, _CUBLAS_OP_N, _CUBLAS_OP_T,
                    _CUBLAS_POINTER_MODE_HOST, _CUDA_R_16F, CLASS_MODES, COPY_GROUP_BYTES, THREADS, DecodeLayer,
-                   FastMoE, _Grown)
+                   FastMoE, _Grown, _launcher)
 from .rules import DEQUANT_SCRATCH_BYTES
 
 SOURCE_NAME = "moe_quant.cu"
@@ -72,6 +72,20 @@ FAST_TYPES = frozenset(GGML_TYPES)
 RING_GROUPS_IN_FLIGHT = 2
 #: The last copy groups' sizes (FastMoE's 4, 2, 2), so the compute left after the last byte lands is small.
 RING_TAIL = (4, 2, 2)
+#: One token's layer from the quant blocks (quant_decode.cu, issue 14 item 5): routing fused into gate/up, each lane
+#: issuing a trip's loads before any sum, x staged in shared memory in unit order; its kernels by the format of the
+#: matrix each reads (no biases; other formats and biased ones take quant_fast.cu's route + GEMV + wide down).
+DECODE_SOURCE_NAME = "quant_decode.cu"
+DECODE_TYPES = ("q4_k", "q5_k", "q6_k", "q8_0")
+DECODE_KERNEL_NAMES = tuple(f"strata_qd_{k}_{t}" for t in DECODE_TYPES for k in ("gate_up", "down"))
+#: QD_PAIRS, QD_MAX_H, QD_MAX_KF, QD_MAXK of quant_decode.cu
+DECODE_PAIRS = 3
+DECODE_MAX_H = 4096
+DECODE_MAX_KF = 8192
+DECODE_MAX_K = 16
+#: QuantMoE.decode_form: 2 quant_decode.cu's two kernels where decode_kernels_take (else 1), 1 quant_fast.cu's route,
+#: GEMV and wide down kernels (the form before; bench/quant_layer_h200.py times both)
+QUANT_DECODE_FORM = 2
 
 
 def source_dir() -> str:
@@ -150,6 +164,36 @@ def fast_path_takes(fmt: ExpertFormat) -> bool:
 def gemv_takes(fmt: ExpertFormat) -> bool:
     """Whether quant_fast.cu's GEMV kernels run this format (biases included)."""
     return fmt.hidden % 32 == 0 and fmt.ffn % 32 == 0 and fmt.gate_up in FAST_TYPES and fmt.down in FAST_TYPES
+
+
+def decode_kernels_take(fmt: ExpertFormat, experts: int, top_k: int, blob_ptr: int, slot_bytes: int) -> bool:
+    """Whether quant_decode.cu's kernels run a decode step of this format over a blob at blob_ptr with slots of
+    slot_bytes: its types, no biases, its shared-memory bounds, and the 16-byte alignment q4_k/q5_k's loads take."""
+    if fmt.bias or fmt.gate_up not in DECODE_TYPES or fmt.down not in DECODE_TYPES:
+        return False
+    if not (0 < fmt.hidden <= DECODE_MAX_H and 0 < top_k <= DECODE_MAX_K and top_k * fmt.ffn <= DECODE_MAX_KF
+            and experts <= THREADS and fmt.hidden % 32 == 0 and fmt.ffn % 32 == 0):
+        return False
+    wide = {"q4_k", "q5_k"}
+    offsets = ([0] if fmt.gate_up in wide else []) + ([fmt.down_offset] if fmt.down in wide else [])
+    return all((int(blob_ptr) + int(o)) % 16 == 0 for o in offsets) and (not offsets or int(slot_bytes) % 16 == 0)
+
+
+def decode_kernel_source() -> str:
+    """The text of strata_cuda/quant_decode.cu."""
+    return files("strata_cuda").joinpath(DECODE_SOURCE_NAME).read_text()
+
+
+def decode_kernels(cupy: Any) -> dict[str, Any]:
+    """quant_decode.cu's kernels on the current device, compiled once per process."""
+    global _DECODE_KERNELS
+    if _DECODE_KERNELS is None:
+        mod = cupy.RawModule(code=decode_kernel_source(), options=compile_options())
+        _DECODE_KERNELS = {n: mod.get_function(n) for n in DECODE_KERNEL_NAMES}
+    return _DECODE_KERNELS
+
+
+_DECODE_KERNELS: dict[str, Any] | None = None
 
 
 class QuantGroupedFFN:
@@ -297,6 +341,9 @@ class QuantMoE(FastMoE):
         self._beta = (np.zeros(1, np.float32), np.ones(1, np.float32))  # host scalars cuBLAS reads at enqueue
         #: decode's down projection with QF_DW warps a row (False: one warp a row, the first kernel)
         self.decode_down_wide = True
+        #: decode's kernels over 'gguf' pools (QUANT_DECODE_FORM); set before the first decode (graphs are kept)
+        self.quant_decode_form = QUANT_DECODE_FORM
+        self._qd: dict[str, Any] | None = None
         #: streamed copy groups in flight on the ring, and the last groups' sizes (RING_GROUPS_IN_FLIGHT, RING_TAIL)
         self.ring_groups_in_flight = RING_GROUPS_IN_FLIGHT
         self.ring_tail = RING_TAIL
@@ -485,6 +532,33 @@ class QuantMoE(FastMoE):
         if pool.dtype != "gguf":
             super()._check_decode_pool(pool)
 
+    def decode_buffers(self) -> dict[str, Any]:
+        """FastMoE's decode buffers; quant_decode.cu's kernels are compiled here, before any capture."""
+        b = super().decode_buffers()
+        if self._qd is None and self.quant_decode_form == 2:
+            self._qd = decode_kernels(self._cp)
+        return b
+
+    def _decode_two(self, pool: ExpertPool, x: Any = None) -> bool:
+        """Whether this decode launch takes quant_decode.cu's kernels (quant_decode_form 2 and decode_kernels_take;
+        x, where given, 16-byte aligned for the staging's float4 reads)."""
+        blob = pool.arrays["blob"]
+        return (self.quant_decode_form == 2 and (x is None or int(x.data.ptr) % 16 == 0)
+                and decode_kernels_take(pool.fmt, self.experts, self.top_k, int(blob.data.ptr), int(blob.shape[1])))
+
+    def _qd_launch(self, name: str, grid: tuple, args: tuple) -> None:
+        """A quant_decode.cu kernel on the current stream: a programmatic dependent launch when decode_pdl is on."""
+        if self._qd is None:
+            self._qd = decode_kernels(self._cp)
+        kern = self._qd[name]
+        if self.decode_pdl:
+            if self._pdl is None:
+                self._pdl = _launcher(self._cp)
+            if self._pdl.available():
+                self._pdl.launch(kern, grid, (FAST_THREADS,), args, self._cp.cuda.get_current_stream().ptr)
+                return
+        kern(grid, (FAST_THREADS,), args)
+
     def _gate_up(self, x: Any, logits: Any, pool: ExpertPool, slot_map: Any, refill_from: Any, skip_missing: int,
                  host_w13: int = 0, ids_out: Any = None, w_out: Any = None) -> None:
         if pool.dtype != "gguf":
@@ -495,6 +569,14 @@ class QuantMoE(FastMoE):
         ids, w = (b["ids"], b["w"]) if ids_out is None else (ids_out, w_out)
         fmt, blob = pool.fmt, pool.arrays["blob"]
         h, f = self.hidden, self.ffn
+        if self._decode_two(pool, x):
+            # routing in every block, the routed slots published in b["slots"] for _down (read in stream order)
+            rows = FAST_WARPS * DECODE_PAIRS
+            self._qd_launch(f"strata_qd_gate_up_{fmt.gate_up}", ((f + rows - 1) // rows, self.top_k),
+                            (x, logits, np.int32(self.experts), np.int32(self.top_k), slot_map,
+                             np.int32(blob.shape[0]), np.int32(h), np.int32(f), blob, np.int64(blob.shape[1]),
+                             np.int64(fmt.gate_up_row_bytes), b["act"], ids, w, b["slots"]))
+            return
         self._k["strata_fast_route"]((1,), (256,), (logits, np.int32(1), np.int32(self.experts),
                                                    np.int32(self.top_k), ids, w))
         self._qk["strata_qf_gemv_gate_up"](
@@ -513,6 +595,12 @@ class QuantMoE(FastMoE):
         ids, w = (b["ids"], b["w"]) if ids is None else (ids, w)
         fmt, blob = pool.fmt, pool.arrays["blob"]
         h, f = self.hidden, self.ffn
+        if self._decode_two(pool):
+            self._qd_launch(f"strata_qd_down_{fmt.down}", ((h + FAST_WARPS - 1) // FAST_WARPS,),
+                            (b["act"], w, b["slots"], np.int32(blob.shape[0]), np.int32(self.top_k), np.int32(h),
+                             np.int32(f), blob, np.int64(blob.shape[1]), np.int64(fmt.down_offset),
+                             np.int64(fmt.down_row_bytes), np.int32(accumulate), out))
+            return
         name, rows = (("strata_qf_decode_down_wide", DECODE_DOWN_ROWS) if self.decode_down_wide
                       else ("strata_qf_decode_down", FAST_WARPS))
         self._qk[name](
@@ -541,7 +629,8 @@ class QuantMoE(FastMoE):
             with self.compute_stream:
                 body()
             return out
-        key = ("gguf", x.data.ptr, logits.data.ptr, slot_map.data.ptr, pool.arrays["blob"].data.ptr, out.data.ptr)
+        key = ("gguf", self.quant_decode_form, x.data.ptr, logits.data.ptr, slot_map.data.ptr,
+               pool.arrays["blob"].data.ptr, out.data.ptr)
         graph = self._graphs.get(key)
         if graph is None:
             self._graphs[key] = graph = self._capture(body)

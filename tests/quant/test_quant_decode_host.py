@@ -1,0 +1,228 @@
+"""quant_decode.cu (QuantMoE's decode kernels over 'gguf' pools: routing fused into gate/up, the quant blocks
+decoded a 32-weight unit at a time against x staged in shared memory) built by g++ for the host, a fiber a GPU
+thread (host_build.FIBERS), and checked against the float64 reference: every format the kernels take (q4_k, q5_k,
+q6_k, q8_0 in either matrix), blobs off a 4-byte boundary for the word-loaded formats, the routing's ids and
+weights, NaN for a routed expert outside the pool. The GPU run is tests/gpu/test_quant_decode.py."""
+
+from __future__ import annotations
+
+import ctypes
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+from host_build import FIBERS, build_host_library
+
+from strata_core.models.gguf import read_moe_tensors, write_moe_gguf
+from strata_core.testing import reference64 as r64
+
+CUDA_DIR = Path(__file__).resolve().parents[2] / "backends" / "cuda" / "strata_cuda"
+#: exact weights, f32 sums (s * sum(q x) - m * sum(x) a run); the old GEMV kernels' host bound
+BOUND = 1e-6
+
+SHIM = FIBERS + r"""
+#define QD_HOST 1
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+using std::min;
+struct qt_dim3 { unsigned int x = 1, y = 1, z = 1; };
+struct uint4 { unsigned int x, y, z, w; };
+struct float4 { float x, y, z, w; };
+struct float2 { float x, y; };
+static inline uint4 make_uint4(unsigned a, unsigned b, unsigned c, unsigned d) { return uint4{a, b, c, d}; }
+static inline float2 make_float2(float a, float b) { return float2{a, b}; }
+static qt_dim3 threadIdx, blockIdx, blockDim, gridDim;
+static qh_barrier* qd_warp_bar[8];
+static qh_barrier* qd_block_bar;
+static float qd_xchg[256];
+static inline float __uint_as_float(unsigned int u) { float f; std::memcpy(&f, &u, 4); return f; }
+static inline unsigned int __float_as_uint(float f) { unsigned int u; std::memcpy(&u, &f, 4); return u; }
+static inline float __int_as_float(int i) { float f; std::memcpy(&f, &i, 4); return f; }
+static inline float __fmul_rn(float a, float b) { volatile float r = a * b; return r; }
+static inline float __fsub_rn(float a, float b) { volatile float r = a - b; return r; }
+static inline void __syncthreads() { qd_block_bar->arrive_and_wait(); }
+// the warp sum through memory: every lane's value once, summed in lane order
+static inline float qd_host_warp_sum(float v) {
+    const unsigned t = threadIdx.x, w0 = t & ~31u;
+    qd_xchg[t] = v;
+    qd_warp_bar[t / 32]->arrive_and_wait();
+    float s = 0.0f;
+    for (unsigned l = 0; l < 32; ++l) s += qd_xchg[w0 + l];
+    qd_warp_bar[t / 32]->arrive_and_wait();
+    return s;
+}
+#define __device__
+#define __global__
+#define __forceinline__ inline
+#define __shared__ static
+#define __restrict__
+#define __launch_bounds__(...)
+static void qd_set_thread(unsigned t) { threadIdx.x = t; }
+static void qd_launch(unsigned gx, unsigned gy, const std::function<void()>& body) {
+    blockDim.x = 256; gridDim.x = gx; gridDim.y = gy;
+    for (unsigned by = 0; by < gy; ++by)
+        for (unsigned bx = 0; bx < gx; ++bx) {
+            std::vector<qh_barrier> bars(8, qh_barrier(32));
+            for (int w = 0; w < 8; ++w) qd_warp_bar[w] = &bars[w];
+            qh_barrier block_bar(256);
+            qd_block_bar = &block_bar;
+            blockIdx.x = bx;
+            blockIdx.y = by;
+            qh_run_block(256, body, qd_set_thread);
+        }
+}
+"""
+
+WRAPPERS = "extern \"C\" {\n" + "".join(rf"""
+void host_gate_up_{t}(unsigned gx, unsigned gy, const float* x, const float* logits, int E, int K,
+                      const int* slot_map, int S, int H, int F, const unsigned char* blob, long long sb, long long rb,
+                      float* act, int* ids, float* w, int* slots) {{
+    qd_launch(gx, gy, [&] {{ strata_qd_gate_up_{t}(x, logits, E, K, slot_map, S, H, F, blob, sb, rb, act, ids, w,
+                                                   slots); }});
+}}
+void host_down_{t}(unsigned gx, const float* act, const float* w, const int* slots, int S, int K, int H, int F,
+                   const unsigned char* blob, long long sb, long long doff, long long rb, int acc, float* out) {{
+    qd_launch(gx, 1, [&] {{ strata_qd_down_{t}(act, w, slots, S, K, H, F, blob, sb, doff, rb, acc, out); }});
+}}
+""" for t in ("q4_k", "q5_k", "q6_k", "q8_0")) + "}\n"
+
+
+@pytest.fixture(scope="module")
+def qd_lib(tmp_path_factory):
+    """quant_decode.cu built for the host."""
+    text = SHIM + (CUDA_DIR / "quant_decode.cu").read_text() + WRAPPERS
+    return build_host_library(tmp_path_factory, "quant_decode_host", text, CUDA_DIR,
+                              includes=[CUDA_DIR / "quants.cuh"])
+
+
+def _p(a: np.ndarray):
+    return a.ctypes.data_as(ctypes.c_void_p)
+
+
+def host_decode(lib, x, logits, pool, slot_map, k, out0, pad: int = 0):
+    """One decode step through the host build, launched as QuantMoE launches it (decode_form 2): gate/up (routing
+    in every block), then down added to out0; the blob `pad` bytes off a 16-byte boundary. (out, ids, w, slots)."""
+    from strata_cuda.quant_ffn import DECODE_PAIRS, FAST_WARPS
+    fmt = pool.fmt
+    src = np.ascontiguousarray(pool.arrays["blob"])
+    buf = np.zeros(src.nbytes + 64, np.uint8)
+    off = (-buf.ctypes.data) % 16 + pad
+    blob = buf[off:off + src.nbytes].reshape(src.shape)
+    blob[:] = src
+    e, h, f = logits.shape[1], fmt.hidden, fmt.ffn
+    act = np.full((k, f), np.nan, np.float32)
+    ids, w, slots = np.full(k, -7, np.int32), np.full(k, np.nan, np.float32), np.full(k, -7, np.int32)
+    out = out0.copy()
+    ll, i32, u = ctypes.c_longlong, ctypes.c_int, ctypes.c_uint
+    rows = FAST_WARPS * DECODE_PAIRS
+    getattr(lib, f"host_gate_up_{fmt.gate_up}")(
+        u(-(-f // rows)), u(k), _p(x), _p(logits), i32(e), i32(k), _p(slot_map), i32(blob.shape[0]), i32(h), i32(f),
+        _p(blob), ll(blob.shape[1]), ll(fmt.gate_up_row_bytes), _p(act), _p(ids), _p(w), _p(slots))
+    getattr(lib, f"host_down_{fmt.down}")(
+        u(-(-h // FAST_WARPS)), _p(act), _p(w), _p(slots), i32(blob.shape[0]), i32(k), i32(h), i32(f), _p(blob),
+        ll(blob.shape[1]), ll(fmt.down_offset), ll(fmt.down_row_bytes), i32(1), _p(out))
+    return out, ids, w, slots
+
+
+#: (write_moe_gguf arguments, layer): gate/up and down in every type the kernels take
+CASES = {
+    "q4_k-q6_k": (dict(arch="qwen3moe", layers=3, gate_up="q4_k", down=["q4_k", "q4_k", "q6_k"]), 2),
+    "q4_k-q4_k": (dict(arch="qwen3moe", layers=3, gate_up="q4_k", down=["q4_k", "q4_k", "q6_k"]), 0),
+    "q5_k-q6_k": (dict(arch="llama", gate_up="q5_k", down="q6_k"), 1),
+    "q6_k-q8_0": (dict(arch="olmoe", gate_up="q6_k", down="q8_0"), 0),
+    "q8_0-q5_k": (dict(arch="qwen3moe", gate_up="q8_0", down="q5_k", hidden=512), 1),
+    "q8_0-q6_k": (dict(arch="qwen3moe", gate_up="q8_0", down="q6_k"), 0),
+}
+#: q6_k and q8_0 read 4-byte words at any offset: those cases also run on blobs 2 and 3 bytes off a boundary
+RUNS = [(c, 0) for c in CASES] + [(c, p) for c in ("q6_k-q8_0", "q8_0-q6_k") for p in (2, 3)]
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    d = tmp_path_factory.mktemp("qd_gguf")
+    return {c: write_moe_gguf(d / f"{c}.gguf", seed=i + 3, **kw) for i, (c, (kw, _)) in enumerate(CASES.items())}
+
+
+@pytest.mark.parametrize("case,pad", RUNS)
+def test_quant_decode_kernels_on_the_host_match_the_float64_reference(qd_lib, files, case, pad):
+    """out0 + sum_k w_k expert(slot_map[id_k])(x) of the reference's routing, within BOUND of float64; the ids,
+    weights and routed slots the gate/up kernel publishes are the reference's."""
+    from strata_cuda.quant_ffn import decode_kernels_take
+    kw, layer = CASES[case]
+    pool = read_moe_tensors(files[case]).experts.for_layer(layer)
+    fmt = pool.fmt
+    e_n, k = 8, 3
+    assert decode_kernels_take(fmt, e_n, k, 4096 + pad, pool.arrays["blob"].shape[1])
+    rng = np.random.default_rng(17)
+    x = rng.standard_normal((1, fmt.hidden)).astype(np.float32)
+    logits = rng.standard_normal((1, e_n)).astype(np.float32)
+    n_slots = pool.arrays["blob"].shape[0]
+    slot_map = (layer * e_n + np.arange(e_n, dtype=np.int32))[::-1].copy()  # expert e in slot base + 7 - e
+    out0 = rng.standard_normal((1, fmt.hidden)).astype(np.float32)
+    out, ids, w, slots = host_decode(qd_lib, x, logits, pool, slot_map, k, out0, pad)
+    want_ids, want_w = r64.route_topk(logits, k)
+    assert np.array_equal(ids, want_ids[0]) and np.array_equal(slots, slot_map[want_ids[0]])
+    assert np.allclose(w, want_w[0], rtol=1e-6, atol=0)
+    ys = r64.moe_grouped_ffn(np.repeat(x, k, 0), np.arange(k + 1), slot_map[ids], pool)
+    want = out0.astype(np.float64) + (want_w[0][:, None] * ys).sum(0)
+    err = r64.relative_error(out - out0, want - out0)
+    print(f"{case} pad {pad}: rel err {err:.2e} (bound {BOUND:g}); slots {n_slots}")
+    assert err <= BOUND, err
+
+
+def test_the_decode_kernels_take_only_what_they_can_read():
+    """decode_kernels_take: q4_k/q5_k matrices only 16-byte aligned (blob and slots), no biases, no other types,
+    the shared-memory bounds (H, K * F, K) and E within a block's threads."""
+    from strata_core.api.kernels import ExpertFormat
+    from strata_cuda.quant_ffn import decode_kernels_take
+    q = ExpertFormat("q4_k", "q6_k", 2048, 768)
+    assert decode_kernels_take(q, 128, 8, 1 << 20, q.nbytes)
+    assert not decode_kernels_take(q, 128, 8, (1 << 20) + 2, q.nbytes)
+    assert not decode_kernels_take(q, 128, 8, 1 << 20, q.nbytes + 2)
+    assert decode_kernels_take(ExpertFormat("q6_k", "q8_0", 2048, 768), 128, 8, (1 << 20) + 3, 7)
+    assert not decode_kernels_take(ExpertFormat("mxfp4", "mxfp4", 2048, 768), 128, 8, 1 << 20, 1 << 20)
+    assert not decode_kernels_take(ExpertFormat("q4_k", "q6_k", 8192, 768), 128, 8, 1 << 20, q.nbytes)
+    assert not decode_kernels_take(q, 128, 16, 1 << 20, q.nbytes)  # K * F = 12288 > 8192
+    assert not decode_kernels_take(q, 512, 8, 1 << 20, q.nbytes)
+
+
+def test_a_routed_expert_outside_the_pool_makes_the_output_nan(qd_lib, files):
+    """A routed slot outside [0, n_slots) (decode needs every routed expert cached): every output NaN, not a read
+    of another slot's bytes; the experts not routed may be missing."""
+    pool = read_moe_tensors(files["q4_k-q6_k"]).experts.for_layer(2)
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((1, pool.fmt.hidden)).astype(np.float32)
+    logits = rng.standard_normal((1, 8)).astype(np.float32)
+    ids = r64.route_topk(logits, 2)[0][0]
+    slot_map = 16 + np.arange(8, dtype=np.int32)
+    cold = np.setdiff1d(np.arange(8), ids)
+    slot_map[cold] = -1
+    out0 = np.zeros((1, pool.fmt.hidden), np.float32)
+    out, _, _, _ = host_decode(qd_lib, x, logits, pool, slot_map, 2, out0)
+    assert np.isfinite(out).all()
+    slot_map[ids[1]] = 10_000
+    out, _, _, _ = host_decode(qd_lib, x, logits, pool, slot_map, 2, out0)
+    assert np.isnan(out).all()
+
+
+def test_quant_decode_cu_compiles_with_nvrtc_and_keeps_its_loads_ahead_of_the_sums():
+    """NVRTC builds every kernel QuantMoE names; in each gate/up and down kernel every weight load (32-bit or
+    16-byte integer loads through the read-only path) sits between the kernel's first launch_dependents and the
+    trip's issue fence (the last one), so none is left among the sums; no local memory."""
+    try:
+        from cupy_backends.cuda.libs import nvrtc
+        nvrtc.getVersion()
+    except Exception as e:  # cupy or NVRTC not installed here
+        pytest.skip(f"NVRTC is not available here ({type(e).__name__}: {e})")
+    from strata_cuda.quant_ffn import DECODE_KERNEL_NAMES, DECODE_SOURCE_NAME, compile_to_ptx
+    ptx = compile_to_ptx("compute_90", DECODE_SOURCE_NAME).decode()
+    assert sorted(re.findall(r"\.entry\s+(\w+)", ptx)) == sorted(DECODE_KERNEL_NAMES)
+    for body in re.split(r"\.entry\s+", ptx)[1:]:
+        name = body.split("(", 1)[0]
+        fences = [m.start() for m in re.finditer(r"griddepcontrol\.launch_dependents", body)]
+        loads = [m.start() for m in re.finditer(r"ld\.global\.nc(\.v4)?\.u32", body)]
+        assert len(fences) == 2 and loads, name
+        assert all(fences[0] < a < fences[1] for a in loads), name
+        assert "ld.local" not in body and "st.local" not in body, name
