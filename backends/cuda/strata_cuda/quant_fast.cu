@@ -242,6 +242,171 @@ strata_qf_dequant_f16_part(const unsigned char* __restrict__ blob, long long slo
     qf_dequant_part(blob, slot_bytes, slots, mat_off, rb, rows, r0, c0, ccols, fmt, out);
 }
 
+// ---- super-block dequantization (QuantMoE's prefill scratch; issue 14 item 5) --------------------------------
+// A warp per 256 consecutive weights of a row (a q4_k/q5_k/q6_k super-block, eight q8_0 blocks), lane l its weights
+// 8l .. 8l+7: each lane reads only the 8 or 16 bytes of quants its 8 weights need (the chunk kernel's lanes each
+// read 32 bytes, twice what a q4_k sub-block uses) and stores one 16-byte word, so a warp writes 512 consecutive
+// bytes straight from registers (no shared-memory staging). Two super-blocks a warp per pass, their loads issued
+// before either is decoded, keep more bytes in flight. Both matrices of m experts in one launch (gate|up, then down).
+// The f16 of every weight is the chunk kernel's (the same f32 steps, then round to nearest even).
+
+// n bytes (n = 8 or 16) at p of any alignment as n/4 little-endian words: one vector load where p is n-aligned,
+// else n/4 + 1 aligned words funnel-shifted into place (every word loaded holds a byte of [p, p + n)).
+template <int N>
+__device__ __forceinline__ void qf_loadw(const unsigned char* p, unsigned int w[N]) {
+    const unsigned long long a = (unsigned long long)p;
+    if (N == 4 && (a & 15ull) == 0ull) {
+        const uint4 x = QF_LDG((const uint4*)p);
+        w[0] = x.x; w[1] = x.y; w[2 % N] = x.z; w[3 % N] = x.w;
+        return;
+    }
+    if (N == 2 && (a & 7ull) == 0ull) {
+        const unsigned long long x = QF_LDG((const unsigned long long*)p);
+        w[0] = (unsigned int)x; w[1 % N] = (unsigned int)(x >> 32);
+        return;
+    }
+    const unsigned int* q = (const unsigned int*)(a & ~3ull);
+    const unsigned int sh = 8u * (unsigned int)(a & 3ull);
+    unsigned int lo = QF_LDG(q);
+#pragma unroll
+    for (int i = 0; i < N; ++i) {
+        const unsigned int hi = (sh == 0u && i == N - 1) ? 0u : QF_LDG(q + i + 1);
+        w[i] = sh == 0u ? lo : (unsigned int)((((unsigned long long)hi << 32) | lo) >> sh);
+        lo = hi;
+    }
+}
+
+// The binary16 bits h as float (quants.cuh's dq_half_at of the same two bytes).
+__device__ __forceinline__ float qf_half(unsigned int h) {
+    const unsigned int sign = (h & 0x8000u) << 16;
+    const unsigned int e = (h >> 10) & 0x1fu;
+    const unsigned int m = h & 0x3ffu;
+    if (e == 0u) return __uint_as_float(__float_as_uint(__fmul_rn((float)m, 5.9604644775390625e-8f)) | sign);
+    if (e == 31u) return __uint_as_float(sign | 0x7f800000u | (m << 13));
+    return __uint_as_float(sign | ((e + 112u) << 23) | (m << 13));
+}
+
+// Byte k (0..11) of three words, without a runtime index into an array (that would go to local memory).
+__device__ __forceinline__ unsigned int qf_byte12(unsigned int a, unsigned int b, unsigned int c, unsigned int k) {
+    const unsigned int w = k < 4u ? a : (k < 8u ? b : c);
+    return (w >> (8u * (k & 3u))) & 0xffu;
+}
+
+// What a lane loads of one super-block: up to 4 + 2 + 2 words (a header, then two 8-byte runs of quants).
+struct qf_sb_raw {
+    unsigned int h[4], a[2], b[2];
+};
+
+// Bytes of the 256 weights' blocks; 0 where this kernel does not take the format.
+__device__ __forceinline__ int qf_sb_bytes(int fmt) {
+    return fmt == DQ_TYPE_Q4_K ? DQ_Q4_K_BYTES : fmt == DQ_TYPE_Q5_K ? DQ_Q5_K_BYTES
+         : fmt == DQ_TYPE_Q6_K ? DQ_Q6_K_BYTES : fmt == DQ_TYPE_Q8_0 ? 8 * DQ_Q8_0_BYTES : 0;
+}
+
+__device__ __forceinline__ void qf_sb_load(const unsigned char* b, int fmt, int lane, qf_sb_raw* r) {
+    const int j = lane >> 2, q4 = lane & 3;  // the lane's 32-weight sub-block and its quarter of it
+    if (fmt == DQ_TYPE_Q4_K || fmt == DQ_TYPE_Q5_K) {
+        qf_loadw<4>(b, r->h);  // d, dmin, scales[12]
+        qf_loadw<2>(b + (fmt == DQ_TYPE_Q5_K ? 48 : 16) + 32 * (j >> 1) + 8 * q4, r->a);  // qs
+        if (fmt == DQ_TYPE_Q5_K) qf_loadw<2>(b + 16 + 8 * q4, r->b);  // qh
+    } else if (fmt == DQ_TYPE_Q6_K) {
+        const int hh = j >> 2, g = j & 3;
+        qf_loadw<2>(b + 64 * hh + 32 * (g & 1) + 8 * q4, r->a);  // ql
+        qf_loadw<2>(b + 128 + 32 * hh + 8 * q4, r->b);  // qh
+        // the scale of the lane's 8 weights, and d: two bytes each, read as such (210-byte blocks: any alignment)
+        const unsigned char* s = b + 192 + 2 * j + (q4 >> 1);
+        r->h[0] = QF_LDG(s);
+        r->h[1] = (unsigned int)QF_LDG(b + 208) | ((unsigned int)QF_LDG(b + 209) << 8);
+    } else {  // q8_0: the lane's block j of eight, its d and 8 quants
+        const unsigned char* blk = b + DQ_Q8_0_BYTES * j;
+        r->h[0] = (unsigned int)QF_LDG(blk) | ((unsigned int)QF_LDG(blk + 1) << 8);
+        qf_loadw<2>(blk + 2 + 8 * q4, r->a);
+    }
+}
+
+// The lane's 8 weights as four f16x2 words, the same f32 steps as qf_chunk's.
+__device__ __forceinline__ uint4 qf_sb_decode(const qf_sb_raw& r, int fmt, int lane) {
+    const int j = lane >> 2;
+    float v[8];
+    if (fmt == DQ_TYPE_Q4_K || fmt == DQ_TYPE_Q5_K) {
+        const unsigned int s0 = r.h[1], s1 = r.h[2], s2 = r.h[3], uj = (unsigned int)j;
+        unsigned int sc, m;
+        if (uj < 4u) {
+            sc = qf_byte12(s0, s1, s2, uj) & 63u;
+            m = qf_byte12(s0, s1, s2, uj + 4u) & 63u;
+        } else {
+            sc = (qf_byte12(s0, s1, s2, uj + 4u) & 15u) | ((qf_byte12(s0, s1, s2, uj - 4u) >> 6) << 4);
+            m = (qf_byte12(s0, s1, s2, uj + 4u) >> 4) | ((qf_byte12(s0, s1, s2, uj) >> 6) << 4);
+        }
+        const float scale = __fmul_rn(qf_half(r.h[0] & 0xffffu), (float)sc);
+        const float minv = __fmul_rn(qf_half(r.h[0] >> 16), (float)m);
+        const unsigned int shift = (uj & 1u) * 4u;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+            unsigned int q = (r.a[i >> 2] >> (8 * (i & 3) + shift)) & 15u;
+            if (fmt == DQ_TYPE_Q5_K) q |= ((r.b[i >> 2] >> (8 * (i & 3) + j)) & 1u) << 4;
+            v[i] = __fsub_rn(__fmul_rn(scale, qf_small(q)), minv);
+        }
+    } else if (fmt == DQ_TYPE_Q6_K) {
+        const int g = j & 3;
+        const float s = __fmul_rn(qf_half(r.h[1]), (float)(signed char)(unsigned char)r.h[0]);
+        const unsigned int lshift = g < 2 ? 0u : 4u;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+            const unsigned int low = (r.a[i >> 2] >> (8 * (i & 3) + lshift)) & 15u;
+            const unsigned int high = (r.b[i >> 2] >> (8 * (i & 3) + 2 * g)) & 3u;
+            v[i] = __fmul_rn(s, __fsub_rn(qf_small(low | (high << 4)), 32.0f));
+        }
+    } else {
+        const float d = qf_half(r.h[0]);
+#pragma unroll
+        for (int i = 0; i < 8; ++i)
+            v[i] = __fmul_rn((float)(signed char)(unsigned char)((r.a[i >> 2] >> (8 * (i & 3))) & 0xffu), d);
+    }
+    return make_uint4(qf_pack_h2(v[0], v[1]), qf_pack_h2(v[2], v[3]), qf_pack_h2(v[4], v[5]),
+                      qf_pack_h2(v[6], v[7]));
+}
+
+// Quant bytes of super-block t of one matrix of the launch's experts (n super-blocks an expert, spr a row).
+__device__ __forceinline__ const unsigned char* qf_sb_src(long long t, long long n, long long spr,
+                                                          const unsigned char* __restrict__ blob, long long slot_bytes,
+                                                          const int* __restrict__ slots, long long off, long long rb,
+                                                          int bsz) {
+    const long long e = t / n, i = t - e * n, r = i / spr, k = i - r * spr;
+    return blob + (long long)slots[e] * slot_bytes + off + r * rb + k * bsz;
+}
+
+// out_a[e] = f16 of matrix a ([rows_a, cols_a] at off_a bytes into slot slots[e], rows of rb_a bytes), and the same
+// of matrix b into out_b (rows_b 0: none), for e < m; cols multiples of 256, formats qf_sb_bytes takes (the caller
+// checks: qf_dequant_sb_takes in quant_ffn.py), out 16-byte aligned. Any grid; blockDim.x is QF_THREADS.
+extern "C" __global__ void __launch_bounds__(QF_THREADS)
+strata_qf_dequant_sb(const unsigned char* __restrict__ blob, long long slot_bytes, const int* __restrict__ slots,
+                     int m, long long off_a, long long rb_a, int rows_a, int cols_a, int fmt_a,
+                     uint4* __restrict__ out_a, long long off_b, long long rb_b, int rows_b, int cols_b, int fmt_b,
+                     uint4* __restrict__ out_b) {
+    const int lane = threadIdx.x % QF_WARP;
+    const long long spr_a = cols_a / 256, spr_b = cols_b / 256;
+    const long long n_a = (long long)rows_a * spr_a, n_b = (long long)rows_b * spr_b;
+    const long long all_a = (long long)m * n_a, total = all_a + (long long)m * n_b;
+    const int bsz_a = qf_sb_bytes(fmt_a), bsz_b = qf_sb_bytes(fmt_b);
+    const long long warps = (long long)gridDim.x * QF_WARPS;
+    for (long long s0 = (long long)blockIdx.x * QF_WARPS + threadIdx.x / QF_WARP; s0 < total; s0 += 2 * warps) {
+        const long long s1 = s0 + warps;
+        const bool two = s1 < total;
+        const bool b0 = s0 >= all_a, b1 = s1 >= all_a;
+        const int f0 = b0 ? fmt_b : fmt_a, f1 = b1 ? fmt_b : fmt_a;
+        qf_sb_raw r0, r1;
+        // both super-blocks' loads first, then both decodes and stores
+        qf_sb_load(b0 ? qf_sb_src(s0 - all_a, n_b, spr_b, blob, slot_bytes, slots, off_b, rb_b, bsz_b)
+                      : qf_sb_src(s0, n_a, spr_a, blob, slot_bytes, slots, off_a, rb_a, bsz_a), f0, lane, &r0);
+        if (two)
+            qf_sb_load(b1 ? qf_sb_src(s1 - all_a, n_b, spr_b, blob, slot_bytes, slots, off_b, rb_b, bsz_b)
+                          : qf_sb_src(s1, n_a, spr_a, blob, slot_bytes, slots, off_a, rb_a, bsz_a), f1, lane, &r1);
+        (b0 ? out_b + 32 * (s0 - all_a) : out_a + 32 * s0)[lane] = qf_sb_decode(r0, f0, lane);
+        if (two) (b1 ? out_b + 32 * (s1 - all_a) : out_a + 32 * s1)[lane] = qf_sb_decode(r1, f1, lane);
+    }
+}
+
 // The group of blockIdx.y: its rows [r0, r1) and slot. offsets null: group g is row g alone (decode: act row k);
 // ids not null: the slot is slot_map[ids[g]], else slots[g].
 __device__ __forceinline__ void qf_group(const int* offsets, const int* ids, const int* slots, int g, int* r0,

@@ -48,7 +48,7 @@ MMA_THREADS = 128
 #: for it on a GPU (its fragment layout is checked here only by an emulation of the instruction on the host).
 MMA_BY_DEFAULT = False
 FAST_SOURCE_NAME = "quant_fast.cu"
-FAST_KERNEL_NAMES = ("strata_qf_dequant_f16", "strata_qf_dequant_f16_part", "strata_qf_gemv_gate_up",
+FAST_KERNEL_NAMES = ("strata_qf_dequant_f16", "strata_qf_dequant_f16_part", "strata_qf_dequant_sb", "strata_qf_gemv_gate_up",
                      "strata_qf_gemv_down", "strata_qf_decode_down", "strata_qf_decode_down_wide")
 #: QF_THREADS, QF_WARPS of quant_fast.cu (a warp per output row)
 FAST_THREADS = 256
@@ -72,6 +72,29 @@ FAST_TYPES = frozenset(GGML_TYPES)
 RING_GROUPS_IN_FLIGHT = 2
 #: The last copy groups' sizes (FastMoE's 4, 2, 2), so the compute left after the last byte lands is small.
 RING_TAIL = (4, 2, 2)
+#: Whole experts' dequantization kernel: "sb" (quant_fast.cu's strata_qf_dequant_sb: a warp per 256 weights, both
+#: matrices of a group in one launch) where sb_takes the format, else (and with "chunk") strata_qf_dequant_f16, a lane
+#: per 32 weights, a launch per matrix (0.654 ms for the Qwen3-30B-A3B Q4_K_M layer on the H200, 2.45 TB/s:
+#: bench/results/quant_layer_h200.json before bench/results/qw_h200/).
+DEQUANT_KERNEL = "sb"
+#: Formats strata_qf_dequant_sb decodes (256-weight super-blocks, or eight q8_0 blocks).
+SB_TYPES = frozenset({"q4_k", "q5_k", "q6_k", "q8_0"})
+#: Most blocks of a strata_qf_dequant_sb launch (grid-stride beyond: 8 blocks of 256 threads fill an SM, ~4 waves).
+SB_MAX_BLOCKS = 4096
+#: Scratch halves a prefill fills with its first cached experts (in expert order) before the routing is known:
+#: the device is nearly idle while the host waits for the routing counts and plans the stacks (~0.37 ms of a
+#: 4096-token layer on the H200), and a chunk of thousands of rows routes to nearly every expert, so the first
+#: groups' dequantization is rarely wasted; an expert the routing leaves out only costs its share of that work
+#: (QuantMoE.prefill_layer, hit_groups). 0: none.
+WARM_SPEC_HALVES = 2
+#: Speculate only for chunks of at least this many routed rows per expert (smaller ones leave many experts out).
+SPEC_MIN_ROWS_PER_EXPERT = 4
+#: The speculated halves' experts run as one group (one cuBLAS call per size class for both): the warm layer is
+#: host-bound, ~0.05 ms of cuBLAS host time per call.
+WARM_MERGE_SPEC = True
+#: The cached experts after the speculated ones run in groups of the whole scratch (both halves, after the GEMMs
+#: that read them) rather than half by half (False: halves in turn, each dequantized beside the other's GEMMs).
+WARM_REST_WHOLE = True
 #: One token's layer from the quant blocks (quant_decode.cu, issue 14 item 5): routing fused into gate/up, each lane
 #: issuing a trip's loads before any sum, x staged in shared memory in unit order; its kernels by the format of the
 #: matrix each reads (no biases; other formats and biased ones take quant_fast.cu's route + GEMV + wide down).
@@ -152,6 +175,48 @@ def ring_group_sizes(n: int, ring_slots: int, want: int, in_flight: int = RING_G
     head = n - sum(end)
     groups = -(-head // big) if head > 0 else 0
     return [head // groups + (1 if i < head % groups else 0) for i in range(groups)] + end
+
+
+def sb_takes(fmt: ExpertFormat) -> bool:
+    """Whether strata_qf_dequant_sb dequantizes both matrices of this format (rows of whole 256-weight blocks)."""
+    return fmt.gate_up in SB_TYPES and fmt.down in SB_TYPES and fmt.hidden % 256 == 0 and fmt.ffn % 256 == 0
+
+
+def hit_groups(block_slots: Any, step: int, spec: tuple = (), merge_spec: bool = WARM_MERGE_SPEC,
+               rest_whole: bool = WARM_REST_WHOLE, first: int | None = None) -> list[tuple[int, int, tuple, bool]]:
+    """QuantMoE._run_blocks' groups over blocks of these slots, in block order: (first block, experts, scratch halves
+    it uses, whether its f16 is speculated). spec holds each half's speculated slots (the first cached experts in
+    expert order, so the blocks in a half are a run: blocks come in expert order too); the run of blocks in half 0,
+    then the run in half 1, use them (one group with merge_spec), the rest are dequantized: groups of both halves
+    (2 * step experts) with rest_whole, else of one half (the one used least recently; a first group of `first`
+    where nothing was speculated)."""
+    slots = np.asarray(block_slots).reshape(-1)
+    n, step = int(slots.size), int(step)
+    out: list[tuple[int, int, tuple, bool]] = []
+    i = 0
+    for half, part in enumerate(tuple(spec)[:2]):
+        inside = np.isin(slots[i:], np.asarray(part))
+        k = int(inside.size if inside.all() else np.argmin(inside))
+        if k:
+            out.append((i, k, (half,), True))
+            i += k
+    if merge_spec and len(out) == 2:
+        out = [(out[0][0], out[0][1] + out[1][1], (0, 1), True)]
+    last = [-1, -1]  # the group that last used each half
+    for g, grp in enumerate(out):
+        for half in grp[2]:
+            last[half] = g
+    while i < n:
+        if rest_whole:
+            m, halves = min(2 * step, n - i), (0, 1)
+        else:
+            lead = step if out or first is None else max(1, min(int(first), step))
+            m, halves = min(lead, n - i), (0 if last[0] <= last[1] else 1,)
+        for half in halves:
+            last[half] = len(out)
+        out.append((i, m, halves, False))
+        i += m
+    return out
 
 
 def fast_path_takes(fmt: ExpertFormat) -> bool:
@@ -352,6 +417,18 @@ class QuantMoE(FastMoE):
         #: warm layer is host-bound: 4 groups of 32 took 2.13 ms against 3.13 ms for 8 + 32 + 32 + 32 + 24 (H200,
         #: bench/results/q2_h200/call1_q2_diag.json)
         self.first_group_experts: int | None = None
+        #: whole experts' dequantization kernel (DEQUANT_KERNEL), scratch halves speculated before the routing
+        #: (WARM_SPEC_HALVES; launched after the routing kernels with spec_after_route), and how hit_groups groups
+        #: the rest (WARM_MERGE_SPEC, WARM_REST_WHOLE)
+        self.dequant_kernel = DEQUANT_KERNEL
+        self.warm_spec_halves = WARM_SPEC_HALVES
+        self.spec_after_route = False
+        self.warm_merge_spec = WARM_MERGE_SPEC
+        self.warm_rest_whole = WARM_REST_WHOLE
+        #: the last prefill's speculation: experts dequantized ahead, and blocks that used them (tests, benches)
+        self.spec_report = {"speculated": 0, "used": 0}
+        self._spec: dict | None = None
+        self._spec_launch: Any = None
         # page-locked staging of the slot tables the dequantization reads, used from a cursor that restarts once
         # its last upload has run (as FastMoE's pointer staging)
         n = 64 * max(experts, 64)
@@ -400,25 +477,38 @@ class QuantMoE(FastMoE):
         self._slot_cursor = c + n
         return dst
 
-    def _dequant(self, pool: ExpertPool, table: int, m: int, buf: int) -> tuple[np.ndarray, np.ndarray]:
-        """Dequantize the m experts of the device slot table into scratch buffer `buf` on the current stream; the
-        device pointers of each one's f16 gate|up [2F,H] and down [H,F] matrices."""
+    def _dequant(self, pool: ExpertPool, table: int, m: int, buf: int,
+                 whole: bool = False) -> tuple[np.ndarray, np.ndarray]:
+        """Dequantize the m experts of the device slot table into scratch half `buf` (with `whole`: the whole scratch,
+        up to twice a half's experts) on the current stream; the device pointers of each one's f16 gate|up [2F,H] and
+        down [H,F] matrices."""
         fmt = pool.fmt  # a shared QuantMoE (QuantGroupedFFN's) sees every format of its shape
         h, f = self.hidden, self.ffn
         n13, n2 = 2 * f * h, h * f
-        if not 0 < m <= self.layout.group_experts:
-            raise ValueError(f"QuantMoE: {m} experts do not fit a scratch half of {self.layout.group_experts}")
-        base = self._scratch_base() + buf * (self.layout.nbytes // 2)
+        most = self.layout.group_experts * (2 if whole else 1)
+        if not 0 < m <= most:
+            raise ValueError(f"QuantMoE: {m} experts do not fit a scratch {'' if whole else 'half '}of {most}")
+        base = self._scratch_base() + (0 if whole else buf * (self.layout.nbytes // 2))
         s13, s2 = base, base + 2 * m * n13
         blob = pool.arrays["blob"]
         slot_b = int(blob.shape[1])
-        for off, rb, rows, cols, typ, dst in ((0, fmt.gate_up_row_bytes, 2 * f, h, fmt.gate_up, s13),
-                                              (fmt.down_offset, fmt.down_row_bytes, h, f, fmt.down, s2)):
-            chunks = rows * (cols // 32)  # of one expert: blockIdx.y is the expert
-            self._qk["strata_qf_dequant_f16"](
-                (max(1, min(4096, -(-chunks // FAST_THREADS))), m), (FAST_THREADS,),
-                (blob, np.int64(slot_b), np.uint64(table), np.int32(m), np.int64(off), np.int64(rb), np.int32(rows),
-                 np.int32(cols), np.int32(GGML_TYPES[typ]), np.uint64(dst)))
+        mats = ((0, fmt.gate_up_row_bytes, 2 * f, h, fmt.gate_up, s13),
+                (fmt.down_offset, fmt.down_row_bytes, h, f, fmt.down, s2))
+        if self.dequant_kernel == "sb" and sb_takes(fmt):
+            (oa, ra, rows_a, cols_a, ta, da), (ob, rb_, rows_b, cols_b, tb, db) = mats
+            blocks = m * (rows_a * (cols_a // 256) + rows_b * (cols_b // 256))  # super-blocks, two a warp a pass
+            self._qk["strata_qf_dequant_sb"](
+                (max(1, min(SB_MAX_BLOCKS, -(-blocks // (2 * FAST_WARPS)))),), (FAST_THREADS,),
+                (blob, np.int64(slot_b), np.uint64(table), np.int32(m), np.int64(oa), np.int64(ra), np.int32(rows_a),
+                 np.int32(cols_a), np.int32(GGML_TYPES[ta]), np.uint64(da), np.int64(ob), np.int64(rb_),
+                 np.int32(rows_b), np.int32(cols_b), np.int32(GGML_TYPES[tb]), np.uint64(db)))
+        else:
+            for off, rb, rows, cols, typ, dst in mats:
+                chunks = rows * (cols // 32)  # of one expert: blockIdx.y is the expert
+                self._qk["strata_qf_dequant_f16"](
+                    (max(1, min(4096, -(-chunks // FAST_THREADS))), m), (FAST_THREADS,),
+                    (blob, np.int64(slot_b), np.uint64(table), np.int32(m), np.int64(off), np.int64(rb),
+                     np.int32(rows), np.int32(cols), np.int32(GGML_TYPES[typ]), np.uint64(dst)))
         idx = np.arange(m, dtype=np.int64)
         return s13 + idx * (2 * n13), s2 + idx * (2 * n2)
 
@@ -427,7 +517,9 @@ class QuantMoE(FastMoE):
             return super()._weights_f16(pool, slots)
         if self._ready is not None:  # dequantized ahead on the side stream by _run_blocks
             return self._ready
-        # a ring group of _stream_misses: on this stream, after the GEMMs that read the scratch before
+        # a ring group of _stream_misses: on this stream, after the GEMMs that read the scratch before and after a
+        # speculated dequantization no group waited for
+        self._spec_wait(self._cp.cuda.get_current_stream(), (0, 1))
         return self._dequant(pool, self._upload_slots(np.asarray(slots, dtype=np.int32)), len(slots), 0)
 
     def _group(self, pool: ExpertPool, slots: np.ndarray, blk0: int, lay: Any, bufs: tuple) -> None:
@@ -502,29 +594,138 @@ class QuantMoE(FastMoE):
         fork = cp.cuda.Event(disable_timing=True)
         fork.record(main)
         side.wait_event(fork)  # the table has landed and earlier readers of the scratch are done
-        done: list = []
-        # groups of a scratch half each (the first may be smaller: first_group_experts), the next one dequantized
-        # on the side stream while this one's GEMMs run
-        lead = step if self.first_group_experts is None else max(1, int(self.first_group_experts))
-        first = min(lead, step) if n > step else n
-        starts = [0] + list(range(first, n, step))
+        spec = self._spec
+        groups = hit_groups(block_slots, step, spec["slots"] if spec else (), self.warm_merge_spec,
+                            self.warm_rest_whole, self.first_group_experts)
+        last: list = [None, None]  # the event after the GEMMs that last read each half
+        # each group dequantized on the side stream (the next one while this one's GEMMs run, where it has a half
+        # of its own) or speculated before the routing (_speculate), then its GEMMs on this stream
         try:
-            for j, sub in enumerate(starts):
-                m = min(step if j else first, n - sub)
-                if j >= 2:
-                    side.wait_event(done[j - 2])  # the GEMMs of the group that last used this buffer
-                with side:
-                    ptrs = self._dequant(pool, table + 4 * sub, m, j % 2)
-                ready = cp.cuda.Event(disable_timing=True)
-                ready.record(side)
-                main.wait_event(ready)
+            for sub, m, halves, ahead in groups:
+                if ahead:
+                    self._spec_wait(main, halves)
+                    ptrs = self._spec_ptrs(block_slots[sub:sub + m])
+                    self.spec_report["used"] += m
+                else:
+                    for half in halves:
+                        if last[half] is not None:
+                            side.wait_event(last[half])
+                    with side:
+                        ptrs = self._dequant(pool, table + 4 * sub, m, halves[0], whole=len(halves) == 2)
+                    ready = cp.cuda.Event(disable_timing=True)
+                    ready.record(side)
+                    main.wait_event(ready)
                 self._ready = ptrs
                 FastMoE._group(self, pool, block_slots[sub:sub + m], blk0 + sub, lay, bufs)
                 ev = cp.cuda.Event(disable_timing=True)
                 ev.record(main)
-                done.append(ev)
+                for half in halves:
+                    last[half] = ev
         finally:
             self._ready = None
+
+    # -- the speculated dequantization of a prefill's first cached experts (WARM_SPEC_HALVES) -----------------
+
+    def prefill_layer(self, x: Any, logits: Any, pool: ExpertPool, slot_of_expert: np.ndarray,
+                      host_pool: ExpertPool | None = None, ring: Any = None, out: Any = None,
+                      accumulate: bool = False, on_counts: Any = None) -> Any:
+        """FastMoE.prefill_layer; over a 'gguf' pool the first cached experts (expert order) are dequantized into the
+        scratch halves on the side stream before the routing is known (_speculate), and the groups that route to
+        them use that f16 (hit_groups); a slot on_counts gives another expert is not used from it."""
+        slot_of = np.asarray(slot_of_expert, dtype=np.int64)
+        self.spec_report = {"speculated": 0, "used": 0}
+        if pool.dtype != "gguf" or not self._speculate(pool, slot_of, int(x.shape[0])):
+            return super().prefill_layer(x, logits, pool, slot_of, host_pool, ring, out, accumulate, on_counts)
+        given = on_counts
+
+        def on_counts_checked(counts: np.ndarray) -> np.ndarray:
+            new = np.asarray(given(counts), dtype=np.int64)
+            self._spec_forget(slot_of, new)
+            return new
+        try:
+            return super().prefill_layer(x, logits, pool, slot_of, host_pool, ring, out, accumulate,
+                                         on_counts_checked if given is not None else None)
+        finally:
+            self._spec_launch = None
+            # whatever no group waited for is waited for here: later users of the scratch on the compute stream
+            # (the next layer's speculation forks from it) come after it
+            self._spec_wait(self.compute_stream, (0, 1))
+            self._spec = None
+
+    def _speculate(self, pool: ExpertPool, slot_of: np.ndarray, tokens: int) -> bool:
+        """Queue the dequantization of the first cached experts (expert order; a scratch half each step of them) on
+        the side stream after the compute stream's work so far, now or (spec_after_route) once the routing kernels
+        are queued; False where nothing is speculated (no halves, pieces, a short chunk, nothing cached)."""
+        step, halves = self.layout.group_experts, min(2, int(self.warm_spec_halves))
+        if halves <= 0 or step <= 0 or tokens * self.top_k < SPEC_MIN_ROWS_PER_EXPERT * self.experts:
+            return False
+        cached = slot_of[slot_of >= 0]
+        parts = [p for p in (cached[i * step:(i + 1) * step] for i in range(halves)) if p.size]
+        if not parts:
+            return False
+        cp, side = self._cp, self.dequant_stream
+        fork = cp.cuda.Event(disable_timing=True)
+        fork.record(self.compute_stream)  # earlier readers of the scratch (the last layer's GEMMs) first
+
+        def launch() -> None:
+            side.wait_event(fork)
+            ptrs, ready = [], []
+            with side:
+                for half, part in enumerate(parts):
+                    ptrs.append(self._dequant(pool, self._upload_slots(part.astype(np.int32)), int(part.size), half))
+                    ev = cp.cuda.Event(disable_timing=True)
+                    ev.record(side)
+                    ready.append(ev)
+            pos = {int(sl): (half, i) for half, part in enumerate(parts) for i, sl in enumerate(part.tolist())}
+            self._spec = {"slots": [p.copy() for p in parts], "ptrs": ptrs, "ready": ready,
+                          "waited": [False] * len(parts), "pos": pos}
+            self.spec_report["speculated"] = int(sum(p.size for p in parts))
+
+        if self.spec_after_route:
+            self._spec_launch = launch
+        else:
+            launch()
+        return True
+
+    def _launch_route(self, logits: Any, t: int) -> tuple[int, int, int, int, int]:
+        out = super()._launch_route(logits, t)
+        launch, self._spec_launch = self._spec_launch, None
+        if launch is not None:  # spec_after_route: the routing kernels are queued ahead of the speculation
+            launch()
+        return out
+
+    def _spec_forget(self, old: np.ndarray, new: np.ndarray) -> None:
+        """on_counts gave experts other slots (admissions): a slot whose expert changed is not used from the
+        speculation (its bytes may have been read before, or while, the admission's copy wrote them)."""
+        spec = self._spec
+        if spec is None:
+            return
+        moved = old != new
+        bad = set(new[moved & (new >= 0)].tolist()) | set(old[moved & (old >= 0)].tolist())
+        if not bad:
+            return
+        spec["slots"] = [np.asarray([s for s in part.tolist() if s not in bad], dtype=np.int64)
+                         for part in spec["slots"]]
+        for sl in bad:
+            spec["pos"].pop(int(sl), None)
+
+    def _spec_wait(self, stream: Any, halves: tuple) -> None:
+        """`stream` waits for the speculated dequantization of these halves (once each)."""
+        spec = self._spec
+        if spec is None:
+            return
+        for half in halves:
+            if half < len(spec["ready"]) and not spec["waited"][half]:
+                stream.wait_event(spec["ready"][half])
+                spec["waited"][half] = True
+
+    def _spec_ptrs(self, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The speculated f16 matrices' device pointers of these slots (each in the speculation's map)."""
+        spec = self._spec
+        at = [spec["pos"][int(sl)] for sl in np.asarray(slots).tolist()]
+        p13 = np.array([int(spec["ptrs"][half][0][i]) for half, i in at], dtype=np.int64)
+        p2 = np.array([int(spec["ptrs"][half][1][i]) for half, i in at], dtype=np.int64)
+        return p13, p2
 
     # -- decode: route, gate/up GEMV of all K experts, down GEMV with the routing weights ----------------------
 

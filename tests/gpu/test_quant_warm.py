@@ -1,0 +1,197 @@
+"""QuantMoE's warm prefill on a real GPU (issue 14 item 5): the super-block dequantization kernel, the speculated
+dequantization of the first cached experts before the routing is known, and the ways hit_groups groups the rest,
+each against the float64 reference of the same bytes; a speculated slot an admission rewrites is not used from the
+speculation. Skipped, saying "no CUDA device", where there is none. Run on the H200:
+`python -m pytest -q tests/gpu/test_quant_warm.py`."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from strata_core.models.gguf import q4_k_m_down_types, read_moe_tensors, write_moe_gguf
+from strata_core.testing import reference64 as r64
+
+pytestmark = [pytest.mark.gpu, pytest.mark.requires_cuda]
+
+#: f16 weights, activations and intermediates (the fast path's bound, tests/gpu/test_quant_cuda.py's F16_BOUND)
+F16_BOUND = 1e-3
+
+#: QuantMoE attributes of each variant the bench times (bench/q2_diag_h200.py), the product's default ({}) first
+CONFIGS = {
+    "default": {},
+    "chunk-kernel-no-spec": dict(dequant_kernel="chunk", warm_spec_halves=0, warm_rest_whole=False),
+    "sb-no-spec-halves": dict(warm_spec_halves=0, warm_rest_whole=False),
+    "spec1-halves": dict(warm_spec_halves=1, warm_rest_whole=False),
+    "spec2-split-halves": dict(warm_spec_halves=2, warm_merge_spec=False, warm_rest_whole=False),
+    "spec2-merged-whole-after-route": dict(warm_spec_halves=2, spec_after_route=True),
+}
+
+
+def _layer(tmp_path, experts: int, seed: int = 5):
+    """A qwen3moe Q4_K_M-style layer of `experts` experts (hidden and ffn 256: whole super-blocks) on the device, with
+    8 spare slots; (layer pool, device pool, host blob of the layer's experts)."""
+    import cupy as cp
+    path = write_moe_gguf(tmp_path / "q.gguf", seed=seed, arch="qwen3moe", layers=3, experts=experts,
+                          gate_up="q4_k", down=q4_k_m_down_types(3))
+    lp = read_moe_tensors(path).experts.for_layer(2)
+    blob_h = lp.arrays["blob"]
+    dev_blob = cp.full((blob_h.shape[0] + 8, blob_h.shape[1]), 255, cp.uint8)
+    dev_blob[:blob_h.shape[0]] = cp.asarray(blob_h)
+    return lp, lp.with_arrays({"blob": dev_blob}), blob_h[2 * experts:3 * experts]
+
+
+def _reference(x, logits, pool, slot_of, k):
+    """float64 sum_k w_k * expert(slot_of[id_k])(x) (routing as the reference routes)."""
+    ids, w = r64.route_topk(logits, k)
+    y = np.zeros(x.shape, np.float64)
+    for e in np.unique(ids):
+        rows, ks = np.nonzero(ids == e)
+        y[rows] += w[rows, ks, None] * r64.expert_ffn(pool, int(slot_of[e]), x[rows])
+    return y
+
+
+def _margin(logits, k):
+    s = np.sort(logits, axis=1)[:, ::-1]
+    return float((s[:, k - 1] - s[:, k]).min())
+
+
+@pytest.mark.parametrize("config", list(CONFIGS))
+def test_warm_prefill_variants_match_the_float64_reference(tmp_path, config):
+    """Every variant, twice in a row (the second call's speculation waits for the first's GEMMs), 16 experts in
+    scratch halves of 3 (spec covers 6, the rest in several groups), experts 1 and 7 left out by the routing (the
+    speculated runs skip them)."""
+    import cupy as cp
+    from strata_cuda.quant_ffn import QuantMoE, scratch_bytes
+    e_n, k, t = 16, 2, 400
+    lp, pool, _ = _layer(tmp_path, e_n)
+    h = lp.fmt.hidden
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal((t, h)).astype(np.float32)
+    logits = rng.standard_normal((t, e_n)).astype(np.float32)
+    logits[:, [1, 7]] -= 40.0
+    assert _margin(logits, k) > 1e-5
+    slot_of = 2 * e_n + np.arange(e_n)
+    want = _reference(x, logits, lp, slot_of, k)
+    moe = QuantMoE(e_n, k, lp.fmt, group_experts=3, scratch_budget_bytes=scratch_bytes(h, lp.fmt.ffn, 3))
+    for name, v in CONFIGS[config].items():
+        setattr(moe, name, v)
+    xd, ld = cp.asarray(x), cp.asarray(logits)
+    cp.cuda.Device().synchronize()
+    errs = []
+    for _ in range(2):
+        out = cp.full((t, h), np.nan, cp.float32)  # poisoned: every row must be written
+        cp.cuda.Device().synchronize()
+        moe.prefill_layer(xd, ld, pool, slot_of, out=out)
+        moe.compute_stream.synchronize()
+        errs.append(r64.relative_error(cp.asnumpy(out), want))
+    spec = moe.warm_spec_halves
+    print(f"{config}: rel err {errs} (bound {F16_BOUND:g}); speculation {moe.spec_report}")
+    assert max(errs) <= F16_BOUND, errs
+    # halves of 3: 3 * halves experts speculated, of which experts 1 (and 7 past the halves) are left out
+    assert moe.spec_report["speculated"] == 3 * spec
+    assert moe.spec_report["used"] == {0: 0, 1: 2, 2: 5}[spec]
+
+
+def test_a_speculated_slot_an_admission_rewrites_is_not_used_from_the_speculation(tmp_path):
+    """Experts 0..5 cached in slots 0..5 (the speculation takes all six: halves of 4 and 2), experts 4 and 5 left
+    out by the routing, experts 6 and 7 missed and admitted by on_counts into slots 4 and 5 (copied on the compute
+    stream, as the layer ops admit): the admitted experts' blocks fall in the speculated run of half 1 and must be
+    dequantized from their new bytes, not taken from the speculation of the evicted ones."""
+    import cupy as cp
+    from strata_cuda.quant_ffn import QuantMoE, scratch_bytes
+    e_n, k, t = 8, 2, 300
+    lp, pool, layer_blob = _layer(tmp_path, e_n, seed=9)
+    h = lp.fmt.hidden
+    dev = cp.full((8, layer_blob.shape[1]), 255, cp.uint8)
+    dev[:6] = cp.asarray(layer_blob[:6])
+    pool = pool.with_arrays({"blob": dev})
+    src = cp.asarray(layer_blob)
+    rng = np.random.default_rng(17)
+    x = rng.standard_normal((t, h)).astype(np.float32)
+    logits = rng.standard_normal((t, e_n)).astype(np.float32)
+    logits[:, [4, 5]] -= 40.0
+    assert _margin(logits, k) > 1e-5
+    slot_of = np.array([0, 1, 2, 3, 4, 5, -1, -1])
+    final = np.array([0, 1, 2, 3, -1, -1, 4, 5])
+    want = _reference(x, logits, lp, 2 * e_n + np.arange(e_n), k)
+    moe = QuantMoE(e_n, k, lp.fmt, group_experts=4, scratch_budget_bytes=scratch_bytes(h, lp.fmt.ffn, 4))
+    moe.warm_rest_whole = False
+
+    def admit(counts):
+        assert counts[4] == 0 and counts[5] == 0 and counts[6] > 0 and counts[7] > 0
+        dev[4:6] = src[6:8]  # on the current (compute) stream, before the layer's GEMMs
+        return final
+
+    xd, ld = cp.asarray(x), cp.asarray(logits)
+    cp.cuda.Device().synchronize()
+    out = moe.prefill_layer(xd, ld, pool, slot_of, on_counts=admit)
+    moe.compute_stream.synchronize()
+    err = r64.relative_error(cp.asnumpy(out), want)
+    print(f"admission over speculated slots: rel err {err:.2e}; speculation {moe.spec_report}")
+    assert moe.spec_report["speculated"] == 6 and moe.spec_report["used"] == 4
+    assert err <= F16_BOUND, err
+
+
+def test_a_partly_cached_streamed_layer_with_speculation_matches_the_reference(tmp_path):
+    """Half the experts cached (speculated), half streamed through a 4-slot ring (their dequantization on the
+    compute stream in half 0, after the speculation of it): the output is the float64 reference's."""
+    import cupy as cp
+    from strata_core.api.kernels import ExpertPool
+    from strata_cuda.quant_ffn import QuantMoE, scratch_bytes
+    e_n, k, t = 8, 2, 300
+    lp, pool, layer_blob = _layer(tmp_path, e_n, seed=4)
+    h = lp.fmt.hidden
+    mem = cp.cuda.alloc_pinned_memory(layer_blob.nbytes)
+    host_blob = np.frombuffer(mem, np.uint8, layer_blob.size).reshape(layer_blob.shape)
+    host_blob[:] = layer_blob
+    host_pool = ExpertPool("gguf", {"blob": host_blob})
+    rng = np.random.default_rng(23)
+    x = rng.standard_normal((t, h)).astype(np.float32)
+    logits = rng.standard_normal((t, e_n)).astype(np.float32)
+    assert _margin(logits, k) > 1e-5
+    slot_of = np.where(np.arange(e_n) % 2 == 0, 2 * e_n + np.arange(e_n), -1)
+    want = _reference(x, logits, lp, 2 * e_n + np.arange(e_n), k)
+    moe = QuantMoE(e_n, k, lp.fmt, group_experts=2, scratch_budget_bytes=scratch_bytes(h, lp.fmt.ffn, 2))
+    ring0 = int(pool.arrays["blob"].shape[0]) - 8
+    xd, ld = cp.asarray(x), cp.asarray(logits)
+    cp.cuda.Device().synchronize()
+    out = moe.prefill_layer(xd, ld, pool, slot_of, host_pool, (ring0, 4))
+    moe.compute_stream.synchronize()
+    err = r64.relative_error(cp.asnumpy(out), want)
+    print(f"partly cached, streamed: rel err {err:.2e}; speculation {moe.spec_report}; misses {moe.stats.misses}")
+    assert moe.stats.misses == 4 and moe.spec_report["speculated"] == 4
+    assert err <= F16_BOUND, err
+
+
+@pytest.mark.parametrize("fmt", ["q4_k", "q5_k", "q6_k", "q8_0"])
+def test_the_gpu_super_block_dequant_is_numpys_f16_of_the_oracle_bit_for_bit(fmt):
+    """strata_qf_dequant_sb on the GPU (the hardware's cvt.rn.f16x2.f32): both matrices of 3 slots out of order, the
+    second one 2 bytes off a 16-byte boundary in each slot, equal numpy's float16 of quants.dequantize."""
+    import cupy as cp
+    from strata_core.reference import quants
+    from strata_core.reference.quants import GGML_TYPES
+    from strata_cuda.quant_ffn import FAST_THREADS, fast_kernels
+    rng = np.random.default_rng(13)
+    m, rows, cols = 3, 64, 512
+    w = rng.standard_normal((2, m, rows, cols)).astype(np.float32) * np.float32(0.05)
+    w[0, 1, 2, :40] *= np.float32(1e-6)  # f16 subnormals and zeros
+    raw = quants.quantize(fmt, w)  # [2, m, rows, rb]
+    rb = raw.shape[-1]
+    off_b = rows * rb + 2
+    sb = off_b + rows * rb + 14
+    blob_h = np.zeros((m, sb), np.uint8)
+    blob_h[:, :rows * rb] = raw[0].reshape(m, -1)
+    blob_h[:, off_b:off_b + rows * rb] = raw[1].reshape(m, -1)
+    blob = cp.asarray(blob_h)
+    slots = cp.asarray(np.array([2, 0, 1], np.int32))
+    out = cp.full((2, m, rows, cols), 0x7e00, cp.uint16)  # poisoned
+    typ = np.int32(GGML_TYPES[fmt])
+    fast_kernels(cp)["strata_qf_dequant_sb"](
+        (5,), (FAST_THREADS,), (blob, np.int64(sb), slots, np.int32(m), np.int64(0), np.int64(rb), np.int32(rows),
+                                np.int32(cols), typ, out[0], np.int64(off_b), np.int64(rb), np.int32(rows),
+                                np.int32(cols), typ, out[1]))
+    got = cp.asnumpy(out)
+    for i in range(2):
+        want = quants.dequantize(fmt, raw[i][[2, 0, 1]], cols).astype(np.float16).view(np.uint16)
+        assert int(np.count_nonzero(got[i] != want)) == 0, (fmt, i)
