@@ -14,7 +14,14 @@ its SOURCE.txt) and its settings (split0: split_rows 0, g16: copy groups of 16);
 ring (its own link floor) and warm. Each package's `files("strata_cuda")` is renamed to its own, so its .cu files load.
 Writes q2_diag.json, q2_profile.txt under --out.
 
-Run (H200, repository root): python3 bench/q2_diag_h200.py --out $OUT --old .q2_old
+With --qw (engineer QW, issue 14 item 5's warm prefill): "cur" (the tree's default) and "f16" beside qw_* variants
+(QuantMoE attributes: qw_before the settings before QW, chunk kernel and no speculation, halves in turn; qw_sb the
+super-block kernel alone; qw_sb_whole with whole-scratch groups; qw_spec1 one half speculated; qw_spec2_split two
+halves as two groups; qw_spec2_halves the rest half by half; qw_route the speculation queued after the routing
+kernels; qw_chunk the default with the chunk kernel; qw_1lane / qw_grouped cuBLAS on one stream / grouped; qw_route_1lane),
+warm timelines (trace_warm) and the whole layer's dequantization by each kernel (dequant_layer).
+
+Run (H200, repository root): python3 bench/q2_diag_h200.py --out $OUT --old .q2_old  (or --qw)
 """
 
 from __future__ import annotations
@@ -56,6 +63,8 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--templates", type=int, default=4)
     ap.add_argument("--only", default="", help="comma-separated variant names to run (default: all)")
+    ap.add_argument("--qw", action="store_true",
+                    help="engineer QW's warm-prefill variants (qw_*) beside cur and f16, instead of Q's cold set")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -136,6 +145,8 @@ def run(args, res: dict, prof_txt: io.StringIO) -> None:
     def add(name, make, p, hp, ring, warm=True, patch=None):
         if only and name not in only:
             return
+        if args.qw and name not in ("cur", "f16") and not name.startswith("qw_"):
+            return  # --qw: QW's variants, the tree's default and f16 only
         try:
             moe = make()
         except Exception:
@@ -156,6 +167,22 @@ def run(args, res: dict, prof_txt: io.StringIO) -> None:
         return lambda m: [setattr(m, k, v) for k, v in kw.items()]
 
     add("cur", qm(), pool, host_pool, 32)
+    if args.qw:
+        # QW (issue 14 item 5, warm): "cur" is the tree's default (super-block kernel, two halves speculated before
+        # the routing and run as one group, the rest in whole-scratch groups); each qw_* changes QuantMoE attributes
+        before = dict(dequant_kernel="chunk", warm_spec_halves=0, warm_rest_whole=False)
+        add("qw_before", qm(), pool, host_pool, 32, patch=setter(**before))
+        add("qw_sb", qm(), pool, host_pool, 32, patch=setter(warm_spec_halves=0, warm_rest_whole=False))
+        add("qw_sb_whole", qm(), pool, host_pool, 32, patch=setter(warm_spec_halves=0))
+        add("qw_spec1", qm(), pool, host_pool, 32, patch=setter(warm_spec_halves=1, warm_rest_whole=False))
+        add("qw_spec2_split", qm(), pool, host_pool, 32,
+            patch=setter(warm_merge_spec=False, warm_rest_whole=False))
+        add("qw_spec2_halves", qm(), pool, host_pool, 32, patch=setter(warm_rest_whole=False))
+        add("qw_route", qm(), pool, host_pool, 32, patch=setter(spec_after_route=True))
+        add("qw_chunk", qm(), pool, host_pool, 32, patch=setter(dequant_kernel="chunk"))
+        add("qw_1lane", qm(gemm_streams=1), pool, host_pool, 32)
+        add("qw_grouped", qm(gemm_mode="grouped"), pool, host_pool, 32)
+        add("qw_route_1lane", qm(gemm_streams=1), pool, host_pool, 32, patch=setter(spec_after_route=True))
     add("cur_4fly", qm(), pool, host_pool, 32, warm=False, patch=setter(ring_groups_in_flight=4))
     add("cur_3fly", qm(), pool, host_pool, 32, warm=False, patch=setter(ring_groups_in_flight=3))
     add("cur_t4", qm(), pool, host_pool, 32, warm=False, patch=setter(ring_tail=(4,)))
@@ -204,7 +231,9 @@ def run(args, res: dict, prof_txt: io.StringIO) -> None:
 
     def warm(n):
         v = variants[n]
-        return v["moe"].prefill_layer(xd, ld, v["pool"], warm_map, out=outs[n])
+        y = v["moe"].prefill_layer(xd, ld, v["pool"], warm_map, out=outs[n])
+        v["spec"] = dict(getattr(v["moe"], "spec_report", {}))  # QuantMoE's speculation of this call
+        return y
 
     def one(fn, n):
         """(device ms between events on the compute stream, host ms to return, wall ms to done)."""
@@ -260,6 +289,8 @@ def run(args, res: dict, prof_txt: io.StringIO) -> None:
                 s["group_host_ms_sum_per_call"] = float(g.sum() / args.rounds)
             s["copy_groups"] = int(variants[n]["moe"].stats.copy_groups)
             s["bytes_streamed"] = int(variants[n]["moe"].stats.bytes_streamed)
+        else:
+            s["spec"] = variants[n].get("spec", {})
         summary[key] = s
         print(f"{key:18s} device {s['device_ms']:7.3f} ms  host {s['host_enqueue_ms']:7.3f} ms"
               + (f"  x{s['x_floor']:.3f} floor, {s.get('groups_per_call')} groups, host/group "
@@ -284,10 +315,51 @@ def run(args, res: dict, prof_txt: io.StringIO) -> None:
         moe.trace = None
         del moe._mark
         res["trace"][n] = [(name, round(d, 4), round((t - host_t[0]) * 1e3, 4)) for (name, d), t in zip(rep, host_t)]
+    # warm timelines (--qw): the same marks, every expert cached
+    res["trace_warm"] = {}
+    for n in [k for k in ("cur", "qw_before", "qw_route", "f16") if args.qw and k in variants]:
+        moe = variants[n]["moe"]
+        host_t = []
+        orig_mark = moe._mark
+
+        def mark(name, stream=None, _o=orig_mark, _h=host_t):
+            _h.append(time.perf_counter())
+            _o(name, stream)
+        moe._mark = mark
+        moe.trace = []
+        cp.cuda.Device().synchronize()
+        warm(n)
+        rep = moe.trace_report()
+        moe.trace = None
+        del moe._mark
+        res["trace_warm"][n] = [(name, round(d, 4), round((t - host_t[0]) * 1e3, 4))
+                                for (name, d), t in zip(rep, host_t)]
     print("traces", {n: len(t) for n, t in res["trace"].items()}, flush=True)
+    # the dequantization of the whole layer alone (--qw), groups of a half on one stream, each kernel
+    if args.qw:
+        moe = variants["cur"]["moe"]
+        res["dequant_kernels"] = {n: {"regs": int(f.num_regs), "local_bytes": int(f.local_size_bytes)}
+                                  for n, f in moe._qk.items() if n.startswith("strata_qf_dequant")}
+        with moe.compute_stream:
+            tab = moe._upload_slots(np.arange(E, dtype=np.int32))
+        moe.compute_stream.synchronize()
+        g = moe.layout.group_experts
+        res["dequant_layer"] = {}
+        for kern in ("chunk", "sb"):
+            moe.dequant_kernel = kern
+
+            def dq_all():
+                with moe.compute_stream:
+                    for s0 in range(0, E, g):
+                        moe._dequant(pool, tab + 4 * s0, min(g, E - s0), 0)
+            t = qb.time_ms(cp, dq_all, moe.compute_stream, 7)
+            t["GB_per_s"] = (layer_bytes + w13.nbytes + w2.nbytes) / t["median_ms"] / 1e6  # read + written
+            res["dequant_layer"][kern] = t
+        moe.dequant_kernel = "sb"
+        print("dequant layer", {k: round(v["median_ms"], 3) for k, v in res["dequant_layer"].items()}, flush=True)
 
     # cProfile of three cold and three warm calls (host side)
-    for n, kind, fn in [(k, kind, fn) for k in ("cur", "head", "old") if k in variants
+    for n, kind, fn in [(k, kind, fn) for k in ("cur", "head", "old", "qw_before") if k in variants
                         for kind, fn in (("cold", cold), ("warm", warm))]:
         cp.cuda.Device().synchronize()
         pr = cProfile.Profile()

@@ -621,6 +621,7 @@ class QuantMoE(FastMoE):
                 ev.record(main)
                 for half in halves:
                     last[half] = ev
+                self._mark(f"hit_group_{sub}_{m}{'_spec' if ahead else ''}")
         finally:
             self._ready = None
 
@@ -676,6 +677,7 @@ class QuantMoE(FastMoE):
                     ev = cp.cuda.Event(disable_timing=True)
                     ev.record(side)
                     ready.append(ev)
+                self._mark("spec_dequantized", side)
             pos = {int(sl): (half, i) for half, part in enumerate(parts) for i, sl in enumerate(part.tolist())}
             self._spec = {"slots": [p.copy() for p in parts], "ptrs": ptrs, "ready": ready,
                           "waited": [False] * len(parts), "pos": pos}
