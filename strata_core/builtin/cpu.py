@@ -85,6 +85,40 @@ _NEG_INF = np.float32(-np.inf)
 _NEG_ZERO = np.float32(-0.0)
 #: compared with an array's dtype (a dtype against a dtype: no conversion of np.float32 on every call)
 _F32 = np.dtype(np.float32)
+#: experts_row adds a token's k weighted expert rows and its residual in one reduction over k + 1 rows, which numpy
+#: adds in order up to 7 rows (as pairwise_sum does below 8); from k = 7 on, scatter_add's own steps
+ROW_COMBINE_MAX_K = 6
+
+
+class RowStep:
+    """One decode token's buffers for HostKernels.route_row and experts_row: views of one f32 block the layer op
+    carves once a step (`HostKernels.row_step_size` elements), and of the token's residual x [1,H]."""
+
+    def __init__(self, x: np.ndarray, k: int, experts: int, block: np.ndarray):
+        h = x.shape[1]
+        self.x, self.x0, self.k, self.h = x, x[0], k, h
+        #: the combine's row order: the routed rows from the second expert on, then the first, then the residual
+        #: (see experts_row)
+        self.rotate = k <= ROW_COMBINE_MAX_K
+        o = (2 * k + 2) * h
+        rows = block[:o].reshape(2 * k + 2, h)  # views of one block: a view costs a few hundred ns, once a step
+        self.xr, self.xr0 = rows[:1], rows[0]  # x*x, then x / rms(x): rmsnorm's steps
+        self.xg, self.xn = rows[1:k + 1], rows[1:2]  # the FFN's k input rows, each rmsnorm(x) (a one-token gather)
+        self.yb, self.y, self.ylast = rows[k + 1:], rows[k + 1:2 * k + 1], rows[2 * k + 1]  # its k outputs, x
+        self.row = block[o:o + experts]
+        self.logits = self.row.reshape(1, experts)
+        o += experts
+        self.col = block[o:o + k + 1].reshape(k + 1, 1)  # the groups' routing weights, 1.0 for the residual's row
+        self.col[k, 0] = 1.0
+        #: the routing weights in the FFN's group order (route_row writes them)
+        self.scales = block[o:o + k]
+        #: the FFN's group slots (int32: the same 4 bytes an element)
+        self.slots = block[o + k + 1:o + 2 * k + 1].view(np.int32)
+
+    def weights_by_id(self) -> np.ndarray:
+        """The routing weights route_row wrote, experts ascending (a new array)."""
+        sc = self.scales
+        return np.concatenate((sc[-1:], sc[:-1])) if self.rotate else sc.copy()
 
 
 class HostKernels(ReferenceKernels):
@@ -120,6 +154,91 @@ class HostKernels(ReferenceKernels):
             self._f32[id(w)] = got
             self.f32_copy_bytes += int(w32.nbytes)
         return np.matmul(np.asarray(x, dtype=np.float32), got[2], out=out)
+
+    @staticmethod
+    def row_step_size(hidden: int, experts: int, k: int) -> int:
+        """The f32 elements of one decode token's RowStep block."""
+        return (2 * k + 2) * hidden + experts + 2 * k + 1
+
+    def row_step(self, x, k, experts, block):
+        """A RowStep over a one-row f32 residual x and a block of row_step_size f32 elements; None where x is not one
+        (the layer op's general path runs)."""
+        if type(x) is not np.ndarray or x.ndim != 2 or x.shape[0] != 1 or x.dtype != _F32 \
+                or not x.flags.c_contiguous or k < 1 or k >= experts:
+            return None
+        return RowStep(x, int(k), int(experts), block)
+
+    def route_row(self, st, norm_w, router_w, eps=1e-6):
+        """A decode token's routing in the bits of rmsnorm, linear and route_topk: the k expert ids ascending (Python
+        ints), rmsnorm(st.x) in every row of st.xg and the softmax weights in st.scales (the FFN's group order, see
+        experts_row); None (st.x unchanged) where a NaN tops the logits, the top k repeats an id or norm_w is not f32."""
+        if type(norm_w) is not np.ndarray or norm_w.dtype != _F32:
+            return None
+        x, xr = st.x, st.xr
+        # rmsnorm's one-row steps (see rmsnorm), the last one writing every gathered row at once
+        np.multiply(x, x, out=xr)
+        m = np.float32(float(np.add.reduce(st.xr0)) / st.h)
+        np.multiply(x, 1.0 / np.sqrt(m + eps), out=xr)
+        np.multiply(xr, norm_w, out=st.xg)
+        got = self._f32.get(id(router_w))
+        if got is not None and got[0]() is router_w and not router_w.flags.writeable:
+            np.matmul(st.xn, got[2], out=st.logits)  # linear's call for a weight seen before
+        else:
+            self.linear(st.xn, router_w, out=st.logits)
+        # route_topk's k argmaxes (see there), the picks as Python ints
+        row, k = st.row, st.k
+        left = row.copy()
+        pick = left.argmax
+        picks = []
+        for _ in range(k - 1):
+            i = int(pick())
+            picks.append(i)
+            left[i] = _NEG_INF
+        picks.append(int(pick()))
+        top0 = row.item(picks[0])
+        if top0 != top0 or len(set(picks)) < k:
+            return None
+        experts = sorted(picks)
+        order = experts[1:] + experts[:1] if st.rotate else experts
+        # route_topk's softmax elementwise, on the picks in the FFN's order (each element the same whatever its
+        # place); the sum in the top k's order
+        sc = st.scales
+        row.take(order, out=sc, mode="clip")
+        np.subtract(sc, top0, out=sc)  # top - top[:1] (top0 is an f32 value: the f32 subtraction)
+        np.exp(sc, out=sc)
+        if k < SEQUENTIAL_SUM:
+            # numpy's order below 8 elements (see route_topk), as f32 scalar adds
+            e = dict(zip(order, sc.tolist()))
+            s = np.float32(e[picks[0]])
+            for p in picks[1:]:
+                s = s + e[p]
+        else:
+            s = np.add.reduce(sc.take([order.index(p) for p in picks]))
+        np.divide(sc, s, out=sc)
+        return experts
+
+    def experts_row(self, st, slots, pool):
+        """A decode token's experts after route_row: moe_grouped_ffn of st.xg's rows over `slots` (of route_row's
+        experts, ascending) and their weighted sum added into st.x, in the bits of gather, moe_grouped_ffn and
+        scatter_add of one row."""
+        k = st.k
+        if not st.rotate:
+            st.slots[:] = slots
+            y = self.moe_grouped_ffn(st.xg, _offsets(k), st.slots, pool, out=st.y)
+            self.scatter_add(st.x, _zero_rows(k), y, st.scales)
+            return
+        # scatter_add of one row sums x0 + (t0 + ((t1 + t2) + ...)) (t = weighted rows; see scatter_add); a sum is
+        # the same in either order, so that is (((t1 + t2) + ...) + t0) + x0: one ordered reduction over the rows
+        # [t1 .. t(k-1), t0, x0], the FFN's groups given in that order (each row is its own expert's, wherever it
+        # lies) and x0 scaled by 1.0 (exact)
+        st.slots[:] = slots[1:] + slots[:1]
+        y = self.moe_grouped_ffn(st.xg, _offsets(k), st.slots, pool, out=st.y)
+        if y is not st.y:
+            st.y[...] = y
+        yb = st.yb
+        st.ylast[...] = st.x0
+        np.multiply(yb, st.col, out=yb)
+        np.add.reduce(yb, 0, None, st.x, True, _NEG_ZERO)
 
     def rmsnorm(self, x, w, eps=1e-6, out=None):
         """See the reference; f32 arrays into `out`: np.mean's own sum and divide, spelled out."""
@@ -203,6 +322,28 @@ class HostKernels(ReferenceKernels):
             out[0] += rest
             return
         out += np.add.reduceat(t, _ROW0, axis=0)
+
+
+_OFFSETS: dict[int, np.ndarray] = {}
+_ZERO_ROWS: dict[int, np.ndarray] = {}
+
+
+def _offsets(k: int) -> np.ndarray:
+    """0..k as int32: k groups of one row each (kept; read-only)."""
+    a = _OFFSETS.get(k)
+    if a is None:
+        a = _OFFSETS[k] = np.arange(k + 1, dtype=np.int32)
+        a.flags.writeable = False
+    return a
+
+
+def _zero_rows(k: int) -> np.ndarray:
+    """k zeros as int32: every routed row of one token adds to row 0 (kept; read-only)."""
+    a = _ZERO_ROWS.get(k)
+    if a is None:
+        a = _ZERO_ROWS[k] = np.zeros(k, dtype=np.int32)
+        a.flags.writeable = False
+    return a
 
 
 class HostMemory:

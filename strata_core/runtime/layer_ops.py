@@ -528,6 +528,10 @@ class ComposedLayerOps:
         ones_k, rows, offsets, starts = consts
         fits = self._one_call_fits(w0, key)
         kern = self.k
+        row_step = getattr(kern, "row_step", None)
+        if row_step is not None:
+            self._decode_rows(works, key, fits, ones_k, starts, rows)
+            return
         rmsnorm, linear, route_topk, gather, ffn, scatter_add = (kern.rmsnorm, kern.linear, kern.route_topk,
                                                                  kern.gather, kern.moe_grouped_ffn, kern.scatter_add)
         bufs = mark = None
@@ -596,6 +600,78 @@ class ComposedLayerOps:
             if x_in is not None:
                 observer(w.phase, layer, x_in, np.array(x))
         if bufs is not None:
+            works[-1].workspace.release(mark)
+        if ran:
+            peak = self._direct_peak_bytes(w0, key)
+            if peak > w0.stats["workspace_peak_bytes"]:
+                w0.stats["workspace_peak_bytes"] = peak
+        self._ordered = True
+
+    def _decode_rows(self, works: list[LayerWork], key: tuple, fits: bool, ones_k: np.ndarray, starts: np.ndarray,
+                     rows: np.ndarray) -> None:
+        """`_decode_host` over a kernel set's one-row layer (`row_step`, `route_row`, `experts_row`: the cpu
+        backend's, the bits of its primitives in about half their host calls); the same cache traffic and fallbacks."""
+        w0 = works[0]
+        k, H, E = int(w0.top_k), self.hidden, self.E
+        kern = self.k
+        route_row, experts_row = kern.route_row, kern.experts_row
+        n = kern.row_step_size(H, E, k)
+        st = mark = None
+        ran = False
+        for w in works:
+            ws = w.workspace
+            if not fits or w.extras.get("router_bias") is not None:
+                if st is not None:
+                    ws.release(mark)
+                    st = None
+                self._layer(w)
+                continue
+            x = w.x
+            if st is None or st.x is not x:
+                if st is not None:
+                    ws.release(mark)
+                mark = ws.mark()
+                st = kern.row_step(x, k, E, ws.carve((n,), np.float32))
+                if st is None:
+                    ws.release(mark)
+                    self._layer(w)
+                    continue
+            layer, cache = w.layer, w.slots
+            observer = w.extras.get("observer")
+            x_in = np.array(x) if observer is not None else None
+            experts = route_row(st, w.norm_w, w.router_w)
+            if experts is None:
+                # a NaN atop the logits or a top k with repeats: the general path, from this layer's input
+                ws.release(mark)
+                st = None
+                self._layer(w)
+                continue
+            slots = cache.lookup_distinct(layer, experts)
+            if EMPTY in slots:
+                miss = [i for i in range(k) if slots[i] == EMPTY]
+                placed = cache.admit_distinct(layer, [experts[i] for i in miss], [s for s in slots if s != EMPTY])
+                if placed is None:
+                    # more misses than free slots beside the hits: the general path takes it from the lookup
+                    r = Routing(np.array(experts, np.int64), ones_k, starts, rows, st.weights_by_id())
+                    ws.release(mark)
+                    st = None
+                    try:
+                        self._after_lookup(w, r, np.array(slots, np.int64),
+                                           self.k.rmsnorm(x, w.norm_w, out=ws.carve((1, H), np.float32)), x_in)
+                    finally:
+                        ws.reset()
+                    continue
+                base = cache.row(layer, 0)
+                upload = w.source.upload
+                for i, slot in zip(miss, placed):
+                    slots[i] = slot
+                    upload(base + experts[i], slot, w.copy_stream)
+                w.stats["experts_admitted"] += len(miss)
+            experts_row(st, slots, w.pool)
+            ran = True
+            if x_in is not None:
+                observer(w.phase, layer, x_in, np.array(x))
+        if st is not None:
             works[-1].workspace.release(mark)
         if ran:
             peak = self._direct_peak_bytes(w0, key)
