@@ -13,8 +13,11 @@
   on the compute stream: gate/up by blocks of output columns, down by blocks of K accumulated with beta = 1.
   Streamed misses go through the ring in copy groups two at a time (RING_GROUPS_IN_FLIGHT; FastMoE keeps four),
   so a small ring still gives groups large enough that the link, not the host, sets the pace.
-  Never an f16 copy of a whole layer. decode_layer / decode_stack: route, one GEMV kernel for gate/up of all K
-  experts and one for down with the routing weights (QF_DW warps a row), no host sync, captured as a CUDA graph.
+  Never an f16 copy of a whole layer. decode_layer / decode_stack: no host sync, captured as a CUDA graph; decode
+  form 2 (quant_decode_form, the default where decode_kernels_take): quant_decode.cu's gate/up kernel (routing in
+  every block, each lane's weight loads issued before any sum) and down kernel (a warp a hidden row), programmatic
+  launches; form 1 (other formats, biases, unaligned q4_k/q5_k blobs): route, one GEMV kernel for gate/up of all K
+  experts and one for down with the routing weights (QF_DW warps a row).
   strata_cuda.layer_ops takes QuantMoE (quant_moe_for) for prefill chunks of a 'gguf' model.
 cupy is imported by the caller (or inside the constructors).
 """
