@@ -108,12 +108,50 @@ def copy_rates(reps: int = 5) -> dict:
         rt.hostUnregister(arr.ctypes.data)
         del hg, hd, arr
         m.close()
+    out["small_table_while_link_busy"] = small_table_latency()
     try:
         out["thp"] = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text().strip()
     except OSError:
         pass
     del dg, dd, big
     return out
+
+
+def small_table_latency(trials: int = 8) -> dict:
+    """With 600 MB of host copies queued on one stream, when does a 4 KB table queued on another stream right after
+    them land: as cudaMemcpyAsync (a copy engine) and as FastMoE.pull (a kernel reading mapped staging)? ms from
+    the big copies' start; the big copies take ~11 ms."""
+    import cupy as cp
+    import numpy as np
+    from strata_cuda.fast import FastMoE
+    moe = FastMoE(8, 2, 256, 128)
+    n = 600 << 20
+    big_h, big_d = cp.cuda.alloc_pinned_memory(n), cp.cuda.alloc(n)
+    table = np.frombuffer(moe._page_locked(4096), dtype=np.int64, count=512)
+    out = cp.zeros(512, dtype=cp.int64)
+    s_copy, s_other = cp.cuda.Stream(non_blocking=True), cp.cuda.Stream(non_blocking=True)
+    res = {}
+    for how in ("memcpy", "pull"):
+        lat, big = [], []
+        for _ in range(trials):
+            t0, t_big, t_tab = cp.cuda.Event(), cp.cuda.Event(), cp.cuda.Event()
+            t0.record(s_copy)
+            s_other.wait_event(t0)
+            for i in range(64):  # the ring's pattern: many ~9 MB copies
+                cp.cuda.runtime.memcpyAsync(big_d.ptr + i * (n // 64), big_h.ptr + i * (n // 64), n // 64, 1,
+                                            s_copy.ptr)
+            t_big.record(s_copy)
+            if how == "memcpy":
+                cp.cuda.runtime.memcpyAsync(out.data.ptr, table.ctypes.data, 4096, 1, s_other.ptr)
+            else:
+                moe.pull(int(out.data.ptr), int(table.ctypes.data), 4096, s_other, host_base=int(table.ctypes.data))
+            t_tab.record(s_other)
+            t_big.synchronize()
+            t_tab.synchronize()
+            lat.append(cp.cuda.get_elapsed_time(t0, t_tab))
+            big.append(cp.cuda.get_elapsed_time(t0, t_big))
+        res[how] = {"table_landed_ms": [round(v, 3) for v in lat], "big_copies_ms": [round(v, 3) for v in big]}
+    return res
 
 
 def traced_run(cache: int, decode: int, ahead: str = "default") -> dict:
@@ -126,9 +164,11 @@ def traced_run(cache: int, decode: int, ahead: str = "default") -> dict:
     ahead, _, flag = ahead.partition(":")
     if ahead != "default":
         fast.COPY_GROUPS_AHEAD = None if ahead == "all" else int(ahead)
-    if flag == "noguard":  # decode admits over any slot, as before ExpertCache.worth_admitting
+    if "noguard" in flag:  # decode admits over any slot, as before ExpertCache.worth_admitting
         from strata_cuda import layer_ops
         layer_ops.DECODE_ADMIT_HOTTER = False
+    if "nopull" in flag:  # small tables and ring admissions through cudaMemcpyAsync, as before
+        fast.PULL_SMALL_COPIES = False
 
     def traced(self, x, *a, **kw):
         if x.shape[0] >= 1024:  # not the session's tiny warm-up layer
@@ -191,7 +231,7 @@ def traced_run(cache: int, decode: int, ahead: str = "default") -> dict:
         stalled += bool(landed and d.get("hits_done", 0.0) > max(landed))
     from strata_cuda import layer_ops
     return {"argv": sys.argv, "rc": rc, "copy_groups_ahead": fast.COPY_GROUPS_AHEAD,
-            "decode_admit_hotter": layer_ops.DECODE_ADMIT_HOTTER,
+            "decode_admit_hotter": layer_ops.DECODE_ADMIT_HOTTER, "pull_small_copies": fast.PULL_SMALL_COPIES,
             "layers_hits_after_last_landing": stalled,
             "host_copy_ms_by_layer": [round(v * 1e3, 3) for v in host_copy_s],
             "run": {k: run.get(k) for k in ("prefill_tokens_per_s", "decode_tokens_per_s", "cache_hit_rate_prefill",
@@ -234,7 +274,7 @@ def main() -> int:
             except (IndexError, ValueError):
                 r = {"rc": p.returncode, "stderr_tail": p.stderr[-2000:]}
             res["traced"][v] = r
-            keep = ("copy_groups_ahead", "decode_admit_hotter", "layers_hits_after_last_landing", "run", "span_ms", "link", "rc", "stderr_tail")
+            keep = ("copy_groups_ahead", "decode_admit_hotter", "pull_small_copies", "layers_hits_after_last_landing", "run", "span_ms", "link", "rc", "stderr_tail")
             print(v, json.dumps({k: r.get(k) for k in keep}, default=str))
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "link_trace_h200.json").write_text(json.dumps(res, indent=1, default=str))

@@ -46,7 +46,8 @@ KERNEL_NAMES = ("strata_fast_route", "strata_fast_positions", "strata_fast_offse
                 "strata_fast_decode_down", "strata_fast_decode_norm_route", "strata_fast_decode_gate_up_q8",
                 "strata_fast_decode_down_q8", "strata_fast_decode_norm_route2", "strata_fast_decode_down2",
                 "strata_fast_gemv_f16w", "strata_fast_decode_gate_up3", "strata_fast_decode_down3_s1",
-                "strata_fast_decode_down3_s2", "strata_fast_decode_down3_s4")
+                "strata_fast_decode_down3_s2", "strata_fast_decode_down3_s4", "strata_fast_pull_words",
+                "strata_fast_pull_u4")
 #: The expert formats the fused decode kernels read, and the pool arrays whose host addresses a layer's missed
 #: experts are read at (in the kernels' order).
 DECODE_HOST_ARRAYS = {"f16": ("w_gate_up", "w_down"), "q8_0": ("gate_up_q", "gate_up_d", "down_q", "down_d")}
@@ -125,11 +126,16 @@ SPLIT_ROWS = 512
 PREFETCH_MISSES = True
 
 #: A streamed layer queues copy groups at most this many ahead of the last group whose compute it has issued (None:
-#: every group whose ring slots are free, at once). Queued all at once, a layer's ~200 copies filled the copy
-#: stream's queue in 28 of 48 half-skewed layers: the host blocked inside memcpyAsync until most copies had landed,
-#: so the hits' GEMMs and every group's compute ran after the last landing instead of under the copies, ~1.4 ms a
-#: layer (bench/results/lead_h200_s5/link_trace_h200.json).
+#: every group whose ring slots are free, at once). Measured on the H200 (bench/results/lead_h200_s5/): no
+#: difference beyond the runs' spread; the host never blocked in memcpyAsync (0.4-0.8 ms a layer inside it either
+#: way). Kept at 2, which bounds what a stall behind the copy engine can wait for.
 COPY_GROUPS_AHEAD: int | None = 2
+
+#: Small host->device tables (GEMM pointers, slot maps) and the ring's device-to-device admissions go through a pull
+#: kernel (strata_fast_pull_*) instead of cudaMemcpyAsync: a memcpy on the compute stream can wait in the copy
+#: engine's queue behind the ring's host copies, and in most half-skewed layers the hits' GEMMs then ran after the
+#: layer's last landing, ~1.4 ms a layer (bench/results/lead_h200_s5/link_trace_h200.json).
+PULL_SMALL_COPIES = True
 
 
 def kernel_source() -> str:
@@ -517,6 +523,8 @@ class FastMoE:
         #: prefill_layer's ring streaming takes a group prefetch_misses queued (PREFETCH_MISSES)
         self.prefetch_misses_on = PREFETCH_MISSES
         self.copy_groups_ahead = COPY_GROUPS_AHEAD
+        self.pull_small_copies = PULL_SMALL_COPIES
+        self._mapped: dict[int, int] = {}
         self._prefetched: tuple | None = None
         # ring slot -> the event after the last group that read it, and the event after the layer ops' own reads of
         # the ring (ring_read): what a prefetch into those slots must wait for
@@ -549,6 +557,41 @@ class FastMoE:
                                 self._zero.ctypes.data, c, _CUDA_R_16F, ldc, sc,
                                 batch, _CUBLAS_COMPUTE_32F, _CUBLAS_GEMM_DEFAULT)
 
+    def device_view(self, host_ptr: int) -> int:
+        """The address kernels read page-locked host memory at (cached per address; 0: not mapped for the device)."""
+        got = self._mapped.get(int(host_ptr))
+        if got is None:
+            got = self._mapped[int(host_ptr)] = int(self.host_mapping_report([int(host_ptr)])[0]["device_ptr"])
+        return got
+
+    def pull(self, dst: int, src: int, nbytes: int, stream: Any = None, host_base: int | None = None) -> bool:
+        """Copy nbytes (a multiple of 4) from src to dst with the pull kernels on `stream` (default: the current
+        one). src is device memory, or with host_base the address of page-locked host memory inside the buffer
+        starting at host_base. False, with nothing queued, when that buffer is not mapped for the device or the size
+        is not whole words (the caller copies with memcpy then)."""
+        if nbytes <= 0:
+            return True
+        if nbytes % 4:
+            return False
+        if host_base is not None:
+            view = self.device_view(host_base)
+            if not view:
+                return False
+            src = view + (int(src) - int(host_base))
+        st = stream or self._cp.cuda.get_current_stream()
+        wide = nbytes % 16 == 0 and src % 16 == 0 and dst % 16 == 0
+        n = nbytes // 16 if wide else nbytes // 4
+        self._k["strata_fast_pull_u4" if wide else "strata_fast_pull_words"](
+            (max(1, min(4096, -(-n // THREADS))),), (THREADS,), (np.uint64(src), np.uint64(dst), np.int64(n)),
+            stream=st)
+        return True
+
+    def _h2d_small(self, dst: int, base: int, offset: int, nbytes: int, stream: Any) -> None:
+        """A small table at `offset` bytes into the page-locked staging at `base` to the device, on `stream`:
+        pulled by a kernel (PULL_SMALL_COPIES) where the staging is mapped, else cudaMemcpyAsync."""
+        if not (self.pull_small_copies and self.pull(dst, base + offset, nbytes, stream, host_base=base)):
+            self._rt.memcpyAsync(dst, base + offset, nbytes, _MEMCPY_H2D, stream.ptr)
+
     def _upload_ptrs(self, values: np.ndarray) -> int:
         """Copy an int64 table (device pointers) to the device through the pointer staging; its device address."""
         n = int(values.size)
@@ -561,7 +604,7 @@ class FastMoE:
         self._ptr_stage[c:c + n] = values
         dst = int(self._ptr_dev.ptr) + 8 * c
         st = self._cp.cuda.get_current_stream()
-        self._rt.memcpyAsync(dst, self._ptr_stage.ctypes.data + 8 * c, 8 * n, _MEMCPY_H2D, st.ptr)
+        self._h2d_small(dst, int(self._ptr_stage.ctypes.data), 8 * c, 8 * n, st)
         self._ptr_done.record(st)
         self._ptr_cursor = c + n
         return dst
@@ -664,8 +707,7 @@ class FastMoE:
         caller has synchronized since the last use of this staging range (every path here syncs once per call)."""
         n = int(values.size)
         self._stage[offset:offset + n] = values
-        self._rt.memcpyAsync(dst_ptr, self._stage.ctypes.data + 4 * offset, 4 * n, _MEMCPY_H2D,
-                             self._cp.cuda.get_current_stream().ptr)
+        self._h2d_small(dst_ptr, int(self._stage.ctypes.data), 4 * offset, 4 * n, self._cp.cuda.get_current_stream())
 
     def _download_i32(self, src_ptr: int, n: int) -> np.ndarray:
         """Copy n int32 from the device into page-locked memory and wait for just that copy (not later work)."""

@@ -362,15 +362,19 @@ class CudaLayerOps:
         allowed[empty[:n]] = True
         allowed[slot_map[victims]] = True
         got = cache.admit(work.layer, experts[:n], keep=np.flatnonzero(~allowed))
-        st = cp.cuda.get_current_stream().ptr
+        stream = cp.cuda.get_current_stream()
+        fast = self._fast_for(work)
         moved = 0
         for src, dst in zip(ring_slots[:n], got):
             if dst < 0:
                 continue
             for arr in work.pool.arrays.values():
                 per = int(arr.strides[0])
-                self._rt.memcpyAsync(int(arr.data.ptr) + int(dst) * per, int(arr.data.ptr) + int(src) * per, per,
-                                     3, st)  # cudaMemcpyDeviceToDevice
+                d, s = int(arr.data.ptr) + int(dst) * per, int(arr.data.ptr) + int(src) * per
+                # with the SMs: a device-to-device memcpy waits in the copy engine's queue behind the next layer's
+                # ring copies, and the compute stream with it (fast.PULL_SMALL_COPIES)
+                if not (getattr(fast, "pull_small_copies", False) and fast.pull(d, s, per, stream)):
+                    self._rt.memcpyAsync(d, s, per, 3, stream.ptr)  # cudaMemcpyDeviceToDevice
             moved += 1
         work.stats["experts_admitted"] += moved
         self.counts["ring_admitted"] = self.counts.get("ring_admitted", 0) + moved
@@ -550,7 +554,7 @@ class CudaLayerOps:
             self._maps_host = None
             self._layers_cache = None
         if self._maps_host is None or not np.array_equal(self._maps_host, maps):
-            self._maps_dev.set(maps, stream=cp.cuda.get_current_stream())
+            self._upload_maps(fast, maps)
             self._maps_host = maps
         sig = (int(works[0].x.data.ptr), tuple(hosts),
                tuple((id(w.norm_w), id(w.router_w), id(w.pool)) for w in works))
@@ -632,6 +636,31 @@ class CudaLayerOps:
             self._pending = (np.asarray(admitted, dtype=np.int64), landed)
             works[0].stats["experts_admitted"] += len(admitted)
             self.counts["decode_admitted"] = self.counts.get("decode_admitted", 0) + len(admitted)
+
+    def _upload_maps(self, fast: Any, maps: np.ndarray) -> None:
+        """The step's slot maps to the device on the current stream: pulled by a kernel from one of two page-locked
+        stagings (fast.PULL_SMALL_COPIES: a copy from pageable memory blocks the host and waits in the copy engine's
+        queue behind the admissions' copies), else cupy's copy."""
+        import cupy as cp
+        st = cp.cuda.get_current_stream()
+        if getattr(fast, "pull_small_copies", False):
+            stage = self.__dict__.get("_maps_stage")
+            if stage is None or stage[0][0].size != maps.size:
+                bufs = [fast._page_locked(maps.nbytes) for _ in range(2)]
+                stage = self._maps_stage = [[np.frombuffer(b, dtype=np.int32, count=maps.size), None, b]
+                                            for b in bufs]
+            flip = self._maps_flip = 1 - self.__dict__.get("_maps_flip", 0)
+            arr, ev, _ = stage[flip]
+            if ev is not None:
+                ev.synchronize()  # this staging's last pull has run (one step ago: nearly always done)
+            arr[:] = maps.reshape(-1)
+            if fast.pull(int(self._maps_dev.data.ptr), int(arr.ctypes.data), int(maps.nbytes), st,
+                         host_base=int(arr.ctypes.data)):
+                ev = cp.cuda.Event(disable_timing=True)
+                ev.record(st)
+                stage[flip][1] = ev
+                return
+        self._maps_dev.set(maps, stream=st)
 
     def _decode_runs(self, works: list[LayerWork]) -> list[tuple[Any, int, int]] | None:
         """(FastMoE, first, end) runs of consecutive works one fused decode object takes (one run for f16 and

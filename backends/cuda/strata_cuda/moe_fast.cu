@@ -292,6 +292,21 @@ extern "C" __global__ void strata_fast_swiglu(const unsigned short* __restrict__
     }
 }
 
+// Copies n 32-bit words (n16 16-byte units in the _u4 form) with the SMs. src is device memory or page-locked host
+// memory mapped for the device: the prefill's small tables and the ring's device-to-device admissions then need no
+// copy engine, whose queue the ring's host copies hold (a memcpy on the compute stream waited there for the whole
+// layer's copies in most half-skewed layers: bench/results/lead_h200_s5/).
+extern "C" __global__ void strata_fast_pull_words(const unsigned int* __restrict__ src, unsigned int* __restrict__ dst,
+                                                  long long n) {
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
+        dst[i] = src[i];
+}
+
+extern "C" __global__ void strata_fast_pull_u4(const uint4* __restrict__ src, uint4* __restrict__ dst, long long n16) {
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n16; i += (long long)gridDim.x * blockDim.x)
+        dst[i] = src[i];
+}
+
 // Combine: out[t] = sum_k w[t,k] * Y[rowidx[t,k]] in k order (deterministic, no atomics), f32 out; with accumulate
 // the sum is added to out (the residual update x += moe(x)).
 extern "C" __global__ void strata_fast_combine(const unsigned short* __restrict__ Y, const int* __restrict__ rowidx,
