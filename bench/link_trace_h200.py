@@ -186,6 +186,25 @@ def traced_run(cache: int, decode: int, ahead: str = "default") -> dict:
 
     fast.FastMoE.prefill_layer = traced
     fast.FastMoE._copy_experts = timed_copy
+    # host time of the prefill's parts outside the layers (ms): the loan, the arena, the embedding, the head
+    from strata_core.runtime import executor as ex_mod, loan as loan_mod
+    host_ms: dict[str, float] = {}
+
+    def timed(cls, name, label):
+        f = getattr(cls, name)
+
+        def w(*a, **kw):
+            t = time.perf_counter()
+            try:
+                return f(*a, **kw)
+            finally:
+                host_ms[label] = host_ms.get(label, 0.0) + (time.perf_counter() - t) * 1e3
+        setattr(cls, name, w)
+
+    for cls, name, label in ((ex_mod.Executor, "prefill", "executor_prefill"), (ex_mod.Executor, "_arena", "arena"),
+                             (ex_mod.Executor, "_embed", "embed"), (ex_mod.Executor, "_head", "head"),
+                             (loan_mod.PromptLoan, "lend", "lend"), (loan_mod.PromptLoan, "give_back", "give_back")):
+        timed(cls, name, label)
     from strata_core.cli import main as cli_main
     sys.argv = ["strata", "run", "--backend", "cuda", "--model", "Qwen3-30B-A3B@F16", "--prompt-tokens", "4096",
                 "--decode-tokens", str(decode), "--json", "--skew", "1", "--set", "prefill.chunk=4096",
@@ -234,6 +253,7 @@ def traced_run(cache: int, decode: int, ahead: str = "default") -> dict:
             "decode_admit_hotter": layer_ops.DECODE_ADMIT_HOTTER, "pull_small_copies": fast.PULL_SMALL_COPIES,
             "layers_hits_after_last_landing": stalled,
             "host_copy_ms_by_layer": [round(v * 1e3, 3) for v in host_copy_s],
+            "host_ms_outside_layers": {k: round(v, 3) for k, v in host_ms.items()},
             "run": {k: run.get(k) for k in ("prefill_tokens_per_s", "decode_tokens_per_s", "cache_hit_rate_prefill",
                                            "cache_hit_rate_decode", "bytes_streamed", "prefill_s", "decode_s", "experts_admitted",
                                            "time_per_layer_us")},
