@@ -15,11 +15,11 @@ ring (its own link floor) and warm. Each package's `files("strata_cuda")` is ren
 Writes q2_diag.json, q2_profile.txt under --out.
 
 With --qw (engineer QW, issue 14 item 5's warm prefill): "cur" (the tree's default) and "f16" beside qw_* variants
-(QuantMoE attributes: qw_before the settings before QW, chunk kernel and no speculation, halves in turn; qw_sb the
-super-block kernel alone; qw_sb_whole with whole-scratch groups; qw_spec1 one half speculated; qw_spec2_split two
-halves as two groups; qw_spec2_halves the rest half by half; qw_route the speculation queued after the routing
-kernels; qw_chunk the default with the chunk kernel; qw_1lane / qw_grouped cuBLAS on one stream / grouped; qw_route_1lane),
-warm timelines (trace_warm) and the whole layer's dequantization by each kernel (dequant_layer).
+(QuantMoE attributes: qw_before the settings before QW, the chunk kernel, no speculation, halves in turn;
+qw_chunk_whole the chunk kernel in whole-scratch groups; qw_sb_halves the super-block kernel half by half;
+qw_spec1_route / qw_spec2_route one or two halves speculated, queued after the routing kernels; qw_spec2 two halves
+queued before them; qw_1lane cuBLAS on one stream), warm timelines (trace_warm) and the whole layer's
+dequantization by each kernel (dequant_layer).
 
 Run (H200, repository root): python3 bench/q2_diag_h200.py --out $OUT --old .q2_old  (or --qw)
 """
@@ -168,21 +168,17 @@ def run(args, res: dict, prof_txt: io.StringIO) -> None:
 
     add("cur", qm(), pool, host_pool, 32)
     if args.qw:
-        # QW (issue 14 item 5, warm): "cur" is the tree's default (super-block kernel, two halves speculated before
-        # the routing and run as one group, the rest in whole-scratch groups); each qw_* changes QuantMoE attributes
+        # QW (issue 14 item 5, warm): "cur" is the tree's default (the super-block kernel, no speculation, groups of
+        # the whole scratch); each qw_* changes QuantMoE attributes (call 1 of bench/results/qw_h200/ ran the first
+        # set: the speculation on by default, a slower super-block kernel)
         before = dict(dequant_kernel="chunk", warm_spec_halves=0, warm_rest_whole=False)
         add("qw_before", qm(), pool, host_pool, 32, patch=setter(**before))
-        add("qw_sb", qm(), pool, host_pool, 32, patch=setter(warm_spec_halves=0, warm_rest_whole=False))
-        add("qw_sb_whole", qm(), pool, host_pool, 32, patch=setter(warm_spec_halves=0))
-        add("qw_spec1", qm(), pool, host_pool, 32, patch=setter(warm_spec_halves=1, warm_rest_whole=False))
-        add("qw_spec2_split", qm(), pool, host_pool, 32,
-            patch=setter(warm_merge_spec=False, warm_rest_whole=False))
-        add("qw_spec2_halves", qm(), pool, host_pool, 32, patch=setter(warm_rest_whole=False))
-        add("qw_route", qm(), pool, host_pool, 32, patch=setter(spec_after_route=True))
-        add("qw_chunk", qm(), pool, host_pool, 32, patch=setter(dequant_kernel="chunk"))
+        add("qw_chunk_whole", qm(), pool, host_pool, 32, patch=setter(dequant_kernel="chunk", warm_spec_halves=0))
+        add("qw_sb_halves", qm(), pool, host_pool, 32, patch=setter(warm_spec_halves=0, warm_rest_whole=False))
+        add("qw_spec1_route", qm(), pool, host_pool, 32, patch=setter(warm_spec_halves=1, spec_after_route=True))
+        add("qw_spec2_route", qm(), pool, host_pool, 32, patch=setter(warm_spec_halves=2, spec_after_route=True))
+        add("qw_spec2", qm(), pool, host_pool, 32, patch=setter(warm_spec_halves=2))
         add("qw_1lane", qm(gemm_streams=1), pool, host_pool, 32)
-        add("qw_grouped", qm(gemm_mode="grouped"), pool, host_pool, 32)
-        add("qw_route_1lane", qm(gemm_streams=1), pool, host_pool, 32, patch=setter(spec_after_route=True))
     add("cur_4fly", qm(), pool, host_pool, 32, warm=False, patch=setter(ring_groups_in_flight=4))
     add("cur_3fly", qm(), pool, host_pool, 32, warm=False, patch=setter(ring_groups_in_flight=3))
     add("cur_t4", qm(), pool, host_pool, 32, warm=False, patch=setter(ring_tail=(4,)))
@@ -323,7 +319,7 @@ def run(args, res: dict, prof_txt: io.StringIO) -> None:
         res["trace"][n] = [(name, round(d, 4), round((t - host_t[0]) * 1e3, 4)) for (name, d), t in zip(rep, host_t)]
     # warm timelines (--qw): the same marks, every expert cached
     res["trace_warm"] = {}
-    for n in [k for k in ("cur", "qw_before", "qw_route", "f16") if args.qw and k in variants]:
+    for n in [k for k in ("cur", "qw_before", "qw_spec2_route", "f16") if args.qw and k in variants]:
         moe = variants[n]["moe"]
         host_t = []
         orig_mark = moe._mark

@@ -24,6 +24,7 @@ CONFIGS = {
     "sb-no-spec-halves": dict(warm_spec_halves=0, warm_rest_whole=False),
     "spec1-halves": dict(warm_spec_halves=1, warm_rest_whole=False),
     "spec2-split-halves": dict(warm_spec_halves=2, warm_merge_spec=False, warm_rest_whole=False),
+    "spec2-merged-whole": dict(warm_spec_halves=2),
     "spec2-merged-whole-after-route": dict(warm_spec_halves=2, spec_after_route=True),
 }
 
@@ -116,7 +117,7 @@ def test_a_speculated_slot_an_admission_rewrites_is_not_used_from_the_speculatio
     final = np.array([0, 1, 2, 3, -1, -1, 4, 5])
     want = _reference(x, logits, lp, 2 * e_n + np.arange(e_n), k)
     moe = QuantMoE(e_n, k, lp.fmt, group_experts=4, scratch_budget_bytes=scratch_bytes(h, lp.fmt.ffn, 4))
-    moe.warm_rest_whole = False
+    moe.warm_spec_halves, moe.warm_merge_spec, moe.warm_rest_whole = 2, False, False
 
     def admit(counts):
         assert counts[4] == 0 and counts[5] == 0 and counts[6] > 0 and counts[7] > 0
@@ -146,13 +147,14 @@ def test_a_partly_cached_streamed_layer_with_speculation_matches_the_reference(t
     host_blob = np.frombuffer(mem, np.uint8, layer_blob.size).reshape(layer_blob.shape)
     host_blob[:] = layer_blob
     host_pool = ExpertPool("gguf", {"blob": host_blob})
-    rng = np.random.default_rng(23)
+    rng = np.random.default_rng(29)  # seed 23 drew a near-tie (7.5e-6) on the H200 call 1
     x = rng.standard_normal((t, h)).astype(np.float32)
     logits = rng.standard_normal((t, e_n)).astype(np.float32)
     assert _margin(logits, k) > 1e-5
     slot_of = np.where(np.arange(e_n) % 2 == 0, 2 * e_n + np.arange(e_n), -1)
     want = _reference(x, logits, lp, 2 * e_n + np.arange(e_n), k)
     moe = QuantMoE(e_n, k, lp.fmt, group_experts=2, scratch_budget_bytes=scratch_bytes(h, lp.fmt.ffn, 2))
+    moe.warm_spec_halves = 2
     ring0 = int(pool.arrays["blob"].shape[0]) - 8
     xd, ld = cp.asarray(x), cp.asarray(logits)
     cp.cuda.Device().synchronize()
@@ -188,7 +190,7 @@ def test_the_gpu_super_block_dequant_is_numpys_f16_of_the_oracle_bit_for_bit(fmt
     out = cp.full((2, m, rows, cols), 0x7e00, cp.uint16)  # poisoned
     typ = np.int32(GGML_TYPES[fmt])
     fast_kernels(cp)["strata_qf_dequant_sb"](
-        (5,), (FAST_THREADS,), (blob, np.int64(sb), slots, np.int32(m), np.int64(0), np.int64(rb), np.int32(rows),
+        (5, m), (FAST_THREADS,), (blob, np.int64(sb), slots, np.int32(m), np.int64(0), np.int64(rb), np.int32(rows),
                                 np.int32(cols), typ, out[0], np.int64(off_b), np.int64(rb), np.int32(rows),
                                 np.int32(cols), typ, out[1]))
     got = cp.asnumpy(out)

@@ -22,7 +22,7 @@ extern "C" {
 void host_dequant_sb(unsigned gx, const unsigned char* blob, long long sb, const int* slots, int m, long long off_a,
                      long long rb_a, int rows_a, int cols_a, int fmt_a, void* out_a, long long off_b, long long rb_b,
                      int rows_b, int cols_b, int fmt_b, void* out_b) {
-    qf_launch(gx, 1, [&] { strata_qf_dequant_sb(blob, sb, slots, m, off_a, rb_a, rows_a, cols_a, fmt_a,
+    qf_launch(gx, m, [&] { strata_qf_dequant_sb(blob, sb, slots, m, off_a, rb_a, rows_a, cols_a, fmt_a,
                                                 (uint4*)out_a, off_b, rb_b, rows_b, cols_b, fmt_b, (uint4*)out_b); });
 }
 }
@@ -54,7 +54,8 @@ def _matrix(rng, fmt: str, m: int, rows: int, cols: int) -> np.ndarray:
 def test_super_block_dequantization_is_the_f16_of_the_oracle_bit_for_bit(sb_lib, fmt_a, fmt_b, pad, gx):
     """Both matrices of every slot of an out-of-order table, in one launch, equal numpy's float16 of
     quants.dequantize bit for bit: 16-aligned slots and slots 2 and 3 bytes off (the funnel-shifted loads), one block
-    (each warp takes many super-blocks, two a pass) and three (a pass's second super-block past the end)."""
+    (each warp takes many rows) and three (grid-stride past the last row); rows of 2 and 1 super-blocks (a pass's
+    second super-block past the row's end)."""
     rng = np.random.default_rng(11)
     m, rows_a, cols_a, rows_b, cols_b = 3, 5, 512, 7, 256
     qa, qb = _matrix(rng, fmt_a, m, rows_a, cols_a), _matrix(rng, fmt_b, m, rows_b, cols_b)

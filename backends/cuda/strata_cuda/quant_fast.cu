@@ -247,7 +247,7 @@ strata_qf_dequant_f16_part(const unsigned char* __restrict__ blob, long long slo
 // 8l .. 8l+7: each lane reads only the 8 or 16 bytes of quants its 8 weights need (the chunk kernel's lanes each
 // read 32 bytes, twice what a q4_k sub-block uses) and stores one 16-byte word, so a warp writes 512 consecutive
 // bytes straight from registers (no shared-memory staging). Two super-blocks a warp per pass, their loads issued
-// before either is decoded, keep more bytes in flight. Both matrices of m experts in one launch (gate|up, then down).
+// before either is decoded, keep more bytes in flight. Both matrices of m experts in one launch.
 // The f16 of every weight is the chunk kernel's (the same f32 steps, then round to nearest even).
 
 // n bytes (n = 8 or 16) at p of any alignment as n/4 little-endian words: one vector load where p is n-aligned,
@@ -367,43 +367,35 @@ __device__ __forceinline__ uint4 qf_sb_decode(const qf_sb_raw& r, int fmt, int l
                       qf_pack_h2(v[6], v[7]));
 }
 
-// Quant bytes of super-block t of one matrix of the launch's experts (n super-blocks an expert, spr a row).
-__device__ __forceinline__ const unsigned char* qf_sb_src(long long t, long long n, long long spr,
-                                                          const unsigned char* __restrict__ blob, long long slot_bytes,
-                                                          const int* __restrict__ slots, long long off, long long rb,
-                                                          int bsz) {
-    const long long e = t / n, i = t - e * n, r = i / spr, k = i - r * spr;
-    return blob + (long long)slots[e] * slot_bytes + off + r * rb + k * bsz;
-}
-
 // out_a[e] = f16 of matrix a ([rows_a, cols_a] at off_a bytes into slot slots[e], rows of rb_a bytes), and the same
-// of matrix b into out_b (rows_b 0: none), for e < m; cols multiples of 256, formats qf_sb_bytes takes (the caller
-// checks: qf_dequant_sb_takes in quant_ffn.py), out 16-byte aligned. Any grid; blockDim.x is QF_THREADS.
+// of matrix b into out_b (rows_b 0: none); blockIdx.y is e (< m), a warp per row of either matrix (grid-stride over
+// blockIdx.x), its super-blocks two at a time; cols multiples of 256, formats qf_sb_bytes takes (the caller checks:
+// sb_takes in quant_ffn.py), out 16-byte aligned. No division anywhere: the first version's two 64-bit divisions
+// per super-block made it issue-bound (1.02 ms for the Qwen3-30B-A3B layer against the chunk kernel's 0.65,
+// bench/results/qw_h200/call1_qw_diag.json). blockDim.x is QF_THREADS.
 extern "C" __global__ void __launch_bounds__(QF_THREADS)
 strata_qf_dequant_sb(const unsigned char* __restrict__ blob, long long slot_bytes, const int* __restrict__ slots,
                      int m, long long off_a, long long rb_a, int rows_a, int cols_a, int fmt_a,
                      uint4* __restrict__ out_a, long long off_b, long long rb_b, int rows_b, int cols_b, int fmt_b,
                      uint4* __restrict__ out_b) {
-    const int lane = threadIdx.x % QF_WARP;
-    const long long spr_a = cols_a / 256, spr_b = cols_b / 256;
-    const long long n_a = (long long)rows_a * spr_a, n_b = (long long)rows_b * spr_b;
-    const long long all_a = (long long)m * n_a, total = all_a + (long long)m * n_b;
-    const int bsz_a = qf_sb_bytes(fmt_a), bsz_b = qf_sb_bytes(fmt_b);
-    const long long warps = (long long)gridDim.x * QF_WARPS;
-    for (long long s0 = (long long)blockIdx.x * QF_WARPS + threadIdx.x / QF_WARP; s0 < total; s0 += 2 * warps) {
-        const long long s1 = s0 + warps;
-        const bool two = s1 < total;
-        const bool b0 = s0 >= all_a, b1 = s1 >= all_a;
-        const int f0 = b0 ? fmt_b : fmt_a, f1 = b1 ? fmt_b : fmt_a;
-        qf_sb_raw r0, r1;
-        // both super-blocks' loads first, then both decodes and stores
-        qf_sb_load(b0 ? qf_sb_src(s0 - all_a, n_b, spr_b, blob, slot_bytes, slots, off_b, rb_b, bsz_b)
-                      : qf_sb_src(s0, n_a, spr_a, blob, slot_bytes, slots, off_a, rb_a, bsz_a), f0, lane, &r0);
-        if (two)
-            qf_sb_load(b1 ? qf_sb_src(s1 - all_a, n_b, spr_b, blob, slot_bytes, slots, off_b, rb_b, bsz_b)
-                          : qf_sb_src(s1, n_a, spr_a, blob, slot_bytes, slots, off_a, rb_a, bsz_a), f1, lane, &r1);
-        (b0 ? out_b + 32 * (s0 - all_a) : out_a + 32 * s0)[lane] = qf_sb_decode(r0, f0, lane);
-        if (two) (b1 ? out_b + 32 * (s1 - all_a) : out_a + 32 * s1)[lane] = qf_sb_decode(r1, f1, lane);
+    const int lane = threadIdx.x % QF_WARP, e = blockIdx.y;
+    const unsigned char* slot = blob + (long long)slots[e] * slot_bytes;
+    for (int r = blockIdx.x * QF_WARPS + threadIdx.x / QF_WARP; r < rows_a + rows_b; r += gridDim.x * QF_WARPS) {
+        const bool b = r >= rows_a;
+        const int rr = b ? r - rows_a : r, fmt = b ? fmt_b : fmt_a, spr = (b ? cols_b : cols_a) / 256;
+        const int bsz = qf_sb_bytes(fmt);
+        const unsigned char* src = slot + (b ? off_b + rr * rb_b : off_a + rr * rb_a);
+        uint4* dst = (b ? out_b + ((long long)e * rows_b + rr) * (32 * spr)
+                        : out_a + ((long long)e * rows_a + rr) * (32 * spr)) + lane;
+        for (int k = 0; k < spr; k += 2) {
+            // both super-blocks' loads first, then both decodes and stores
+            qf_sb_raw r0, r1;
+            const bool two = k + 1 < spr;
+            qf_sb_load(src + k * bsz, fmt, lane, &r0);
+            if (two) qf_sb_load(src + (k + 1) * bsz, fmt, lane, &r1);
+            dst[32 * k] = qf_sb_decode(r0, fmt, lane);
+            if (two) dst[32 * (k + 1)] = qf_sb_decode(r1, fmt, lane);
+        }
     }
 }
 

@@ -75,28 +75,33 @@ FAST_TYPES = frozenset(GGML_TYPES)
 RING_GROUPS_IN_FLIGHT = 2
 #: The last copy groups' sizes (FastMoE's 4, 2, 2), so the compute left after the last byte lands is small.
 RING_TAIL = (4, 2, 2)
-#: Whole experts' dequantization kernel: "sb" (quant_fast.cu's strata_qf_dequant_sb: a warp per 256 weights, both
-#: matrices of a group in one launch) where sb_takes the format, else (and with "chunk") strata_qf_dequant_f16, a lane
-#: per 32 weights, a launch per matrix (0.654 ms for the Qwen3-30B-A3B Q4_K_M layer on the H200, 2.45 TB/s:
-#: bench/results/quant_layer_h200.json before bench/results/qw_h200/).
+#: Whole experts' dequantization kernel: "sb" (quant_fast.cu's strata_qf_dequant_sb: a warp per row, 256 weights a
+#: pass of it, both matrices of a group in one launch) where sb_takes the format, else (and with "chunk")
+#: strata_qf_dequant_f16, a lane per 32 weights, a launch per matrix (0.647 ms for the Qwen3-30B-A3B Q4_K_M layer on
+#: the H200, 2.47 TB/s, bench/results/qw_h200/call1_qw_diag.json; the sb kernel's figure: call2 there).
 DEQUANT_KERNEL = "sb"
 #: Formats strata_qf_dequant_sb decodes (256-weight super-blocks, or eight q8_0 blocks).
 SB_TYPES = frozenset({"q4_k", "q5_k", "q6_k", "q8_0"})
-#: Most blocks of a strata_qf_dequant_sb launch (grid-stride beyond: 8 blocks of 256 threads fill an SM, ~4 waves).
+#: Most blocks of a strata_qf_dequant_sb launch per expert (a warp per row, grid-stride beyond).
 SB_MAX_BLOCKS = 4096
 #: Scratch halves a prefill fills with its first cached experts (in expert order) before the routing is known:
 #: the device is nearly idle while the host waits for the routing counts and plans the stacks (~0.37 ms of a
 #: 4096-token layer on the H200), and a chunk of thousands of rows routes to nearly every expert, so the first
 #: groups' dequantization is rarely wasted; an expert the routing leaves out only costs its share of that work
-#: (QuantMoE.prefill_layer, hit_groups). 0: none.
-WARM_SPEC_HALVES = 2
+#: (QuantMoE.prefill_layer, hit_groups). 0: none, the default: on the H200 the speculation's blocks delayed the
+#: routing kernels queued beside them (routed at 0.37 ms instead of 0.10) and the layer lost 0.08-0.3 ms
+#: (bench/results/qw_h200/call1_qw_diag.json: cur 2.31 ms, qw_route 2.10, qw_sb_whole 2.01).
+WARM_SPEC_HALVES = 0
 #: Speculate only for chunks of at least this many routed rows per expert (smaller ones leave many experts out).
 SPEC_MIN_ROWS_PER_EXPERT = 4
 #: The speculated halves' experts run as one group (one cuBLAS call per size class for both): the warm layer is
 #: host-bound, ~0.05 ms of cuBLAS host time per call.
 WARM_MERGE_SPEC = True
 #: The cached experts after the speculated ones run in groups of the whole scratch (both halves, after the GEMMs
-#: that read them) rather than half by half (False: halves in turn, each dequantized beside the other's GEMMs).
+#: that read them) rather than half by half (False: halves in turn, each dequantized beside the other's GEMMs). The
+#: GEMMs and the dequantization did not overlap on the H200 (a 32-expert group took their sum, ~0.4 ms) while each
+#: group cost the host ~0.5 ms (cuBLAS calls per size class): two groups of 64 took 1.11 ms of host against 1.85 for
+#: four of 32 (bench/results/qw_h200/call1_qw_diag.json, qw_sb_whole and qw_sb).
 WARM_REST_WHOLE = True
 #: One token's layer from the quant blocks (quant_decode.cu, issue 14 item 5): routing fused into gate/up, each lane
 #: issuing a trip's loads before any sum, x staged in shared memory in unit order; its kernels by the format of the
@@ -499,9 +504,9 @@ class QuantMoE(FastMoE):
                 (fmt.down_offset, fmt.down_row_bytes, h, f, fmt.down, s2))
         if self.dequant_kernel == "sb" and sb_takes(fmt):
             (oa, ra, rows_a, cols_a, ta, da), (ob, rb_, rows_b, cols_b, tb, db) = mats
-            blocks = m * (rows_a * (cols_a // 256) + rows_b * (cols_b // 256))  # super-blocks, two a warp a pass
+            # a warp per row, two rows a warp: blockIdx.y is the expert
             self._qk["strata_qf_dequant_sb"](
-                (max(1, min(SB_MAX_BLOCKS, -(-blocks // (2 * FAST_WARPS)))),), (FAST_THREADS,),
+                (max(1, min(SB_MAX_BLOCKS, -(-(rows_a + rows_b) // (2 * FAST_WARPS)))), m), (FAST_THREADS,),
                 (blob, np.int64(slot_b), np.uint64(table), np.int32(m), np.int64(oa), np.int64(ra), np.int32(rows_a),
                  np.int32(cols_a), np.int32(GGML_TYPES[ta]), np.uint64(da), np.int64(ob), np.int64(rb_),
                  np.int32(rows_b), np.int32(cols_b), np.int32(GGML_TYPES[tb]), np.uint64(db)))
