@@ -96,7 +96,7 @@ class RowStep:
 
     def __init__(self, x: np.ndarray, k: int, experts: int, block: np.ndarray):
         h = x.shape[1]
-        self.x, self.x0, self.k, self.h = x, x[0], k, h
+        self.x, self.x0, self.k, self.h, self.block = x, x[0], k, h, block
         #: the combine's row order: the routed rows from the second expert on, then the first, then the residual
         #: (see experts_row)
         self.rotate = k <= ROW_COMBINE_MAX_K
@@ -135,6 +135,7 @@ class HostKernels(ReferenceKernels):
     def __init__(self):
         self._f32: dict[int, tuple[Any, np.ndarray]] = {}
         self.f32_copy_bytes = 0
+        self._row_step: RowStep | None = None
 
     def linear(self, x, w, out=None):
         """See the reference; a read-only f16 weight is converted to f32 once, not every call."""
@@ -162,11 +163,17 @@ class HostKernels(ReferenceKernels):
 
     def row_step(self, x, k, experts, block):
         """A RowStep over a one-row f32 residual x and a block of row_step_size f32 elements; None where x is not one
-        (the layer op's general path runs)."""
+        (the layer op's general path runs). The same x and block objects as the last call's (an arena that hands
+        out the same views every step): the last RowStep again, its constant row set again."""
+        last = self._row_step
+        if last is not None and last.x is x and last.block is block and last.k == k:
+            last.col[k, 0] = 1.0  # other buffers may have been carved over the block since
+            return last
         if type(x) is not np.ndarray or x.ndim != 2 or x.shape[0] != 1 or x.dtype != _F32 \
                 or not x.flags.c_contiguous or k < 1 or k >= experts:
             return None
-        return RowStep(x, int(k), int(experts), block)
+        st = self._row_step = RowStep(x, int(k), int(experts), block)
+        return st
 
     def route_row(self, st, norm_w, router_w, eps=1e-6):
         """A decode token's routing in the bits of rmsnorm, linear and route_topk: the k expert ids ascending (Python
