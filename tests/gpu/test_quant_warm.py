@@ -20,12 +20,13 @@ F16_BOUND = 1e-3
 #: QuantMoE attributes of each variant the bench times (bench/q2_diag_h200.py), the product's default ({}) first
 CONFIGS = {
     "default": {},
-    "chunk-kernel-no-spec": dict(dequant_kernel="chunk", warm_spec_halves=0, warm_rest_whole=False),
-    "sb-no-spec-halves": dict(warm_spec_halves=0, warm_rest_whole=False),
-    "spec1-halves": dict(warm_spec_halves=1, warm_rest_whole=False),
-    "spec2-split-halves": dict(warm_spec_halves=2, warm_merge_spec=False, warm_rest_whole=False),
-    "spec2-merged-whole": dict(warm_spec_halves=2),
-    "spec2-merged-whole-after-route": dict(warm_spec_halves=2, spec_after_route=True),
+    "chunk-kernel-halves": dict(dequant_kernel="chunk", warm_spec_halves=0, warm_rest_whole=False),
+    "sb-kernel-whole": dict(dequant_kernel="sb", warm_spec_halves=0),
+    "sb-no-spec-halves": dict(dequant_kernel="sb", warm_spec_halves=0, warm_rest_whole=False),
+    "spec1-halves": dict(dequant_kernel="sb", warm_spec_halves=1, warm_rest_whole=False),
+    "spec2-split-halves": dict(dequant_kernel="sb", warm_spec_halves=2, warm_merge_spec=False, warm_rest_whole=False),
+    "spec2-merged-whole": dict(dequant_kernel="sb", warm_spec_halves=2),
+    "spec2-merged-whole-after-route": dict(dequant_kernel="sb", warm_spec_halves=2, spec_after_route=True),
 }
 
 
@@ -117,7 +118,7 @@ def test_a_speculated_slot_an_admission_rewrites_is_not_used_from_the_speculatio
     final = np.array([0, 1, 2, 3, -1, -1, 4, 5])
     want = _reference(x, logits, lp, 2 * e_n + np.arange(e_n), k)
     moe = QuantMoE(e_n, k, lp.fmt, group_experts=4, scratch_budget_bytes=scratch_bytes(h, lp.fmt.ffn, 4))
-    moe.warm_spec_halves, moe.warm_merge_spec, moe.warm_rest_whole = 2, False, False
+    moe.warm_spec_halves, moe.warm_merge_spec, moe.warm_rest_whole, moe.dequant_kernel = 2, False, False, "sb"
 
     def admit(counts):
         assert counts[4] == 0 and counts[5] == 0 and counts[6] > 0 and counts[7] > 0

@@ -8,8 +8,10 @@
 - QuantMoE: strata_cuda.fast.FastMoE (device routing, compact stacks, cuBLAS GEMMs, ring streaming of misses)
   over a 'gguf' pool, its f16 dequantization scratch bounded in bytes (scratch_layout: the plan's budget,
   PlatformDefaults.dequant_scratch_bytes, counted in the workspace line and lent as prefill buffer "scratch"):
-  groups of whole experts dequantized into one of two halves on a side stream, so the dequantization of group i+1
-  overlaps the GEMMs of group i; where one expert's f16 does not fit a half (Mixtral 8x7B: 352 MB), pieces of it
+  groups of whole experts dequantized on a side stream into the whole scratch (a cached layer's experts:
+  WARM_REST_WHOLE, the fewest groups, since each costs the host ~0.5 ms and the H200 did not run a group's
+  dequantization beside the other's GEMMs anyway) or into one of its two halves in turn (hit_groups; streamed ring
+  groups: half 0 on the compute stream); where one expert's f16 does not fit a half (Mixtral 8x7B: 352 MB), pieces of it
   on the compute stream: gate/up by blocks of output columns, down by blocks of K accumulated with beta = 1.
   Streamed misses go through the ring in copy groups two at a time (RING_GROUPS_IN_FLIGHT; FastMoE keeps four),
   so a small ring still gives groups large enough that the link, not the host, sets the pace.
@@ -75,11 +77,12 @@ FAST_TYPES = frozenset(GGML_TYPES)
 RING_GROUPS_IN_FLIGHT = 2
 #: The last copy groups' sizes (FastMoE's 4, 2, 2), so the compute left after the last byte lands is small.
 RING_TAIL = (4, 2, 2)
-#: Whole experts' dequantization kernel: "sb" (quant_fast.cu's strata_qf_dequant_sb: a warp per row, 256 weights a
-#: pass of it, both matrices of a group in one launch) where sb_takes the format, else (and with "chunk")
-#: strata_qf_dequant_f16, a lane per 32 weights, a launch per matrix (0.647 ms for the Qwen3-30B-A3B Q4_K_M layer on
-#: the H200, 2.47 TB/s, bench/results/qw_h200/call1_qw_diag.json; the sb kernel's figure: call2 there).
-DEQUANT_KERNEL = "sb"
+#: Whole experts' dequantization kernel: "chunk" (strata_qf_dequant_f16, a lane per 32 weights, a launch per matrix)
+#: or "sb" (strata_qf_dequant_sb: a warp per row, 256 weights a pass, both matrices of a group in one launch, where
+#: sb_takes the format). For the Qwen3-30B-A3B Q4_K_M layer on the H200 the chunk kernel took 0.654 ms (2.45 TB/s)
+#: and the sb kernel 0.737 (a warm layer 1.669 against 1.774 ms: bench/results/qw_h200/call2_qw_diag.json), so
+#: "chunk" is the default.
+DEQUANT_KERNEL = "chunk"
 #: Formats strata_qf_dequant_sb decodes (256-weight super-blocks, or eight q8_0 blocks).
 SB_TYPES = frozenset({"q4_k", "q5_k", "q6_k", "q8_0"})
 #: Most blocks of a strata_qf_dequant_sb launch per expert (a warp per row, grid-stride beyond).
