@@ -229,9 +229,13 @@ def run(args, res: dict) -> None:
                     for s0 in range(0, E, g):
                         moe._dequant(pool, tab + 4 * s0, min(g, E - s0), 0)
             v["dequant_layer"] = time_ms(cp, dq_all, moe.compute_stream, args.reps)
-            kern, moe.dequant_kernel = moe.dequant_kernel, "chunk"  # the lane-per-32-weights kernel, for the record
-            v["dequant_layer_chunk_kernel"] = time_ms(cp, dq_all, moe.compute_stream, args.reps)
+            # the other dequantization kernel (quant_ffn.DEQUANT_KERNEL: "chunk" or "sb"), for the record
+            kern = moe.dequant_kernel
+            other = v["dequant_other_kernel"] = "sb" if kern == "chunk" else "chunk"
+            moe.dequant_kernel = other
+            v["dequant_layer_other_kernel"] = time_ms(cp, dq_all, moe.compute_stream, args.reps)
             moe.dequant_kernel = kern
+            v["dequant_kernel"] = kern
             # bytes through HBM: the quant bytes read, the f16 written
             v["dequant_GB_per_s"] = (layer_bytes + res["f16_layer_expert_bytes"]) / v["dequant_layer"]["median_ms"] / 1e6
             v["targets"] = {"warm_prefill_le_1.5x_f16": v["warm_x_f16"] <= WARM_TARGET,
@@ -240,7 +244,9 @@ def run(args, res: dict) -> None:
             log(f"QuantMoE {spec}: warm {v['warm']['median_ms']:.3f} ms x{v['warm_x_f16']:.2f} of f16 "
                 f"(<= {WARM_TARGET}); cold {v['cold']['median_ms']:.3f} ms x{v['cold_x_floor']:.3f} of the floor "
                 f"(<= {COLD_TARGET}); dequant alone {v['dequant_layer']['median_ms']:.3f} ms "
-                f"({v['dequant_GB_per_s']:.0f} GB/s; chunk kernel {v['dequant_layer_chunk_kernel']['median_ms']:.3f} ms); err {v['rel_err']:.2e} "
+                f"({v['dequant_GB_per_s']:.0f} GB/s, {v['dequant_kernel']} kernel; {v['dequant_other_kernel']} "
+                f"{v['dequant_layer_other_kernel']['median_ms']:.3f} ms); "
+                f"err {v['rel_err']:.2e} "
                 f"cold {v['cold_rel_err']:.2e} (bound {TOL_F16:g}); vs f16 path {v['rel_diff_vs_f16_path']:.1e}")
         except Exception:
             v["error"] = traceback.format_exc()

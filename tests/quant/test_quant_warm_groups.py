@@ -66,9 +66,9 @@ def test_blocks_of_one_half_only():
     assert g == [(0, 2, (0,), True)]
 
 
-@pytest.mark.parametrize("gate_up,down,h,f,takes", [("q4_k", "q6_k", 2048, 768, True), ("q5_k", "q8_0", 256, 512, True),
-                                                    ("q4_k", "q6_k", 2048, 96, False), ("mxfp4", "q6_k", 256, 256, False),
-                                                    ("q8_0", "f16", 256, 256, False)])
+@pytest.mark.parametrize("gate_up,down,h,f,takes", [
+    ("q4_k", "q6_k", 2048, 768, True), ("q5_k", "q8_0", 256, 512, True), ("q4_k", "q6_k", 2048, 96, False),
+    ("mxfp4", "q6_k", 256, 256, False), ("q8_0", "f16", 256, 256, False)])
 def test_the_super_block_kernel_takes_whole_super_block_rows(gate_up, down, h, f, takes):
     from strata_core.api.kernels import ExpertFormat
     assert sb_takes(ExpertFormat(gate_up, down, h, f)) is takes

@@ -53,8 +53,9 @@ MMA_THREADS = 128
 #: for it on a GPU (its fragment layout is checked here only by an emulation of the instruction on the host).
 MMA_BY_DEFAULT = False
 FAST_SOURCE_NAME = "quant_fast.cu"
-FAST_KERNEL_NAMES = ("strata_qf_dequant_f16", "strata_qf_dequant_f16_part", "strata_qf_dequant_sb", "strata_qf_gemv_gate_up",
-                     "strata_qf_gemv_down", "strata_qf_decode_down", "strata_qf_decode_down_wide")
+FAST_KERNEL_NAMES = ("strata_qf_dequant_f16", "strata_qf_dequant_f16_part", "strata_qf_dequant_sb",
+                     "strata_qf_gemv_gate_up", "strata_qf_gemv_down", "strata_qf_decode_down",
+                     "strata_qf_decode_down_wide")
 #: QF_THREADS, QF_WARPS of quant_fast.cu (a warp per output row)
 FAST_THREADS = 256
 FAST_WARPS = 8
