@@ -210,8 +210,10 @@ class HostKernels(ReferenceKernels):
         # route_topk's softmax elementwise, on the picks in the FFN's order (each element the same whatever its
         # place); the sum in the top k's order
         sc = st.scales
-        row.take(order, out=sc, mode="clip")
-        np.subtract(sc, top0, out=sc)  # top - top[:1] (top0 is an f32 value: the f32 subtraction)
+        # top - top[:1]: the difference of two f32 values in f64, rounded to f32 as it is stored, is the f32
+        # subtraction's (f64's 53 bits leave the second rounding innocuous), without a take and a subtract call
+        item = row.item
+        sc[:] = [item(i) - top0 for i in order]
         np.exp(sc, out=sc)
         if k < SEQUENTIAL_SUM:
             # numpy's order below 8 elements (see route_topk), as f32 scalar adds

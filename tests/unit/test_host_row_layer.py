@@ -32,6 +32,10 @@ def _case(seed: int):
         x[0, rng.random(H) < 0.3] = -0.0
     norm_w = rng.standard_normal(H).astype(np.float32)
     router = rng.standard_normal((E, H)).astype(np.float16 if seed % 2 else np.float32)
+    if seed % 6 == 1:  # infinite logits (inf - inf in the softmax: NaN weights, as the reference's)
+        router[rng.integers(0, E, 3), int(rng.integers(0, H))] = np.inf  # one column: logits of +-inf, no NaN
+    elif seed % 6 == 3:  # ties among the top logits: the lower id first
+        router[: E // 2] = router[E // 2:] = np.round(router[: E // 2] * 2) / 2
     router.flags.writeable = False  # the engine's dense weights: linear keeps an f32 copy of an f16 one
     pool = ExpertPool("f16", {"w_gate_up": (rng.standard_normal((S, 2 * F, H)) * 0.2).astype(np.float16),
                               "w_down": (rng.standard_normal((S, H, F)) * 0.2).astype(np.float16)})
@@ -41,6 +45,7 @@ def _case(seed: int):
 
 def _primitives(x, norm_w, router, pool, k, E, slots):
     """One decode token through the reference primitives, as the general composed path runs it."""
+    np.seterr(invalid="ignore", over="ignore")
     x = x.copy()
     xn = np.empty_like(x)
     REF.rmsnorm(x, norm_w, out=xn)
