@@ -14,7 +14,8 @@ between the fastest real run and the fastest no-op run moves the first figure, l
 --before-label the figures already in --out are kept under "before" with that label (earlier "before" entries too);
 --baseline-tree measures another checkout's strata_core in the same run, interleaved with this one. The child also
 times each of strata run's decode steps: orchestration_fraction_step_median is no-op over real of the median step (each
-run's median, the median over repeats), which a slow stretch of a run hardly moves.
+run's median, the median over repeats), which a slow stretch of a run hardly moves; _step_median_paired is the median
+over repeats of each repeat's no-op median step over its real one (the two run back to back).
 """
 
 from __future__ import annotations
@@ -102,6 +103,7 @@ def main() -> int:
     ap.add_argument("--baseline-label", default=None, help="what the baseline tree is (its commit)")
     a = ap.parse_args()
     args = ["--prompt-tokens", str(a.prompt_tokens), "--decode-tokens", str(a.decode_tokens)]
+    load0 = list(os.getloadavg())  # the shared cores' load as the runs begin (machine.loadavg: as they end)
     trees = ["-"] + ([str(a.baseline_tree)] if a.baseline_tree else [])
     best: dict[str, dict[str, dict]] = {t: {} for t in trees}
     pairs: dict[str, list[tuple[float, float]]] = {t: [] for t in trees}  # (no-op / real wall, CPU) a repeat
@@ -120,8 +122,13 @@ def main() -> int:
         """The median decode step of each variant (median over the repeats of each run's median step) and their
         ratio: one slow stretch of a run moves a run's total, hardly its median step."""
         m = {v: statistics.median(step_medians[tree][v]) for v in ("real", "noop")}
+        # each repeat's no-op median step over its own real run's (the two run back to back): a load change
+        # between repeats moves both of a pair
+        paired = [n / r for r, n in zip(step_medians[tree]["real"], step_medians[tree]["noop"])]
         return {"decode_step_median_us_per_layer": {v: 1e6 * s / layers for v, s in m.items()},
                 "orchestration_fraction_step_median": m["noop"] / m["real"],
+                "orchestration_fraction_step_median_paired": statistics.median(paired),
+                "step_median_paired_fractions": paired,
                 "step_medians_s": step_medians[tree]}
 
     layers = int(best[trees[0]]["real"]["model"]["moe_layers"])
@@ -142,7 +149,7 @@ def main() -> int:
     out = {
         "schema": "strata.bench.cpu_orchestration/1",
         "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "machine": {"cpus": os.cpu_count(), "loadavg": list(os.getloadavg())},
+        "machine": {"cpus": os.cpu_count(), "loadavg": list(os.getloadavg()), "loadavg_at_start": load0},
         "model": best["real"]["model"]["name"],
         "args": args,
         "repeats": a.repeats,
@@ -163,7 +170,8 @@ def main() -> int:
                "`repeats` runs of each variant is kept; the _cpu_time fraction uses strata run's decode_cpu_s (process CPU "
                "seconds), steadier than wall time when other work shares the cores; _step_median: a timer around "
                "each of strata run's decode steps in the child (Executor.decode_step: embed, layers, LM head), the "
-               "median step of each run, the median of those over the repeats, no-op over real",
+               "median step of each run, the median of those over the repeats, no-op over real; "
+               "_step_median_paired: the median over repeats of each repeat's no-op median step over its real one",
     }
     out["target_met"] = out["orchestration_fraction"] <= out["target_fraction"]
     if baseline is not None:
@@ -174,13 +182,16 @@ def main() -> int:
         earlier = earlier if isinstance(earlier, list) else [earlier]
         keep = {k: old.get(k) for k in ("measured_at", "machine", "repeats", "decode_real_us_per_layer",
                                         "decode_orchestration_us_per_layer", "orchestration_fraction",
-                                        "orchestration_fraction_cpu_time") if k in old}
+                                        "orchestration_fraction_cpu_time", "orchestration_fraction_paired_median",
+                                        "decode_step_median_us_per_layer", "orchestration_fraction_step_median",
+                                        "orchestration_fraction_step_median_paired") if k in old}
         out["before"] = [{"tree": a.before_label, **keep}] + earlier
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps(out, indent=2) + "\n")
     sm = out["decode_step_median_us_per_layer"]
     print(f"median decode step per layer: real {sm['real']:.0f} us, no-op FFN {sm['noop']:.0f} us -> "
-          f"{out['orchestration_fraction_step_median']:.1%}" + (
+          f"{out['orchestration_fraction_step_median']:.1%} (paired by repeat "
+          f"{out['orchestration_fraction_step_median_paired']:.1%})" + (
               f" (baseline tree {baseline['orchestration_fraction_step_median']:.1%})" if baseline else ""))
     print(f"decode per layer: real {real_us:.0f} us, no-op FFN {noop_us:.0f} us -> orchestration "
           f"{out['orchestration_fraction']:.1%} of decode wall time, "
