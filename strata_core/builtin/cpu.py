@@ -163,8 +163,13 @@ class HostKernels(ReferenceKernels):
 
     def row_step(self, x, k, experts, block):
         """A RowStep over a one-row f32 residual x and a block of row_step_size f32 elements; None where x is not one
-        (the layer op's general path runs). The same x and block objects as the last call's (an arena that hands
-        out the same views every step): the last RowStep again, its constant row set again."""
+        or a primitive it stands for is not HostKernels' own (a subclass's or a patched one: the layer op's general
+        path runs it). The same x and block objects as the last call's (an arena that hands out the same views every
+        step): the last RowStep again, its constant row set again."""
+        cls, own = type(self), self.__dict__
+        for name, f in _ROW_PRIMITIVES.items():
+            if getattr(cls, name) is not f or name in own:
+                return None
         last = self._row_step
         if last is not None and last.x is x and last.block is block and last.k == k:
             last.col[k, 0] = 1.0  # other buffers may have been carved over the block since
@@ -333,6 +338,9 @@ class HostKernels(ReferenceKernels):
         out += np.add.reduceat(t, _ROW0, axis=0)
 
 
+#: the primitives route_row and experts_row stand for (their bits), as HostKernels defines them
+_ROW_PRIMITIVES = {name: getattr(HostKernels, name) for name in ("rmsnorm", "linear", "route_topk", "gather",
+                                                                  "scatter_add")}
 _OFFSETS: dict[int, np.ndarray] = {}
 _ZERO_ROWS: dict[int, np.ndarray] = {}
 
@@ -374,7 +382,7 @@ class HostMemory:
     def upload(self, dst, src, stream=None):
         """Copy into dst."""
         if type(src) is np.ndarray and src.shape == dst.shape:
-            np.copyto(dst, src, casting="same_kind")  # asarray and reshape would be no-ops
+            np.copyto(dst, src)  # asarray and reshape would be no-ops; copyto's casting is "same_kind" by default
             return
         np.copyto(dst, np.asarray(src).reshape(dst.shape), casting="same_kind")
 

@@ -142,3 +142,20 @@ def test_step_arena_hands_out_the_same_view_for_the_same_carve():
         kept.reset()
         kept.carve((i + 1,), np.float32)
     assert len(kept._kept) <= _StepArena.KEEP
+
+
+@pytest.mark.parametrize("where", ["subclass", "instance"])
+def test_a_replaced_primitive_turns_the_row_layer_off(where):
+    x, norm_w, router, pool, k, E, slots = _case(4)
+
+    def route_topk(self_or_logits, *a, **kw):
+        raise AssertionError("not called here")
+
+    if where == "subclass":
+        kern = type("Own", (HostKernels,), {"route_topk": route_topk})()
+    else:
+        kern = HostKernels()
+        kern.route_topk = route_topk
+    block = np.zeros(kern.row_step_size(x.shape[1], E, k), np.float32)
+    assert kern.row_step(x.copy(), k, E, block) is None, "the row layer would bypass a kernel set's own route_topk"
+    assert HostKernels().row_step(x.copy(), k, E, block) is not None
