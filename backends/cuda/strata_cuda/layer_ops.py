@@ -874,35 +874,6 @@ class CudaLayerOps:
         self._table_buf = buf
         return SimpleNamespace(ptr=ptr, vocab=int(embed.shape[0]), hidden=int(embed.shape[1]), keep=host)
 
-    def embed_rows(self, table: Any, token_ids: np.ndarray, x: Any) -> bool:
-        """x [n,H] f32 = the rows of these tokens of a greedy_table, gathered by the device from the page-locked
-        table (the prefill's embedding: no host gather of the rows and no pageable upload while the device waits);
-        False, with nothing queued, when the ids cannot be staged (the caller uploads the rows itself)."""
-        import cupy as cp
-        ids = np.ascontiguousarray(token_ids, dtype=np.int32).reshape(-1)
-        if (self._greedy is None or table is None or x.dtype != cp.float32 or x.shape != (ids.size, table.hidden)
-                or self._pinned is None or ids.size == 0 or int(ids.max()) >= table.vocab or int(ids.min()) < 0):
-            return False
-        stage = self.__dict__.get("_embed_ids")
-        if stage is None or stage[0].size < ids.size:
-            buf = self._pinned.alloc(4 * ids.size, from_floor=True)
-            if buf is None:
-                return False
-            if stage is not None:
-                stage[2].synchronize()  # its last copy ran before its memory goes back
-                self._pinned.free(stage[1])
-            stage = self._embed_ids = [np.ndarray((ids.size,), dtype=np.int32, buffer=buf.array), buf,
-                                       cp.cuda.Event(disable_timing=True), cp.empty(ids.size, dtype=cp.int32)]
-        host, _, done, dev = stage
-        done.synchronize()  # the previous chunk's ids have been copied
-        host[: ids.size] = ids
-        st = cp.cuda.get_current_stream()
-        self._rt.memcpyAsync(int(dev.data.ptr), int(host.ctypes.data), 4 * ids.size, 1, st.ptr)
-        done.record(st)
-        self._greedy.embed_rows(table.ptr, int(dev.data.ptr), ids.size, table.hidden, int(x.data.ptr))
-        self.counts["embed_rows"] = self.counts.get("embed_rows", 0) + 1
-        return True
-
     def greedy_release(self) -> None:
         """Give the embedding table's page-locking back to the session's allocator (idempotent)."""
         if self._table_buf is not None:
