@@ -81,9 +81,11 @@ RING_TAIL = (4, 2, 2)
 #: Whole experts' dequantization kernel: "chunk" (strata_qf_dequant_f16, a lane per 32 weights, a launch per matrix)
 #: or "sb" (strata_qf_dequant_sb: a warp per row, 256 weights a pass, both matrices of a group in one launch, where
 #: sb_takes the format). For the Qwen3-30B-A3B Q4_K_M layer on the H200 the chunk kernel took 0.654 ms (2.45 TB/s)
-#: and the sb kernel 0.737 (a warm layer 1.669 against 1.774 ms: bench/results/qw_h200/call2_qw_diag.json), so
-#: "chunk" is the default.
-DEQUANT_KERNEL = "chunk"
+#: and the sb kernel 0.737 (a warm layer 1.669 against 1.774 ms: bench/results/qw_h200/call2_qw_diag.json), but in
+#: the product's bench "chunk" streamed a cold layer at 1.270x the link floor (bench/results/lead_h200_s5b/) where
+#: "sb" gave 1.056x and 1.065x (qw_h200/call2_quant_layer_h200.json, lead_h200_s5c/sb_quant_layer_h200.json), so
+#: "sb" is the default.
+DEQUANT_KERNEL = "sb"
 #: Formats strata_qf_dequant_sb decodes (256-weight super-blocks, or eight q8_0 blocks).
 SB_TYPES = frozenset({"q4_k", "q5_k", "q6_k", "q8_0"})
 #: Most blocks of a strata_qf_dequant_sb launch per expert (a warp per row, grid-stride beyond).
