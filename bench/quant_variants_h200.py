@@ -25,7 +25,8 @@ def main() -> int:
     for v in args.variants.split(","):
         out = Path(args.out) / v
         out.mkdir(parents=True, exist_ok=True)
-        code = (f"import sys, runpy; {PATCH[v]}; sys.argv = [{str(bench)!r}, '--out', {str(out)!r}, '--reps', '5', "
+        patch = f"{PATCH[v]}; " if PATCH[v] else ""
+        code = (f"import sys, runpy; {patch}sys.argv = [{str(bench)!r}, '--out', {str(out)!r}, '--reps', '5', "
                 f"'--variants', 'auto:classes']; runpy.run_path({str(bench)!r}, run_name='__main__')")
         p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=args.timeout)
         print(f"== {v} rc {p.returncode}")
