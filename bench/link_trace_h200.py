@@ -255,10 +255,12 @@ def traced_run(cache: int, decode: int, ahead: str = "default") -> dict:
             "host_copy_ms_by_layer": [round(v * 1e3, 3) for v in host_copy_s],
             "host_ms_outside_layers": {k: round(v, 3) for k, v in host_ms.items()},
             "run": {k: run.get(k) for k in ("prefill_tokens_per_s", "decode_tokens_per_s", "cache_hit_rate_prefill",
-                                           "cache_hit_rate_decode", "bytes_streamed", "prefill_s", "decode_s", "experts_admitted",
+                                           "cache_hit_rate_decode", "bytes_streamed", "prefill_s", "decode_s",
+                                           "experts_admitted",
                                            "time_per_layer_us")},
             "layers_traced": len(starts), "span_ms": round(ends[-1] - starts[0], 3) if starts else None,
-            "link": {"copies": len(copies), "busy_ms": round(busy, 3), "idle_before_prefetch_ms": round(idle_between, 3),
+            "link": {"copies": len(copies), "busy_ms": round(busy, 3),
+                     "idle_before_prefetch_ms": round(idle_between, 3),
                      "idle_inside_layers_ms": round(idle_inside, 3),
                      "first_copy_ms": round(copies[0][1], 3) if copies else None,
                      "after_last_copy_ms": round(ends[-1] - copies[-1][2], 3) if copies and ends else None},
@@ -294,7 +296,8 @@ def main() -> int:
             except (IndexError, ValueError):
                 r = {"rc": p.returncode, "stderr_tail": p.stderr[-2000:]}
             res["traced"][v] = r
-            keep = ("copy_groups_ahead", "decode_admit_hotter", "pull_small_copies", "layers_hits_after_last_landing", "run", "span_ms", "link", "rc", "stderr_tail")
+            keep = ("copy_groups_ahead", "decode_admit_hotter", "pull_small_copies", "layers_hits_after_last_landing",
+                    "run", "span_ms", "link", "rc", "stderr_tail")
             print(v, json.dumps({k: r.get(k) for k in keep}, default=str))
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "link_trace_h200.json").write_text(json.dumps(res, indent=1, default=str))
