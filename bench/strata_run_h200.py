@@ -356,6 +356,10 @@ def verdict(res: dict) -> dict:
         "half_skewed_prefill_ge_7000": ge(val("half_skewed", "prefill_tokens_per_s"), 7000),
         "half_skewed_decode_ge_300": ge(val("half_skewed", "decode_tokens_per_s"), 300),
         "smallest_prefill_ge_0.9x_link_floor": ge(res.get("smallest_over_link_floor"), 0.9)}
+    # issue 12's rule, checked where it is measured: each run's measured device peak is within its plan
+    res["plan_obeyed"] = {name: int(r["device_bytes_peak_measured"]) <= int(r["device_bytes_planned"])
+                          for name, r in runs.items()
+                          if r.get("device_bytes_peak_measured") is not None and r.get("device_bytes_planned")}
     best_prefill = max((v for k, v in p.items() if k.startswith("prefill_grouped_mm") and k.endswith("tokens_per_s")
                         and "uniform" in k), default=None)
     peer_decode = p.get("decode_grouped_mm_bf16_tokens_per_s")
@@ -431,6 +435,9 @@ def main() -> int:
         except Exception as e:
             res["peers_error"] = f"{type(e).__name__}: {e}"
     verdict(res)
+    broken = [name for name, ok in res["plan_obeyed"].items() if not ok]
+    if broken:
+        log(f"PLAN BROKEN: measured device peak over the plan in {', '.join(broken)}")
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "strata_run_h200.json").write_text(json.dumps(res, indent=1, default=str))
     return 0
