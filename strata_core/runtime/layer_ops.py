@@ -580,34 +580,48 @@ class ComposedLayerOps:
                 continue
             scales = wts0.take(order)
             slots = cache.lookup_distinct(layer, experts)
-            if EMPTY in slots:
-                miss = [i for i in ks if slots[i] == EMPTY]
-                got = cache.admit_distinct(layer, [experts[i] for i in miss], [s for s in slots if s != EMPTY])
-                if got is None:
-                    # more misses than free slots beside the hits: the general path takes it from the lookup
-                    r = Routing(np.array(experts, np.int64), ones_k, starts, rows, scales)
-                    ws.release(mark)
-                    bufs = None
-                    try:
-                        self._after_lookup(w, r, np.array(slots, np.int64),
-                                           rmsnorm(x, w.norm_w, out=ws.carve((1, H), np.float32)), x_in)
-                    finally:
-                        ws.reset()
-                    continue
-                base = cache.row(layer, 0)
-                upload = w.source.upload
-                for i, slot in zip(miss, got):
-                    slots[i] = slot
-                    upload(base + experts[i], slot, w.copy_stream)
-                w.stats["experts_admitted"] += len(miss)
+            if EMPTY in slots and not self._admit_token_misses(w, experts, slots):
+                # more misses than free slots beside the hits: the general path takes it from the lookup
+                r = Routing(np.array(experts, np.int64), ones_k, starts, rows, scales)
+                ws.release(mark)
+                bufs = None
+                try:
+                    self._after_lookup(w, r, np.array(slots, np.int64),
+                                       rmsnorm(x, w.norm_w, out=ws.carve((1, H), np.float32)), x_in)
+                finally:
+                    ws.reset()
+                continue
             slots32[:] = slots
             gather(xn, rows, out=xg)
             scatter_add(x, rows, ffn(xg, offsets, slots32, w.pool, out=y), scales)
             ran = True
             if x_in is not None:
                 observer(w.phase, layer, x_in, np.array(x))
-        if bufs is not None:
+        self._end_direct_step(works, key, mark if bufs is not None else None, ran)
+
+    def _admit_token_misses(self, w: LayerWork, experts: list[int], slots: list[int]) -> bool:
+        """Admit one decode token's missed experts of w's layer (`slots` from lookup_distinct: EMPTY marks a miss),
+        queue their uploads on w's copy stream and write their slots into `slots`; False, with nothing changed, when
+        the usable slots beside the hits are fewer than the misses."""
+        cache, layer = w.slots, w.layer
+        miss = [i for i, s in enumerate(slots) if s == EMPTY]
+        got = cache.admit_distinct(layer, [experts[i] for i in miss], [s for s in slots if s != EMPTY])
+        if got is None:
+            return False
+        base = cache.row(layer, 0)
+        upload = w.source.upload
+        for i, slot in zip(miss, got):
+            slots[i] = slot
+            upload(base + experts[i], slot, w.copy_stream)
+        w.stats["experts_admitted"] += len(miss)
+        return True
+
+    def _end_direct_step(self, works: list[LayerWork], key: tuple, mark: Any, ran: bool) -> None:
+        """After a direct decode step: release its block (`mark`, None when none is held), record the step's
+        workspace peak when a layer ran on the direct path, and note that the host path's order holds."""
+        if mark is not None:
             works[-1].workspace.release(mark)
+        w0 = works[0]
         if ran:
             peak = self._direct_peak_bytes(w0, key)
             if peak > w0.stats["workspace_peak_bytes"]:
@@ -654,37 +668,22 @@ class ComposedLayerOps:
                 self._layer(w)
                 continue
             slots = cache.lookup_distinct(layer, experts)
-            if EMPTY in slots:
-                miss = [i for i in range(k) if slots[i] == EMPTY]
-                placed = cache.admit_distinct(layer, [experts[i] for i in miss], [s for s in slots if s != EMPTY])
-                if placed is None:
-                    # more misses than free slots beside the hits: the general path takes it from the lookup
-                    r = Routing(np.array(experts, np.int64), ones_k, starts, rows, st.weights_by_id())
-                    ws.release(mark)
-                    st = None
-                    try:
-                        self._after_lookup(w, r, np.array(slots, np.int64),
-                                           self.k.rmsnorm(x, w.norm_w, out=ws.carve((1, H), np.float32)), x_in)
-                    finally:
-                        ws.reset()
-                    continue
-                base = cache.row(layer, 0)
-                upload = w.source.upload
-                for i, slot in zip(miss, placed):
-                    slots[i] = slot
-                    upload(base + experts[i], slot, w.copy_stream)
-                w.stats["experts_admitted"] += len(miss)
+            if EMPTY in slots and not self._admit_token_misses(w, experts, slots):
+                # more misses than free slots beside the hits: the general path takes it from the lookup
+                r = Routing(np.array(experts, np.int64), ones_k, starts, rows, st.weights_by_id())
+                ws.release(mark)
+                st = None
+                try:
+                    self._after_lookup(w, r, np.array(slots, np.int64),
+                                       self.k.rmsnorm(x, w.norm_w, out=ws.carve((1, H), np.float32)), x_in)
+                finally:
+                    ws.reset()
+                continue
             experts_row(st, slots, w.pool)
             ran = True
             if x_in is not None:
                 observer(w.phase, layer, x_in, np.array(x))
-        if st is not None:
-            works[-1].workspace.release(mark)
-        if ran:
-            peak = self._direct_peak_bytes(w0, key)
-            if peak > w0.stats["workspace_peak_bytes"]:
-                w0.stats["workspace_peak_bytes"] = peak
-        self._ordered = True
+        self._end_direct_step(works, key, mark if st is not None else None, ran)
 
     def _share_split(self, r: Routing, misses: np.ndarray, tokens: int) -> np.ndarray:
         """The misses the CPU takes: the half with the fewest tokens (cheap on the CPU, costly to stream), as many
