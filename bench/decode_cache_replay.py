@@ -27,12 +27,20 @@ L, E, K, H, F, V = 48, 128, 8, 512, 64, 4096
 PROMPT, DECODE, LOAN, RING, BUDGET = 4096, 128, 154, 87, 6
 
 
-def routes(w, tokens: np.ndarray) -> np.ndarray:
-    """[L, T, K] routed experts of these tokens through the layers (the runtime's math, reference kernels)."""
+def skew_model():
+    """The skew-depth model's generated weights (skew 1), as bench/skew_depth.py makes them."""
+    return generate_weights(model_spec("skew-depth", L, E, K, H, F, V), 0, popularity_skew=1.0)
+
+
+def routes(w, tokens: np.ndarray, inputs: list | None = None) -> np.ndarray:
+    """[L, T, K] routed experts of these tokens through the layers (the runtime's math, reference kernels); each
+    layer's input residual [T, H] is appended to `inputs` where one is given."""
     d = w.dense
     x = np.asarray(d.embed[tokens], dtype=np.float32)
     out = []
     for layer in range(L):
+        if inputs is not None:
+            inputs.append(x.copy())
         xn = rmsnorm(x, d.norms[layer])
         ids, wts = route_topk(linear(xn, d.routers[layer]), K)
         out.append(ids.copy())
@@ -41,6 +49,14 @@ def routes(w, tokens: np.ndarray) -> np.ndarray:
         y = moe_grouped_ffn(xn[order // K], np.append(starts, order.size), layer * E + experts, w.experts)
         scatter_add(x, order // K, y, wts.ravel()[order])
     return np.stack(out)
+
+
+def best_static_half(pr: np.ndarray) -> np.ndarray:
+    """[L, E] the half of all (layer, expert) pairs a prompt's routing [L, T, K] uses most."""
+    counts = np.stack([np.bincount(pr[layer].ravel(), minlength=E) for layer in range(L)])
+    best = np.zeros(L * E, bool)
+    best[np.argsort(-counts.ravel())[: L * E // 2]] = True
+    return best.reshape(L, E)
 
 
 def popularity(w) -> np.ndarray:
@@ -111,16 +127,12 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--out", default="bench/results")
     args = ap.parse_args()
-    w = generate_weights(model_spec("skew-depth", L, E, K, H, F, V), 0, popularity_skew=1.0)
+    w = skew_model()
     rng = np.random.default_rng(1)
     pr, dec = routes(w, rng.integers(0, V, PROMPT)), routes(w, rng.integers(0, V, DECODE))
     pop = popularity(w)
     rows = np.arange(L)[:, None, None] * E + dec
-    counts = np.zeros((L, E))
-    for layer in range(L):
-        counts[layer] = np.bincount(pr[layer].ravel(), minlength=E)
-    best = np.zeros(L * E, bool)
-    best[np.argsort(-counts.ravel())[: L * E // 2]] = True
+    best = best_static_half(pr).reshape(-1)
     dc = np.bincount(rows.ravel(), minlength=L * E)
     oracle = np.zeros(L * E, bool)
     oracle[np.argsort(-dc)[: L * E // 2]] = True

@@ -16,28 +16,12 @@ from pathlib import Path
 
 import numpy as np
 
-from strata_core.models.synthetic import generate_weights, model_spec
-from strata_core.reference.kernels import linear, moe_grouped_ffn, rmsnorm, route_topk, scatter_add
+from strata_core.reference.kernels import linear, rmsnorm
 
-L, E, K, H, F, V = 48, 128, 8, 512, 64, 4096
-PROMPT, DECODE, LOOKAHEAD = 4096, 128, (1, 2, 4, 8)
+# the replay's model, forward pass and static cache (a script beside this one: bench/ is on the path when run)
+from decode_cache_replay import DECODE, E, F, H, K, L, PROMPT, V, best_static_half, routes, skew_model
 
-
-def run(w, tokens: np.ndarray) -> tuple[np.ndarray, list[np.ndarray]]:
-    """[L, T, K] routed experts and each layer's input residual [T, H] (the runtime's math, reference kernels)."""
-    d = w.dense
-    x = np.asarray(d.embed[tokens], dtype=np.float32)
-    ids_all, xs = [], []
-    for layer in range(L):
-        xs.append(x.copy())
-        xn = rmsnorm(x, d.norms[layer])
-        ids, wts = route_topk(linear(xn, d.routers[layer]), K)
-        ids_all.append(ids.copy())
-        order = np.argsort(ids.ravel(), kind="stable")
-        experts, starts = np.unique(ids.ravel()[order], return_index=True)
-        y = moe_grouped_ffn(xn[order // K], np.append(starts, order.size), layer * E + experts, w.experts)
-        scatter_add(x, order // K, y, wts.ravel()[order])
-    return np.stack(ids_all), xs
+LOOKAHEAD = (1, 2, 4, 8)
 
 
 def main() -> int:
@@ -45,15 +29,12 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--out", default="bench/results")
     args = ap.parse_args()
-    w = generate_weights(model_spec("skew-depth", L, E, K, H, F, V), 0, popularity_skew=1.0)
+    w = skew_model()
     d = w.dense
     rng = np.random.default_rng(1)
-    pr, _ = run(w, rng.integers(0, V, PROMPT))
-    dec, xs = run(w, rng.integers(0, V, DECODE))
-    counts = np.stack([np.bincount(pr[layer].ravel(), minlength=E) for layer in range(L)])
-    cached = np.zeros(L * E, bool)
-    cached[np.argsort(-counts.ravel())[: L * E // 2]] = True
-    cached = cached.reshape(L, E)
+    pr, xs = routes(w, rng.integers(0, V, PROMPT)), []
+    dec = routes(w, rng.integers(0, V, DECODE), xs)
+    cached = best_static_half(pr)
     res = {"schema": "strata.bench.decode_route_lookahead/1",
            "shape": {"layers": L, "experts": E, "top_k": K, "hidden": H, "expert_ffn": F, "decode": DECODE},
            "lookahead": {}}
