@@ -240,7 +240,7 @@ class ExpertCache:
         n = min(int(rows.size), left)
         if n <= 0:
             return rows[:0]
-        cold = np.sort(np.partition(heat, n - 1)[:n]) if n < heat.size else np.sort(heat)
+        cold = np.sort(np.partition(heat, n - 1)[:n])
         hotter = self.freq[rows[:n]] > cold
         return rows[:n] if hotter.all() else rows[: int(np.argmin(hotter))]
 

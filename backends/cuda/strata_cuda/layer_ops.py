@@ -99,6 +99,9 @@ class CudaLayerOps:
         self._bases: dict[int, tuple[int, int]] = {}
         self._layers_cache: tuple | None = None
         self._maps_dev: Any = None
+        #: _upload_maps' two page-locked stagings ([host view, event after its last pull, buffer]) and the one in use
+        self._maps_stage: list | None = None
+        self._maps_flip = 0
         self._ids_dev: Any = None
         self._w_dev: Any = None
         if shape is not None and layers > 0:
@@ -644,12 +647,12 @@ class CudaLayerOps:
         import cupy as cp
         st = cp.cuda.get_current_stream()
         if getattr(fast, "pull_small_copies", False):
-            stage = self.__dict__.get("_maps_stage")
+            stage = self._maps_stage
             if stage is None or stage[0][0].size != maps.size:
                 bufs = [fast._page_locked(maps.nbytes) for _ in range(2)]
                 stage = self._maps_stage = [[np.frombuffer(b, dtype=np.int32, count=maps.size), None, b]
                                             for b in bufs]
-            flip = self._maps_flip = 1 - self.__dict__.get("_maps_flip", 0)
+            flip = self._maps_flip = 1 - self._maps_flip
             arr, ev, _ = stage[flip]
             if ev is not None:
                 ev.synchronize()  # this staging's last pull has run (one step ago: nearly always done)
