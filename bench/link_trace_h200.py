@@ -63,12 +63,8 @@ def copy_rates(reps: int = 5) -> dict:
             st = streams[i % len(streams)]
             rt.memcpyAsync(big.data.ptr + i * (gb + db), host.ctypes.data + int(e) * (gb + db), gb + db, 1, st.ptr)
 
-    out = {"host_memory": "cudaHostAlloc"}
-    for name, fn, streams in (("one_copy", one_big, [s1]), ("per_expert_1_stream", per_expert, [s1]),
-                              ("per_expert_2_streams", per_expert, [s1, s2]),
-                              ("gate_up_and_down_on_2_streams", per_array, [s1, s2]),
-                              ("contiguous_expert_1_stream", contiguous_experts, [s1]),
-                              ("contiguous_expert_2_streams", contiguous_experts, [s1, s2])):
+    def median_ms(fn, streams) -> float:
+        # events on s1 around the pattern, s2 fenced in and joined back; the first of reps + 1 runs is a warm-up
         ts = []
         for _ in range(reps + 1):
             a, b = cp.cuda.Event(), cp.cuda.Event()
@@ -81,7 +77,15 @@ def copy_rates(reps: int = 5) -> dict:
             b.record(s1)
             b.synchronize()
             ts.append(cp.cuda.get_elapsed_time(a, b))
-        ms = sorted(ts[1:])[len(ts[1:]) // 2]
+        return sorted(ts[1:])[len(ts[1:]) // 2]
+
+    out = {"host_memory": "cudaHostAlloc"}
+    for name, fn, streams in (("one_copy", one_big, [s1]), ("per_expert_1_stream", per_expert, [s1]),
+                              ("per_expert_2_streams", per_expert, [s1, s2]),
+                              ("gate_up_and_down_on_2_streams", per_array, [s1, s2]),
+                              ("contiguous_expert_1_stream", contiguous_experts, [s1]),
+                              ("contiguous_expert_2_streams", contiguous_experts, [s1, s2])):
+        ms = median_ms(fn, streams)
         out[name] = {"ms": round(ms, 4), "gb_per_s": round(nbytes / ms / 1e6, 2), "bytes": nbytes}
     # the store's arena is a numpy array page-locked in place (cudaHostRegister): the same per-expert pattern from
     # such memory, with the kernel's default pages and with transparent huge pages asked for before the first touch
@@ -95,15 +99,7 @@ def copy_rates(reps: int = 5) -> dict:
         rt.hostRegister(arr.ctypes.data, arr.nbytes, 0)
         hg = arr[: e_n * GU[0] * GU[1]].reshape(e_n, *GU)
         hd = arr[e_n * GU[0] * GU[1]:].reshape(e_n, *DN)
-        ts = []
-        for _ in range(reps + 1):
-            a, b = cp.cuda.Event(), cp.cuda.Event()
-            a.record(s1)
-            per_expert([s1])
-            b.record(s1)
-            b.synchronize()
-            ts.append(cp.cuda.get_elapsed_time(a, b))
-        ms = sorted(ts[1:])[len(ts[1:]) // 2]
+        ms = median_ms(per_expert, [s1])  # per_expert reads hg, hd: now this registered memory
         out[f"per_expert_1_stream_{label}"] = {"ms": round(ms, 4), "gb_per_s": round(nbytes / ms / 1e6, 2)}
         rt.hostUnregister(arr.ctypes.data)
         del hg, hd, arr
