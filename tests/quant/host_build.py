@@ -91,6 +91,76 @@ static void qh_run_block(unsigned block, const std::function<void()>& body, void
 }
 """
 
+
+
+def block_shim(p: str) -> str:
+    """C++ standing in for CUDA around a kernel source built for the host, its names prefixed `p`: dim3 indices,
+    the vector types, the bit-cast and rounding intrinsics, __syncthreads / __syncwarp / __shfl_xor_sync over the
+    fibers' barriers (8 warps of 32), `<p>_host_warp_sum` (every lane's value through memory once, summed in lane
+    order by each lane), CUDA's qualifiers as nothing, and `<p>_launch(gx, gy, body)`: 256-thread blocks of a gx by
+    gy grid, one block at a time. Goes after FIBERS and the source's own host defines."""
+    return r"""
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+using std::min;
+struct qt_dim3 { unsigned int x = 1, y = 1, z = 1; };
+struct uint4 { unsigned int x, y, z, w; };
+struct float4 { float x, y, z, w; };
+struct float2 { float x, y; };
+static inline uint4 make_uint4(unsigned a, unsigned b, unsigned c, unsigned d) { return uint4{a, b, c, d}; }
+static inline float2 make_float2(float a, float b) { return float2{a, b}; }
+static qt_dim3 threadIdx, blockIdx, blockDim, gridDim;
+static qh_barrier* P_warp_bar[8];
+static qh_barrier* P_block_bar;
+static float P_xchg[256];
+static inline float __uint_as_float(unsigned int u) { float f; std::memcpy(&f, &u, 4); return f; }
+static inline unsigned int __float_as_uint(float f) { unsigned int u; std::memcpy(&u, &f, 4); return u; }
+static inline float __int_as_float(int i) { float f; std::memcpy(&f, &i, 4); return f; }
+static inline float __fmul_rn(float a, float b) { volatile float r = a * b; return r; }
+static inline float __fsub_rn(float a, float b) { volatile float r = a - b; return r; }
+static inline void __syncwarp() { P_warp_bar[threadIdx.x / 32]->arrive_and_wait(); }
+static inline void __syncthreads() { P_block_bar->arrive_and_wait(); }
+static inline float __shfl_xor_sync(unsigned, float v, int m) {
+    const unsigned t = threadIdx.x;
+    P_xchg[t] = v;
+    P_warp_bar[t / 32]->arrive_and_wait();
+    const float r = P_xchg[(t & ~31u) | ((t & 31u) ^ (unsigned)m)];
+    P_warp_bar[t / 32]->arrive_and_wait();
+    return r;
+}
+static inline float P_host_warp_sum(float v) {
+    const unsigned t = threadIdx.x, w0 = t & ~31u;
+    P_xchg[t] = v;
+    P_warp_bar[t / 32]->arrive_and_wait();
+    float s = 0.0f;
+    for (unsigned l = 0; l < 32; ++l) s += P_xchg[w0 + l];
+    P_warp_bar[t / 32]->arrive_and_wait();
+    return s;
+}
+#define __device__
+#define __global__
+#define __forceinline__ inline
+#define __shared__ static
+#define __restrict__
+#define __launch_bounds__(...)
+static void P_set_thread(unsigned t) { threadIdx.x = t; }
+static void P_launch(unsigned gx, unsigned gy, const std::function<void()>& body) {
+    blockDim.x = 256; gridDim.x = gx; gridDim.y = gy;
+    for (unsigned by = 0; by < gy; ++by)
+        for (unsigned bx = 0; bx < gx; ++bx) {
+            std::vector<qh_barrier> bars(8, qh_barrier(32));
+            for (int w = 0; w < 8; ++w) P_warp_bar[w] = &bars[w];
+            qh_barrier block_bar(256);
+            P_block_bar = &block_bar;
+            blockIdx.x = bx;
+            blockIdx.y = by;
+            qh_run_block(256, body, P_set_thread);
+        }
+}
+""".replace("P_", f"{p}_")
+
+
 GXX_FLAGS = ("-std=c++20", "-O1", "-shared", "-fPIC", "-pthread", "-w")
 
 

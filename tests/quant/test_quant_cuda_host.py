@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from host_build import FIBERS, build_host_library
+from host_build import FIBERS, block_shim, build_host_library
 
 from strata_core.models.gguf import read_moe_tensors
 from strata_core.reference.quants import GGML_TYPES
@@ -205,67 +205,7 @@ def test_moe_quant_cu_compiles_with_nvrtc():
 #: GPU's other summation order (warp tree, fused multiply-adds) and nothing for a wrong weight
 GEMV_BOUND = 1e-6
 
-FAST_SHIM = FIBERS + r"""
-#define QF_HOST 1
-#define QF_HOST_SYNCTHREADS 1
-#include <cmath>
-#include <cstring>
-using std::min;
-struct qt_dim3 { unsigned int x = 1, y = 1, z = 1; };
-struct uint4 { unsigned int x, y, z, w; };
-struct float4 { float x, y, z, w; };
-static inline uint4 make_uint4(unsigned a, unsigned b, unsigned c, unsigned d) { return uint4{a, b, c, d}; }
-static qt_dim3 threadIdx, blockIdx;
-static qt_dim3 blockDim, gridDim;
-static qh_barrier* qf_warp_bar[8];
-static qh_barrier* qf_block_bar;
-static float qf_xchg[256];
-static inline float __uint_as_float(unsigned int u) { float f; std::memcpy(&f, &u, 4); return f; }
-static inline unsigned int __float_as_uint(float f) { unsigned int u; std::memcpy(&u, &f, 4); return u; }
-static inline float __int_as_float(int i) { float f; std::memcpy(&f, &i, 4); return f; }
-static inline float __fmul_rn(float a, float b) { volatile float r = a * b; return r; }
-static inline float __fsub_rn(float a, float b) { volatile float r = a - b; return r; }
-static inline void __syncwarp() { qf_warp_bar[threadIdx.x / 32]->arrive_and_wait(); }
-static inline void __syncthreads() { qf_block_bar->arrive_and_wait(); }
-static inline float __shfl_xor_sync(unsigned, float v, int m) {
-    const unsigned t = threadIdx.x;
-    qf_xchg[t] = v;
-    qf_warp_bar[t / 32]->arrive_and_wait();
-    const float r = qf_xchg[(t & ~31u) | ((t & 31u) ^ (unsigned)m)];
-    qf_warp_bar[t / 32]->arrive_and_wait();
-    return r;
-}
-// qf_warp_sum's host form: every lane's value through memory once, summed in lane order by each lane
-static inline float qf_host_warp_sum(float v) {
-    const unsigned t = threadIdx.x, w0 = t & ~31u;
-    qf_xchg[t] = v;
-    qf_warp_bar[t / 32]->arrive_and_wait();
-    float s = 0.0f;
-    for (unsigned l = 0; l < 32; ++l) s += qf_xchg[w0 + l];
-    qf_warp_bar[t / 32]->arrive_and_wait();
-    return s;
-}
-#define __device__
-#define __global__
-#define __forceinline__ inline
-#define __shared__ static
-#define __restrict__
-#define __launch_bounds__(n)
-static void qf_set_thread(unsigned t) { threadIdx.x = t; }
-static void qf_launch(unsigned gx, unsigned gy, const std::function<void()>& body) {
-    blockDim.x = 256; gridDim.x = gx; gridDim.y = gy;
-    for (unsigned by = 0; by < gy; ++by)
-        for (unsigned bx = 0; bx < gx; ++bx) {
-            std::vector<qh_barrier> bars(8, qh_barrier(32));
-            for (int w = 0; w < 8; ++w) qf_warp_bar[w] = &bars[w];
-            qh_barrier block_bar(256);
-            qf_block_bar = &block_bar;
-            blockIdx.x = bx;
-            blockIdx.y = by;
-            qh_run_block(256, body, qf_set_thread);
-        }
-}
-"""
+FAST_SHIM = FIBERS + "#define QF_HOST 1\n#define QF_HOST_SYNCTHREADS 1\n" + block_shim("qf")
 
 FAST_WRAPPERS = r"""
 extern "C" {

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from host_build import FIBERS, build_host_library
+from host_build import FIBERS, block_shim, build_host_library
 
 from strata_core.models.gguf import read_moe_tensors, write_moe_gguf
 from strata_core.testing import reference64 as r64
@@ -21,59 +21,7 @@ CUDA_DIR = Path(__file__).resolve().parents[2] / "backends" / "cuda" / "strata_c
 #: exact weights, f32 sums (s * sum(q x) - m * sum(x) a run); the old GEMV kernels' host bound
 BOUND = 1e-6
 
-SHIM = FIBERS + r"""
-#define QD_HOST 1
-#include <algorithm>
-#include <cmath>
-#include <cstring>
-using std::min;
-struct qt_dim3 { unsigned int x = 1, y = 1, z = 1; };
-struct uint4 { unsigned int x, y, z, w; };
-struct float4 { float x, y, z, w; };
-struct float2 { float x, y; };
-static inline uint4 make_uint4(unsigned a, unsigned b, unsigned c, unsigned d) { return uint4{a, b, c, d}; }
-static inline float2 make_float2(float a, float b) { return float2{a, b}; }
-static qt_dim3 threadIdx, blockIdx, blockDim, gridDim;
-static qh_barrier* qd_warp_bar[8];
-static qh_barrier* qd_block_bar;
-static float qd_xchg[256];
-static inline float __uint_as_float(unsigned int u) { float f; std::memcpy(&f, &u, 4); return f; }
-static inline unsigned int __float_as_uint(float f) { unsigned int u; std::memcpy(&u, &f, 4); return u; }
-static inline float __int_as_float(int i) { float f; std::memcpy(&f, &i, 4); return f; }
-static inline float __fmul_rn(float a, float b) { volatile float r = a * b; return r; }
-static inline float __fsub_rn(float a, float b) { volatile float r = a - b; return r; }
-static inline void __syncthreads() { qd_block_bar->arrive_and_wait(); }
-// the warp sum through memory: every lane's value once, summed in lane order
-static inline float qd_host_warp_sum(float v) {
-    const unsigned t = threadIdx.x, w0 = t & ~31u;
-    qd_xchg[t] = v;
-    qd_warp_bar[t / 32]->arrive_and_wait();
-    float s = 0.0f;
-    for (unsigned l = 0; l < 32; ++l) s += qd_xchg[w0 + l];
-    qd_warp_bar[t / 32]->arrive_and_wait();
-    return s;
-}
-#define __device__
-#define __global__
-#define __forceinline__ inline
-#define __shared__ static
-#define __restrict__
-#define __launch_bounds__(...)
-static void qd_set_thread(unsigned t) { threadIdx.x = t; }
-static void qd_launch(unsigned gx, unsigned gy, const std::function<void()>& body) {
-    blockDim.x = 256; gridDim.x = gx; gridDim.y = gy;
-    for (unsigned by = 0; by < gy; ++by)
-        for (unsigned bx = 0; bx < gx; ++bx) {
-            std::vector<qh_barrier> bars(8, qh_barrier(32));
-            for (int w = 0; w < 8; ++w) qd_warp_bar[w] = &bars[w];
-            qh_barrier block_bar(256);
-            qd_block_bar = &block_bar;
-            blockIdx.x = bx;
-            blockIdx.y = by;
-            qh_run_block(256, body, qd_set_thread);
-        }
-}
-"""
+SHIM = FIBERS + "#define QD_HOST 1\n" + block_shim("qd")
 
 WRAPPERS = "extern \"C\" {\n" + "".join(rf"""
 void host_gate_up_{t}(unsigned gx, unsigned gy, const float* x, const float* logits, int E, int K,
