@@ -263,16 +263,22 @@ def decode_kernel_source() -> str:
     return files("strata_cuda").joinpath(DECODE_SOURCE_NAME).read_text()
 
 
+#: source file name -> its kernels by name, compiled once per process (_compiled)
+_COMPILED: dict[str, dict[str, Any]] = {}
+
+
+def _compiled(cupy: Any, source_name: str, text: Any, names: tuple[str, ...]) -> dict[str, Any]:
+    """The kernels `names` of the source `text()` (named `source_name`) on the current device, compiled once."""
+    got = _COMPILED.get(source_name)
+    if got is None:
+        mod = cupy.RawModule(code=text(), options=compile_options())
+        got = _COMPILED[source_name] = {n: mod.get_function(n) for n in names}
+    return got
+
+
 def decode_kernels(cupy: Any) -> dict[str, Any]:
     """quant_decode.cu's kernels on the current device, compiled once per process."""
-    global _DECODE_KERNELS
-    if _DECODE_KERNELS is None:
-        mod = cupy.RawModule(code=decode_kernel_source(), options=compile_options())
-        _DECODE_KERNELS = {n: mod.get_function(n) for n in DECODE_KERNEL_NAMES}
-    return _DECODE_KERNELS
-
-
-_DECODE_KERNELS: dict[str, Any] | None = None
+    return _compiled(cupy, DECODE_SOURCE_NAME, decode_kernel_source, DECODE_KERNEL_NAMES)
 
 
 class QuantGroupedFFN:
@@ -382,14 +388,7 @@ class QuantGroupedFFN:
 
 def fast_kernels(cupy: Any) -> dict[str, Any]:
     """quant_fast.cu's kernels on the current device, compiled once per process."""
-    global _FAST_KERNELS
-    if _FAST_KERNELS is None:
-        mod = cupy.RawModule(code=fast_kernel_source(), options=compile_options())
-        _FAST_KERNELS = {n: mod.get_function(n) for n in FAST_KERNEL_NAMES}
-    return _FAST_KERNELS
-
-
-_FAST_KERNELS: dict[str, Any] | None = None
+    return _compiled(cupy, FAST_SOURCE_NAME, fast_kernel_source, FAST_KERNEL_NAMES)
 
 
 class QuantDecodeLayer(DecodeLayer):
