@@ -317,7 +317,7 @@ class CudaLayerOps:
             work.stats["bytes_streamed"] += int(st.bytes_streamed)
             work.stats["ring_batches"] += int(st.copy_groups)
             if self.admit_from_ring and st.ring_held and seen_counts:
-                self._admit_from_ring(work, slot_map, st.ring_held, seen_counts[0])
+                self._admit_from_ring(work, fast, slot_map, st.ring_held, seen_counts[0])
                 fast.ring_read()  # the next layer's prefetch into the ring waits for these reads
         self._prev_streamed = here
         self.counts["prefill_fused"] += 1
@@ -325,14 +325,15 @@ class CudaLayerOps:
         if observer is not None:
             observer(work.phase, work.layer, x_in, np.asarray(self.memory.download(x)))
 
-    def _admit_from_ring(self, work: LayerWork, slot_map: np.ndarray, held: dict, counts: np.ndarray) -> None:
+    def _admit_from_ring(self, work: LayerWork, fast: Any, slot_map: np.ndarray, held: dict,
+                         counts: np.ndarray) -> None:
         """Swap this layer's cold cached experts for hotter ones the ring still holds, copied device to device on
         the compute stream after the layer (before the next layer's ring copies, which wait for this stream): the
         prompt leaves the cache holding what it routed to most, at HBM cost (about 5 us an expert), not the link's.
 
         Hotter is by the cache's decayed frequency, which the layer's lookup has just raised by this chunk's rows.
         A held expert replaces a cached one only when its frequency is higher, coldest first; empty usable slots
-        are filled first."""
+        are filled first. `fast` is the layer's FastMoE (its pull kernels copy the slots)."""
         import cupy as cp
         cache = work.slots
         freq = getattr(cache, "freq", None)
@@ -366,7 +367,6 @@ class CudaLayerOps:
         allowed[slot_map[victims]] = True
         got = cache.admit(work.layer, experts[:n], keep=np.flatnonzero(~allowed))
         stream = cp.cuda.get_current_stream()
-        fast = self._fast_for(work)
         moved = 0
         for src, dst in zip(ring_slots[:n], got):
             if dst < 0:
