@@ -165,6 +165,11 @@ def traced_run(cache: int, decode: int, ahead: str = "default") -> dict:
         layer_ops.DECODE_ADMIT_HOTTER = False
     if "nopull" in flag:  # small tables and ring admissions through cudaMemcpyAsync, as before
         fast.PULL_SMALL_COPIES = False
+    if "ring0" in flag:  # every layer places its copy groups from ring slot 0, as before fast.ring_placement's start
+        fast.FastMoE._ring_start = lambda self, ring: 0
+    if "hostembed" in flag:  # the prompt's rows gathered on the host and uploaded, as before CudaLayerOps.embed_rows
+        from strata_cuda import layer_ops
+        layer_ops.CudaLayerOps.embed_rows = lambda self, table, ids, x: False
 
     def traced(self, x, *a, **kw):
         if x.shape[0] >= 1024:  # not the session's tiny warm-up layer
@@ -271,7 +276,8 @@ def main() -> int:
     ap.add_argument("--decode", type=int, default=32)
     ap.add_argument("--skip-run", action="store_true")
     ap.add_argument("--ahead", default="default", help="comma-separated COPY_GROUPS_AHEAD variants (int, all, "
-                    "default), each run in its own process")
+                    "default), each with optional :flags (nopull, noguard, ring0, hostembed), each run in its own "
+                    "process")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child is not None:  # one traced run; its JSON on stdout's last line

@@ -270,6 +270,32 @@ def slot_runs(slots: Sequence[int]) -> list[tuple[int, int, int]]:
     return runs
 
 
+def _ring_key(ring: np.ndarray) -> bytes:
+    return np.asarray(ring, dtype=np.int64).tobytes()
+
+
+def ring_placement(sizes: Sequence[int], ring_slots: int, start: int = 0) -> tuple[list[int], list[list[int]], int]:
+    """Where a streamed layer's copy groups sit on a ring of ring_slots slots, from slot `start` on (wrapping where a
+    group does not fit): (first slot of each group, the earlier groups of this layer whose slots each reuses, the
+    slot after the last group). A layer starts where the previous one ended, so its first group (the prefetch, queued
+    behind that layer's copies) takes the slots that layer's earliest groups read, not its last ones: from slot 0
+    every layer, the next layer's prefetch waited for the previous layer's tail groups and the admissions after them
+    (the link's ~0.17 ms a layer idle before a prefetch, bench/results/lead_h200_s5/)."""
+    place: list[int] = []
+    deps: list[list[int]] = []
+    last_user = [-1] * int(ring_slots)
+    cursor = int(start) if 0 <= int(start) < int(ring_slots) else 0
+    for g, size in enumerate(int(n) for n in sizes):
+        if cursor + size > ring_slots:
+            cursor = 0
+        place.append(cursor)
+        deps.append(sorted({u for u in last_user[cursor:cursor + size] if u >= 0}))
+        for i in range(cursor, cursor + size):
+            last_user[i] = g
+        cursor += size
+    return place, deps, cursor % int(ring_slots) if ring_slots else 0
+
+
 def class_rows(counts: np.ndarray) -> np.ndarray:
     """Each count rounded up to its size class, two an octave: 8, 16, then 2^k and 1.5 * 2^k, so a class holds at
     most 1.5x its rows above 16 (moe_fast.cu's stack_cap). Four an octave (at most 1.25x) measured slower under
@@ -530,6 +556,8 @@ class FastMoE:
         # the ring (ring_read): what a prefetch into those slots must wait for
         self._ring_done: dict[int, Any] = {}
         self._ring_read_event: Any = None
+        # (the ring's slots as bytes, the slot after its last layer's last group): ring_placement's start
+        self._ring_cursor: tuple[bytes, int] | None = None
 
     # -- small helpers -----------------------------------------------------------------------------------------
 
@@ -1056,7 +1084,8 @@ class FastMoE:
         if size > ring.size:
             return 0
         cp, cs = self._cp, self.copy_stream
-        slots = ring[:size]
+        first = ring_placement([size], int(ring.size), self._ring_start(ring))[0][0]
+        slots = ring[first:first + size]
         known = [self._ring_done.get(int(r)) for r in slots]
         if after_previous_layer and all(e is not None for e in known):
             for e in {id(e): e for e in known}.values():
@@ -1082,12 +1111,21 @@ class FastMoE:
         if pre is not None:
             pre[3].synchronize()
 
-    def ring_read(self) -> None:
-        """The caller has queued reads of the ring's slots on compute_stream after the layer (a copy from the ring
-        into the cache): a prefetch into the ring waits for them."""
+    def ring_read(self, slots: Sequence[int] | None = None) -> None:
+        """The caller has queued reads of these ring slots (None: any) on compute_stream after the layer (a copy from
+        the ring into the cache): a prefetch into them waits for those reads."""
         ev = self._cp.cuda.Event(disable_timing=True)
         ev.record(self.compute_stream)
-        self._ring_read_event = ev
+        if slots is None:
+            self._ring_read_event = ev
+            return
+        for r in slots:  # recorded after the layer's groups on the same stream: the slot's last reader now
+            self._ring_done[int(r)] = ev
+
+    def _ring_start(self, ring: np.ndarray) -> int:
+        """The ring slot the next layer through this ring places its first group at: where the last one ended."""
+        got = self._ring_cursor
+        return got[1] if got is not None and got[0] == _ring_key(ring) else 0
 
     def _stream_misses(self, misses: list[int], pool: ExpertPool, host_pool: ExpertPool, ring: np.ndarray,
                        blk_base: int, lay: StackLayout, bufs: tuple, start: Any,
@@ -1098,17 +1136,11 @@ class FastMoE:
         sizes = self.miss_groups(len(misses), ring_n, slot_bytes)
         if max(sizes) > ring_n:
             raise ValueError(f"prefill_layer: a ring of {ring_n} slots cannot hold a copy group of {max(sizes)}")
-        # place the groups on the ring (wrapping where one does not fit) and find, for each, the groups that last
-        # used its slots: its copy must wait until they have computed
-        place, deps, last_user, cursor = [], [], [-1] * ring_n, 0
-        for g, size in enumerate(sizes):
-            if cursor + size > ring_n:
-                cursor = 0
-            place.append(cursor)
-            deps.append(sorted({u for u in last_user[cursor:cursor + size] if u >= 0}))
-            for i in range(cursor, cursor + size):
-                last_user[i] = g
-            cursor += size
+        # place the groups on the ring from where the last layer through it ended and find, for each, the groups of
+        # this layer that last used its slots: its copy must wait until they have computed (earlier layers' readers
+        # are behind `start`)
+        place, deps, end = ring_placement(sizes, ring_n, self._ring_start(ring))
+        self._ring_cursor = (_ring_key(ring), end)
         first_of = np.concatenate([[0], np.cumsum(sizes)]).astype(int)
         cs, st = self.copy_stream, self.compute_stream
         pre = self._take_prefetch()

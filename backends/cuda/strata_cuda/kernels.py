@@ -107,10 +107,12 @@ extern "C" __global__ void strata_argmax_final_f32(const float* part_v, const in
     if (threadIdx.x == 0) out[0] = si[0] == STRATA_NO_ID ? 0 : si[0];
 }
 
-// out[0..h) = the f16 row tok[0] of table [V, h] widened to f32 (bit-exact, as moe.cu's strata_h2f); the table may
-// be device memory or page-locked host memory mapped at its host address
+// out[r, 0..h) = the f16 row tok[r] of table [V, h] widened to f32 (bit-exact, as moe.cu's strata_h2f), r =
+// blockIdx.y (one row: the greedy step's; a chunk's rows: the prefill's embedding); the table may be device memory or
+// page-locked host memory mapped at its host address
 extern "C" __global__ void strata_embed_row_f16(const unsigned short* table, const int* tok, int h, float* out) {
-    const unsigned short* row = table + (long long)tok[0] * h;
+    const unsigned short* row = table + (long long)tok[blockIdx.y] * h;
+    out += (long long)blockIdx.y * h;
     for (int j = blockIdx.x * blockDim.x + threadIdx.x; j < h; j += gridDim.x * blockDim.x) {
         const unsigned int x = row[j];
         const unsigned int sign = (x & 0x8000u) << 16, e = (x >> 10) & 0x1fu, m = x & 0x3ffu;
@@ -133,6 +135,8 @@ GREEDY_KERNEL_NAMES = ("strata_argmax_part_f32", "strata_argmax_final_f32", "str
 GREEDY_THREADS = 256
 ARGMAX_PARTS = 128
 EMBED_THREADS = 256
+#: Rows of one embedding launch (CUDA's grid limit in y)
+EMBED_GRID_Y = 65535
 
 
 class GreedyKernels:
@@ -153,6 +157,15 @@ class GreedyKernels:
                                           (np.uint64(logits_ptr), np.int32(n), self._part_v, self._part_i))
         self._k["strata_argmax_final_f32"]((1,), (GREEDY_THREADS,),
                                            (self._part_v, self._part_i, np.int32(ARGMAX_PARTS), np.uint64(out_ptr)))
+
+    def embed_rows(self, table_ptr: int, tok_ptr: int, rows: int, hidden: int, out_ptr: int) -> None:
+        """rows x hidden f32 at out_ptr = the f16 rows (rows int32 at tok_ptr) of the [V, hidden] table at table_ptr."""
+        blocks = max(1, min(64, (int(hidden) + EMBED_THREADS - 1) // EMBED_THREADS))
+        for r0 in range(0, int(rows), EMBED_GRID_Y):
+            n = min(EMBED_GRID_Y, int(rows) - r0)
+            self._k["strata_embed_row_f16"]((blocks, n), (EMBED_THREADS,),
+                                            (np.uint64(table_ptr), np.uint64(tok_ptr + 4 * r0), np.int32(hidden),
+                                             np.uint64(out_ptr + 4 * r0 * int(hidden))))
 
     def embed_row(self, table_ptr: int, tok_ptr: int, hidden: int, out_ptr: int) -> None:
         """hidden f32 at out_ptr = f16 row (int32 at tok_ptr) of the [V, hidden] table at table_ptr."""

@@ -317,8 +317,9 @@ class CudaLayerOps:
             work.stats["bytes_streamed"] += int(st.bytes_streamed)
             work.stats["ring_batches"] += int(st.copy_groups)
             if self.admit_from_ring and st.ring_held and seen_counts:
-                self._admit_from_ring(work, fast, slot_map, st.ring_held, seen_counts[0])
-                fast.ring_read()  # the next layer's prefetch into the ring waits for these reads
+                read = self._admit_from_ring(work, fast, slot_map, st.ring_held, seen_counts[0])
+                if read:
+                    fast.ring_read(read)  # a later prefetch into these ring slots waits for these reads
         self._prev_streamed = here
         self.counts["prefill_fused"] += 1
         work.workspace.reset()
@@ -326,19 +327,20 @@ class CudaLayerOps:
             observer(work.phase, work.layer, x_in, np.asarray(self.memory.download(x)))
 
     def _admit_from_ring(self, work: LayerWork, fast: Any, slot_map: np.ndarray, held: dict,
-                         counts: np.ndarray) -> None:
+                         counts: np.ndarray) -> list[int]:
         """Swap this layer's cold cached experts for hotter ones the ring still holds, copied device to device on
         the compute stream after the layer (before the next layer's ring copies, which wait for this stream): the
         prompt leaves the cache holding what it routed to most, at HBM cost (about 5 us an expert), not the link's.
 
         Hotter is by the cache's decayed frequency, which the layer's lookup has just raised by this chunk's rows.
         A held expert replaces a cached one only when its frequency is higher, coldest first; empty usable slots
-        are filled first. `fast` is the layer's FastMoE (its pull kernels copy the slots)."""
+        are filled first. `fast` is the layer's FastMoE (its pull kernels copy the slots). Returns the ring slots
+        read."""
         import cupy as cp
         cache = work.slots
         freq = getattr(cache, "freq", None)
         if freq is None or not hasattr(cache, "admit"):
-            return
+            return []
         ring_slots = np.fromiter(held.keys(), dtype=np.int64, count=len(held))
         experts = np.fromiter(held.values(), dtype=np.int64, count=len(held))
         rows0 = int(cache.row(work.layer, 0))
@@ -360,17 +362,18 @@ class CudaLayerOps:
                 break
             n += 1
         if n == 0:
-            return
+            return []
         victims = cached[np.argsort(freq[rows0 + cached], kind="stable")][: max(0, n - len(empty))]
         allowed = np.zeros(cache.slots, dtype=bool)
         allowed[empty[:n]] = True
         allowed[slot_map[victims]] = True
         got = cache.admit(work.layer, experts[:n], keep=np.flatnonzero(~allowed))
         stream = cp.cuda.get_current_stream()
-        moved = 0
+        moved, read = 0, []
         for src, dst in zip(ring_slots[:n], got):
             if dst < 0:
                 continue
+            read.append(int(src))
             for arr in work.pool.arrays.values():
                 per = int(arr.strides[0])
                 d, s = int(arr.data.ptr) + int(dst) * per, int(arr.data.ptr) + int(src) * per
@@ -381,6 +384,7 @@ class CudaLayerOps:
             moved += 1
         work.stats["experts_admitted"] += moved
         self.counts["ring_admitted"] = self.counts.get("ring_admitted", 0) + moved
+        return read
 
     def worst_carves(self, tokens: int, vocab: int, top_k: int | None = None) -> list:
         """The carves of a chunk's layer after its residual and of the LM head, in the order prefill_layer and the
@@ -863,19 +867,58 @@ class CudaLayerOps:
                 self._pinned.free(buf)
             return None
         host = embed
-        try:
-            # cudaDevAttrCanUseHostPointerForRegisteredMem (91) and the driver's device address of the buffer
-            same = bool(self._rt.deviceGetAttribute(91, cp.cuda.Device().id))
-            attrs = self._rt.pointerGetAttributes(int(host.ctypes.data))
-            ptr = int(attrs.devicePointer) or (int(host.ctypes.data) if same else 0)
-            ok = int(attrs.type) == 1 and ptr != 0
-        except Exception:
-            ok = False
-        if not ok:
+        ptr = self._mapped_address(int(host.ctypes.data))
+        if not ptr:
             self._pinned.free(buf)
             return None
         self._table_buf = buf
         return SimpleNamespace(ptr=ptr, vocab=int(embed.shape[0]), hidden=int(embed.shape[1]), keep=host)
+
+    def _mapped_address(self, host_ptr: int) -> int:
+        """The address kernels read this page-locked host memory at, or 0 where the device cannot read it."""
+        import cupy as cp
+        try:
+            # cudaDevAttrCanUseHostPointerForRegisteredMem (91) and the driver's device address of the buffer
+            same = bool(self._rt.deviceGetAttribute(91, cp.cuda.Device().id))
+            attrs = self._rt.pointerGetAttributes(int(host_ptr))
+            ptr = int(attrs.devicePointer) or (int(host_ptr) if same else 0)
+            return ptr if int(attrs.type) == 1 else 0
+        except Exception:
+            return 0
+
+    def embed_rows(self, table: Any, token_ids: np.ndarray, x: Any) -> bool:
+        """x [n,H] f32 = the rows of these tokens of a greedy_table, gathered by the device from the page-locked
+        table (the prefill's embedding: no host gather of the rows and no pageable upload while the device waits);
+        False, with nothing queued, when the ids cannot be staged (the caller uploads the rows itself)."""
+        import cupy as cp
+        ids = np.ascontiguousarray(token_ids, dtype=np.int32).reshape(-1)
+        if (self._greedy is None or table is None or x.dtype != cp.float32 or x.shape != (ids.size, table.hidden)
+                or self._pinned is None or ids.size == 0 or int(ids.max()) >= table.vocab or int(ids.min()) < 0):
+            return False
+        stage = self.__dict__.get("_embed_ids")
+        if stage is None or stage[0].size < ids.size:
+            # the ids stay in page-locked staging the kernel reads at its mapped address: a device copy of them
+            # would be device memory outside the plan (16,384 bytes for a 4096-token chunk, measured over the plan
+            # on the H200: bench/results/lead_h200_s5b/)
+            buf = self._pinned.alloc(4 * ids.size, from_floor=True)
+            if buf is None:
+                return False
+            dev = self._mapped_address(int(buf.array.ctypes.data)) if buf.nbytes else 0
+            if not dev:
+                self._pinned.free(buf)
+                return False
+            if stage is not None:
+                stage[2].synchronize()  # the last gather read its memory before it goes back
+                self._pinned.free(stage[1])
+            stage = self._embed_ids = [np.ndarray((ids.size,), dtype=np.int32, buffer=buf.array), buf,
+                                       cp.cuda.Event(disable_timing=True), dev]
+        host, _, done, dev = stage
+        done.synchronize()  # the previous chunk's gather has read its ids
+        host[: ids.size] = ids
+        self._greedy.embed_rows(table.ptr, dev, ids.size, table.hidden, int(x.data.ptr))
+        done.record(cp.cuda.get_current_stream())
+        self.counts["embed_rows"] = self.counts.get("embed_rows", 0) + 1
+        return True
 
     def greedy_release(self) -> None:
         """Give the embedding table's page-locking back to the session's allocator (idempotent)."""
