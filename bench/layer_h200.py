@@ -123,18 +123,23 @@ def layer(args, res: dict) -> None:
     from strata_cuda import fast as fast_mod
     res["split_rows_default"] = fast_mod.SPLIT_ROWS
     res["cublas_grouped_gemm_symbol"] = fast_mod._BlasExtra().grouped is not None
-    variants = [(v.split(":") + [""])[:3] for v in args.variants.split(",")]
-    for vi, (mode, streams, split) in enumerate(variants):
+    # mode:streams[:split rows][:f<class floor rows>], e.g. classes:4, classes:4:1024, classes:4:f64
+    variants = [v.split(":") for v in args.variants.split(",")]
+    for vi, (mode, streams, *extra) in enumerate(variants):
         streams = int(streams)
-        name_v = f"{mode}:{streams}" + (f":{split}" if split else "")
+        name_v = ":".join([mode, str(streams), *extra])
         try:
             moe = FastMoE(E, K, H, F, gemm_mode=mode, gemm_streams=streams)
         except ValueError as e:
             res["modes"][name_v] = {"unavailable": str(e)}
             continue
-        if split:
-            moe.split_rows = int(split)
-        r = res["modes"][name_v] = {"gemm_mode": mode, "gemm_streams": streams, "split_rows": moe.split_rows}
+        for tok in extra:
+            if tok.startswith("f"):
+                moe.class_floor = int(tok[1:])
+            elif tok:
+                moe.split_rows = int(tok)
+        r = res["modes"][name_v] = {"gemm_mode": mode, "gemm_streams": streams, "split_rows": moe.split_rows,
+                                    "class_floor": moe.class_floor}
         for name, lg in (("uniform", lg_u), ("skewed", lg_s)):
             lg_d = cp.asarray(lg)
             out.fill(np.nan)

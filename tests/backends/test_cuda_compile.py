@@ -86,6 +86,38 @@ def test_the_size_classes_bound_the_padding():
     assert list(lay.cap) == [4096, 8, 8, 256, 8] and lay.rows == int(lay.cap.sum())
 
 
+@pytest.mark.parametrize("floor", [8, 32, 64])
+def test_a_class_floor_only_lifts_the_small_groups_and_the_stack_bound_holds(floor):
+    import numpy as np
+    from types import SimpleNamespace
+    from strata_cuda.fast import FastMoE, StackLayout, class_rows
+    c = np.arange(1, 5000)
+    r = class_rows(c, floor)
+    assert np.all(r >= np.maximum(c, floor)) and np.array_equal(r[c > floor], class_rows(c[c > floor]))
+
+    def device_cap(v: int) -> int:  # moe_fast.cu's stack_cap with `classes` = the floor, written out
+        p = 1
+        while p < v:
+            p <<= 1
+        mid = 3 * p // 4
+        out = mid if (mid >= v and mid % 8 == 0) else p
+        return max(out, 8, floor)
+    assert [device_cap(int(v)) for v in c[:700]] == r[:700].tolist()
+    # any routing of a chunk fits the bound the plan lends the stack (the worst case: many groups just past a class)
+    moe = SimpleNamespace(top_k=8, experts=128, gemm_mode="classes", class_floor=floor)
+    rng = np.random.default_rng(floor)
+    for tokens in (1, 7, 64, 4096):
+        routed = tokens * moe.top_k
+        bound = FastMoE.stack_rows_bound(moe, tokens)
+        for _ in range(50):
+            counts = np.bincount(rng.choice(moe.experts, routed, p=rng.dirichlet(np.full(moe.experts, 0.3))),
+                                 minlength=moe.experts)
+            assert StackLayout.of(counts, "classes", floor).rows <= bound, (tokens, floor)
+        worst = np.full(moe.experts, routed // moe.experts)  # every group one row past a class
+        worst[: routed % moe.experts] += 1
+        assert StackLayout.of(worst, "classes", floor).rows <= bound, (tokens, floor)
+
+
 # each third-form decode kernel's weight loads a lane issues before its first sum (moe_fast.cu: 2 x STRATA_GU3_GROUP
 # for gate/up, BATCH for the down kernels)
 THIRD_FORM_LOADS = {"strata_fast_decode_gate_up3": 16, "strata_fast_decode_down3_s1": 12,

@@ -23,7 +23,7 @@ from strata_core.runtime.devmem import Arena
 
 pytest.importorskip("cupy")  # strata_cuda.fast / layer_ops import without a GPU, but need cupy installed
 
-from strata_cuda.fast import FastMoE  # noqa: E402
+from strata_cuda.fast import CLASS_FLOOR_ROWS, FastMoE  # noqa: E402
 from strata_cuda.layer_ops import CudaLayerOps  # noqa: E402
 from strata_cuda.quant_ffn import SCRATCH_BUDGET_BYTES, scratch_layout  # noqa: E402
 from strata_cuda.rules import DEQUANT_SCRATCH_BYTES  # noqa: E402
@@ -46,7 +46,7 @@ def _plan_ops(model):
     """A CudaLayerOps as cuda_layer_ops builds it for the plan's model (no cupy call: only what worst_carves reads)."""
     shape = (model.experts_per_layer, model.top_k, model.hidden, model.expert_ffn)
     fast = SimpleNamespace(experts=shape[0], top_k=shape[1], hidden=shape[2], ffn=shape[3], group_experts=8,
-                           gemm_mode="classes")
+                           gemm_mode="classes", class_floor=CLASS_FLOOR_ROWS)
     fast.stack_rows_bound = lambda t: FastMoE.stack_rows_bound(fast, t)
     fast.prefill_buffer_bytes = lambda t, d, s=0: FastMoE.prefill_buffer_bytes(fast, t, d, s)
     return SimpleNamespace(_fast={shape: fast}, _plan_shape=shape, _plan_dtype="gguf",

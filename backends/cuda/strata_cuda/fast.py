@@ -117,6 +117,10 @@ CLASS_MODES = ("classes", "grouped-classes")
 #: class (12 classes, 10% fewer padded rows), and the uniform chunk's groups (about 256 rows) stay whole. Pieces of
 #: 128 rows lost on the device (more problems, each expert's weights read again per piece).
 SPLIT_ROWS = 512
+#: In the class modes no group is given fewer stack rows than this (a multiple of ROW_ALIGN; FastMoE.class_floor):
+#: a 64-row floor would merge the skewed chunk's six smallest classes (85 groups of 1 to 64 rows) into one, each such
+#: GEMM still bound by its expert's weight reads, and grow the stack's bound by (floor - ROW_ALIGN) rows an expert.
+CLASS_FLOOR_ROWS = ROW_ALIGN
 
 #: Copy the first ring group of a streamed layer's uncached experts before the layer routes (prefetch_misses, which
 #: the layer ops call at the layer's start): without it the link idles ~0.7 ms a layer between one layer's last
@@ -218,7 +222,7 @@ def warm_gemms(moe: "FastMoE", tokens: int) -> int:
     split = moe.split_rows if moe.gemm_mode in CLASS_MODES and moe.split_rows > 0 else 0
     # with split groups no problem is larger than split_rows' class, and that class meets more problems a call
     top = min(max(1, tokens), split) if split else max(1, tokens)
-    sizes = np.unique(class_rows(np.arange(1, top + 1))) if moe.gemm_mode in CLASS_MODES else \
+    sizes = np.unique(class_rows(np.arange(1, top + 1), moe.class_floor)) if moe.gemm_mode in CLASS_MODES else \
         np.unique(np.minimum(tokens, 1 << np.arange(int(np.log2(max(1, tokens))) + 2)))
     most = moe.experts + (routed // split if split else 0)
     batches = sorted({b for b in (*WARM_BATCHES, most // 2, most) if b > 0})
@@ -296,15 +300,16 @@ def ring_placement(sizes: Sequence[int], ring_slots: int, start: int = 0) -> tup
     return place, deps, cursor % int(ring_slots) if ring_slots else 0
 
 
-def class_rows(counts: np.ndarray) -> np.ndarray:
+def class_rows(counts: np.ndarray, floor: int = ROW_ALIGN) -> np.ndarray:
     """Each count rounded up to its size class, two an octave: 8, 16, then 2^k and 1.5 * 2^k, so a class holds at
-    most 1.5x its rows above 16 (moe_fast.cu's stack_cap). Four an octave (at most 1.25x) measured slower under
-    skewed routing on the H200 (1.55 against 1.15 ms a layer): more classes, smaller batches, more launches."""
+    most 1.5x its rows above 16 (moe_fast.cu's stack_cap), and at least `floor` rows. Four an octave (at most 1.25x)
+    measured slower under skewed routing on the H200 (1.55 against 1.15 ms a layer): more classes, smaller batches,
+    more launches."""
     c = np.maximum(np.asarray(counts, dtype=np.int64), 1)
     p = np.left_shift(1, np.ceil(np.log2(c)).astype(np.int64))  # the power of two at or above c
     mid = (3 * p) // 4  # 1.5 * 2^(k-1), between p/2 and p
     out = np.where((mid >= c) & (mid % ROW_ALIGN == 0), mid, p)
-    return np.maximum(out, ROW_ALIGN)
+    return np.maximum(out, max(ROW_ALIGN, int(floor)))
 
 
 @dataclass
@@ -317,10 +322,10 @@ class StackLayout:
     row0: np.ndarray
 
     @classmethod
-    def of(cls, count_of_block: np.ndarray, mode: str) -> "StackLayout":
-        """The layout of these groups (in block order) for a gemm mode."""
+    def of(cls, count_of_block: np.ndarray, mode: str, floor: int = ROW_ALIGN) -> "StackLayout":
+        """The layout of these groups (in block order) for a gemm mode (class modes: classes of at least floor rows)."""
         count = np.asarray(count_of_block, dtype=np.int64)
-        cap = class_rows(count) if mode in CLASS_MODES else -(-count // ROW_ALIGN) * ROW_ALIGN
+        cap = class_rows(count, floor) if mode in CLASS_MODES else -(-count // ROW_ALIGN) * ROW_ALIGN
         row0 = np.concatenate([[0], np.cumsum(cap)[:-1]]).astype(np.int64) if count.size else count
         return cls(count=count, cap=cap, row0=row0)
 
@@ -518,6 +523,8 @@ class FastMoE:
             raise ValueError(f"FastMoE: gemm_mode {self.gemm_mode!r} is not available here")
         #: class modes: groups above this many rows run as pieces of it (SPLIT_ROWS; 0: whole groups)
         self.split_rows = SPLIT_ROWS
+        #: the fewest stack rows a group gets in the class modes (CLASS_FLOOR_ROWS); the stack's bound grows with it
+        self.class_floor = CLASS_FLOOR_ROWS
         # side streams for the size classes, each with its own cuBLAS handle (a handle's workspace is not shared
         # between streams that run at once)
         self._side = side_lanes(max(0, int(gemm_streams) - 1)) if self.gemm_mode == "classes" else []
@@ -700,6 +707,10 @@ class FastMoE:
         if st:
             raise RuntimeError(f"cublasGemmGroupedBatchedEx failed with status {st}")
 
+    def _class_floor(self) -> int:
+        """moe_fast.cu's stack_cap mode: 0 rounds groups to ROW_ALIGN, else the class floor in rows."""
+        return max(ROW_ALIGN, int(self.class_floor)) if self.gemm_mode in CLASS_MODES else 0
+
     def _fork_join(self) -> list:
         """The fork event and one join event per side lane, made on first use."""
         ev = self.__dict__.get("_fj")
@@ -811,7 +822,8 @@ class FastMoE:
         """The most rows the compact stack of a `tokens`-token chunk can take in this gemm mode (any routing)."""
         routed = tokens * self.top_k
         if self.gemm_mode in CLASS_MODES:
-            return (3 * routed) // 2 + 2 * ROW_ALIGN * self.experts
+            # a class holds at most 1.5x its rows plus ROW_ALIGN, or the floor (class_rows)
+            return (3 * routed) // 2 + (ROW_ALIGN + max(ROW_ALIGN, self.class_floor)) * self.experts
         return routed + ROW_ALIGN * self.experts
 
     def prefill_buffer_bytes(self, tokens: int, pool_dtype: str, slot_bytes: int = 0) -> dict[str, int]:
@@ -859,7 +871,7 @@ class FastMoE:
         self._upload_i32(slot_d, np.where(slot_of >= 0, 1, -1).astype(np.int32))
         ids, wts, pos, rowidx, counts = self._launch_route(logits, t)
         self._k["strata_fast_offsets"]((1,), (THREADS,), (np.uint64(counts), np.uint64(slot_d), np.int32(e_n),
-                                                          np.int32(self.gemm_mode in CLASS_MODES),
+                                                          np.int32(self._class_floor()),
                                                           np.uint64(row_of_d)))
         self._mark("routed")
         # the one host sync of a prefill layer: row counts decide the GEMM sizes and which experts to fetch; the
@@ -895,7 +907,7 @@ class FastMoE:
             raise ValueError(f"prefill_layer: {misses.size} experts are not cached and no host pool/ring was given")
         order = np.concatenate([hits, misses])
         g_n = int(order.size)
-        lay = StackLayout.of(counts_h[order], self.gemm_mode)
+        lay = StackLayout.of(counts_h[order], self.gemm_mode, self.class_floor)
         self.stats = LayerStats(experts_used=g_n, hits=int(hits.size), misses=int(misses.size), stack_rows=lay.rows,
                                 routed_rows=t * kk, routed_rows_hit=int(counts_h[hits].sum()))
         if spent is not None:
@@ -942,7 +954,7 @@ class FastMoE:
             return y
         # blocks of the stack in slot order (Q8_0 pools dequantize runs of consecutive slots at once)
         order = live[np.argsort(sl[live], kind="stable")]
-        lay = StackLayout.of(counts[order], self.gemm_mode)
+        lay = StackLayout.of(counts[order], self.gemm_mode, self.class_floor)
         row_of_group = np.zeros(sl.size, dtype=np.int32)
         row_of_group[order] = lay.row0
         r0, r1 = int(off[0]), int(off[-1])  # offsets ascend: the groups cover rows r0..r1-1 exactly
@@ -1006,7 +1018,8 @@ class FastMoE:
         row0 = lay.row0[blk0:blk0 + m]
         if self.gemm_mode in CLASS_MODES:
             # hot experts run as pieces of split_rows rows beside the others (grouping.gemm_pieces)
-            blk, off, ns = gemm_pieces(lay.count[blk0:blk0 + m], lay.cap[blk0:blk0 + m], self.split_rows, class_rows)
+            blk, off, ns = gemm_pieces(lay.count[blk0:blk0 + m], lay.cap[blk0:blk0 + m], self.split_rows,
+                                       lambda c: class_rows(c, self.class_floor))
             w13, w2, prow = w13[blk], w2[blk], row0[blk] + off
         else:
             ns, prow = lay.count[blk0:blk0 + m], row0
@@ -1150,7 +1163,8 @@ class FastMoE:
         done = [cp.cuda.Event(disable_timing=True) for _ in sizes]
         streamed = pre[4] if pre is not None else 0  # a spent prefetch moved its bytes over the link all the same
         next_copy = 0
-        if (pre is not None and pre[0] == tuple(misses[:sizes[0]]) and pre[1] == tuple(int(r) for r in ring[:sizes[0]])
+        first_slots = tuple(int(r) for r in ring[place[0]:place[0] + sizes[0]])
+        if (pre is not None and pre[0] == tuple(misses[:sizes[0]]) and pre[1] == first_slots
                 and pre[2] == self._host_key(host_pool)):
             landed[0], next_copy = pre[3], 1  # the first group is in flight already, into the slots it would take
             self.stats.prefetch = "used"

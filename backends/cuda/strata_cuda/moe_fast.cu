@@ -209,8 +209,9 @@ extern "C" __global__ void strata_fast_positions(const int* __restrict__ ids, in
     if (tid == 0) counts[e] = base;
 }
 
-// Rows of a group in the compact stack: its count rounded up to 8, or in size-class mode to its class (8, 16, then
-// 2^k and 1.5 * 2^k); fast.py's class_rows computes the same.
+// Rows of a group in the compact stack: its count rounded up to 8 (classes 0), or in size-class mode to its class
+// (8, 16, then 2^k and 1.5 * 2^k) and at least `classes` rows (the class floor, >= 8); fast.py's class_rows computes
+// the same.
 __device__ __forceinline__ int stack_cap(int c, int classes) {
     if (c <= 0) return 0;
     if (!classes) return (c + 7) / 8 * 8;
@@ -218,7 +219,8 @@ __device__ __forceinline__ int stack_cap(int c, int classes) {
     while (p < c) p <<= 1;  // the power of two at or above c
     const int mid = 3 * p / 4;
     const int r = (mid >= c && mid % 8 == 0) ? mid : p;
-    return r < 8 ? 8 : r;
+    const int floor_rows = classes < 8 ? 8 : classes;
+    return r < floor_rows ? floor_rows : r;
 }
 
 // Stack offsets on the device, so the gather need not wait for the host: one block of STRATA_FAST_THREADS >= E
