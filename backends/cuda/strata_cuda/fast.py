@@ -278,26 +278,31 @@ def _ring_key(ring: np.ndarray) -> bytes:
     return np.asarray(ring, dtype=np.int64).tobytes()
 
 
-def ring_placement(sizes: Sequence[int], ring_slots: int, start: int = 0) -> tuple[list[int], list[list[int]], int]:
-    """Where a streamed layer's copy groups sit on a ring of ring_slots slots, from slot `start` on (wrapping where a
-    group does not fit): (first slot of each group, the earlier groups of this layer whose slots each reuses, the
-    slot after the last group). A layer starts where the previous one ended, so its first group (the prefetch, queued
-    behind that layer's copies) takes the slots that layer's earliest groups read, not its last ones: from slot 0
-    every layer, the next layer's prefetch waited for the previous layer's tail groups and the admissions after them
-    (the link's ~0.17 ms a layer idle before a prefetch, bench/results/lead_h200_s5/)."""
-    place: list[int] = []
+def ring_placement(sizes: Sequence[int], ring_slots: int, start: int = 0) -> tuple[list[np.ndarray], list[list[int]], int]:
+    """Where a streamed layer's copy groups sit on a ring of ring_slots slots, as a circular buffer from position
+    `start` on (a group may wrap past the last slot): (each group's positions in the ring, the earlier groups of this
+    layer whose slots each reuses, the position after the last group). A layer starts where the previous one through
+    the ring ended, so its first group (the prefetch, queued behind that layer's copies) takes the slots that layer's
+    earliest groups read, not its last ones: from slot 0 every layer, the next layer's prefetch waited for the previous
+    layer's tail groups and the admissions after them (6.2 ms of link idle before prefetches a half-skewed prefill,
+    0.3 ms this way: bench/results/lead_h200_s6/call2_link_trace_h200.json). Wrapping inside a group keeps every
+    slot in use: skipping the ring's tail to keep groups contiguous left one group fewer in flight whenever a layer
+    started mid-ring (the Q4_K_M cold layer 1.31x its link floor in call2_quant_layer_h200.json, 1.09x in call 1)."""
+    n = int(ring_slots)
+    positions: list[np.ndarray] = []
     deps: list[list[int]] = []
-    last_user = [-1] * int(ring_slots)
-    cursor = int(start) if 0 <= int(start) < int(ring_slots) else 0
-    for g, size in enumerate(int(n) for n in sizes):
-        if cursor + size > ring_slots:
-            cursor = 0
-        place.append(cursor)
-        deps.append(sorted({u for u in last_user[cursor:cursor + size] if u >= 0}))
-        for i in range(cursor, cursor + size):
-            last_user[i] = g
-        cursor += size
-    return place, deps, cursor % int(ring_slots) if ring_slots else 0
+    last_user = np.full(max(n, 0), -1, dtype=np.int64)
+    cursor = int(start) if 0 <= int(start) < n else 0
+    for g, size in enumerate(int(k) for k in sizes):
+        if size > n:
+            raise ValueError(f"ring_placement: a group of {size} on a ring of {n} slots")
+        pos = (cursor + np.arange(size, dtype=np.int64)) % n
+        positions.append(pos)
+        users = last_user[pos]
+        deps.append(sorted(set(users[users >= 0].tolist())))
+        last_user[pos] = g
+        cursor = (cursor + size) % n
+    return positions, deps, cursor
 
 
 def class_rows(counts: np.ndarray, floor: int = ROW_ALIGN) -> np.ndarray:
@@ -1097,8 +1102,7 @@ class FastMoE:
         if size > ring.size:
             return 0
         cp, cs = self._cp, self.copy_stream
-        first = ring_placement([size], int(ring.size), self._ring_start(ring))[0][0]
-        slots = ring[first:first + size]
+        slots = ring[ring_placement([size], int(ring.size), self._ring_start(ring))[0][0]]
         known = [self._ring_done.get(int(r)) for r in slots]
         if after_previous_layer and all(e is not None for e in known):
             for e in {id(e): e for e in known}.values():
@@ -1154,6 +1158,7 @@ class FastMoE:
         # are behind `start`)
         place, deps, end = ring_placement(sizes, ring_n, self._ring_start(ring))
         self._ring_cursor = (_ring_key(ring), end)
+        group_slots = [ring[p] for p in place]
         first_of = np.concatenate([[0], np.cumsum(sizes)]).astype(int)
         cs, st = self.copy_stream, self.compute_stream
         pre = self._take_prefetch()
@@ -1163,7 +1168,7 @@ class FastMoE:
         done = [cp.cuda.Event(disable_timing=True) for _ in sizes]
         streamed = pre[4] if pre is not None else 0  # a spent prefetch moved its bytes over the link all the same
         next_copy = 0
-        first_slots = tuple(int(r) for r in ring[place[0]:place[0] + sizes[0]])
+        first_slots = tuple(int(r) for r in group_slots[0])
         if (pre is not None and pre[0] == tuple(misses[:sizes[0]]) and pre[1] == first_slots
                 and pre[2] == self._host_key(host_pool)):
             landed[0], next_copy = pre[3], 1  # the first group is in flight already, into the slots it would take
@@ -1185,7 +1190,7 @@ class FastMoE:
                 self._mark(f"copy_begin_{g}", cs)  # fires when the link may start this group: idle before it
                 a = first_of[g]
                 moved += self._copy_experts(pool, host_pool, misses[a:a + sizes[g]],
-                                            ring[place[g]:place[g] + sizes[g]])
+                                            group_slots[g])
                 landed[g].record(cs)
                 self._mark(f"copied_{g}", cs)
                 next_copy += 1
@@ -1196,7 +1201,7 @@ class FastMoE:
         for g, size in enumerate(sizes):
             st.wait_event(landed[g])
             blk0 = blk_base + int(first_of[g])
-            self._group(pool, ring[place[g]:place[g] + size], blk0, lay, bufs)
+            self._group(pool, group_slots[g], blk0, lay, bufs)
             done[g].record(st)
             self._mark(f"computed_{g}")
             streamed += queue_copies(g + 1)
@@ -1204,14 +1209,14 @@ class FastMoE:
         self.stats.copy_groups = len(sizes)
         for g, size in enumerate(sizes):  # in order: a slot's last reader is the last group placed there
             for i in range(size):
-                self._ring_done[int(ring[place[g] + i])] = done[g]
+                self._ring_done[int(group_slots[g][i])] = done[g]
         self._ring_read_event = None  # the layer ops' reads of this layer's ring come after (ring_read)
         # which expert each ring slot holds once the layer has computed (the last group placed there): a caller
         # may copy hot ones into the cache from here, device to device, instead of over the link again
         held = {}
         for g, size in enumerate(sizes):
             for i in range(size):
-                held[int(ring[place[g] + i])] = int(misses[first_of[g] + i])
+                held[int(group_slots[g][i])] = int(misses[first_of[g] + i])
         self.stats.ring_held = held
 
     # -- decode ------------------------------------------------------------------------------------------------
