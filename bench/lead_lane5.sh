@@ -3,9 +3,9 @@
 # process, `strata run --backend cuda --check` twice, bench/strata_run_h200.py --fidelity, quant_layer_h200.py
 # auto:classes, layer_h200.py $LAYER_VARIANTS, default classes:4), then bench/link_trace_h200.py's half-skewed run
 # in a process per $AHEAD variant, default: the default, :ring0 (copy groups placed from ring slot 0 every layer, as
-# before) and :hostembed (the prompt's rows gathered on the host, as before). Files in $OUT (8, the device tool's limit): gpu_tests.log, run_cuda.json (both
-# --check runs), strata_run_h200.json, fidelity_h200.json, quant_layer_h200.json, layer_h200.json,
-# link_trace_h200.json, lane.log (everything printed). Carry .whl and strata_core.egg-info.
+# before) and :hostembed (the prompt's rows gathered on the host, as before). Files in $OUT (8, the device tool's
+# limit): gpu_tests.log, run_cuda.json (both --check runs), strata_run_h200.json, fidelity_h200.json,
+# quant_layer_h200.json, layer_h200.json, link_trace_h200.json, lane.log (everything printed). Carry .whl and strata_core.egg-info.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 exec > >(tee "$OUT/lane.log") 2>&1
