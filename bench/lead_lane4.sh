@@ -7,18 +7,9 @@
 # strata_run_h200.json, fidelity_h200.json, quant_layer_h200.json, layer_h200.json, lane.log (everything printed,
 # the runs' stderr too). Carry .whl and strata_core.egg-info.
 set -uo pipefail
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-exec > >(tee "$OUT/lane.log") 2>&1
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=$PWD:$PWD/backends/cuda:$PWD/backends/rocm:$PWD/backends/sycl:/tmp/site PYTHONUNBUFFERED=1
-nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv,noheader
-rc=0; t0=$(date +%s)
-for f in tests/gpu/test_fidelity.py $(ls tests/gpu/test_*.py | grep -v test_fidelity.py); do
-  echo "=== $f" >> "$OUT/gpu_tests.log"
-  extra=""; case $f in *conformance*) extra="--strata-backend cuda";; esac
-  timeout -k 10 "${TEST_S:-150}" python3 -m pytest -p no:cacheprovider -q -rfE "$f" $extra >> "$OUT/gpu_tests.log" 2>&1 || rc=1
-  echo "$f: $(tail -1 "$OUT/gpu_tests.log")"
-done
+. "$(dirname "${BASH_SOURCE[0]}")/lane_common.sh"
+lane_start
+lane_gpu_tests 150
 echo "tests/gpu took $(( $(date +%s) - t0 )) s"
 for i in 1 2; do
   timeout -k 10 150 python3 -m strata_core.cli run --backend cuda --check --json > "$OUT/run_cuda_$i.json" || rc=1
