@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import subprocess
 import sys
 import time
@@ -311,6 +312,35 @@ def fidelity(out_dir: str, timeout_s: int) -> dict:
     return res
 
 
+def host_calibration(reps: int = 5) -> dict:
+    """The host's speed at the kind of work a layer's host side does (Python calls and dict lookups; numpy on
+    expert-count arrays), medians of `reps` timed runs: read beside a run's figures, it tells a slow machine from a
+    slow change (the all-cached prefill is host-bound: 53,560 and 30,597 tok/s for the same code on two machines,
+    bench/results/lead_h200_s6/)."""
+    def python_ms() -> float:
+        d = {i: i for i in range(128)}
+        t = time.perf_counter()
+        acc = 0
+        for i in range(200_000):
+            acc += d[i & 127]
+        return (time.perf_counter() - t) * 1e3
+
+    def numpy_us() -> float:
+        rng = np.random.default_rng(0)
+        counts = rng.integers(0, 600, 128)
+        t = time.perf_counter()
+        for _ in range(2000):
+            order = np.argsort(-counts, kind="stable")
+            np.cumsum(counts[order])
+            np.unique(counts)
+        return (time.perf_counter() - t) * 1e6 / 2000
+
+    return {"python_dict_loop_200k_ms": round(statistics.median(python_ms() for _ in range(reps)), 3),
+            "numpy_expert_table_ops_us": round(statistics.median(numpy_us() for _ in range(reps)), 3),
+            "reps": reps, "how": "medians of time.perf_counter around a 200k-iteration dict loop and 2000 rounds of "
+                                "argsort + cumsum + unique over 128 expert counts"}
+
+
 def summarize(d: dict) -> dict:
     """The fields this bench keeps of one run."""
     keep = ("layer_ops", "prefill_tokens_per_s", "decode_tokens_per_s", "cache_hit_rate", "cache_hit_rate_prefill",
@@ -397,7 +427,7 @@ def main() -> int:
         except Exception as e:
             log(f"fidelity failed: {type(e).__name__}: {e}")
     res: dict = {"schema": "strata.bench.strata_run/1", "model": MODEL, "layers": LAYERS, "prompt_tokens": PROMPT,
-                 "decode_tokens": args.decode, "runs": {}}
+                 "decode_tokens": args.decode, "runs": {}, "host_calibration_start": host_calibration()}
     total = LAYERS * E
     for name in args.settings.split(","):
         baseline = name == "all_decode_baseline"  # the all setting with the decode kernels of before (A/B)
@@ -434,6 +464,7 @@ def main() -> int:
             peers(res)
         except Exception as e:
             res["peers_error"] = f"{type(e).__name__}: {e}"
+    res["host_calibration_end"] = host_calibration()
     verdict(res)
     broken = [name for name, ok in res["plan_obeyed"].items() if not ok]
     if broken:

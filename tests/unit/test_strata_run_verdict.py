@@ -32,3 +32,13 @@ def test_the_committed_file_recomputes_to_its_own_figures():
     again = _verdict()(json.loads(path.read_text()))
     for key in ("targets", "ours_over_peer", "plan_obeyed"):
         assert again[key] == committed[key], key
+
+
+def test_the_host_calibration_times_real_work():
+    """The calibration's two medians are measured (positive times) and its shape is what the JSON records."""
+    spec = importlib.util.spec_from_file_location("strata_run_h200", ROOT / "bench" / "strata_run_h200.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    got = mod.host_calibration(reps=3)
+    assert got["python_dict_loop_200k_ms"] > 0 and got["numpy_expert_table_ops_us"] > 0, got
+    assert got["reps"] == 3
