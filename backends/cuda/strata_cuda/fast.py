@@ -117,9 +117,10 @@ CLASS_MODES = ("classes", "grouped-classes")
 #: class (12 classes, 10% fewer padded rows), and the uniform chunk's groups (about 256 rows) stay whole. Pieces of
 #: 128 rows lost on the device (more problems, each expert's weights read again per piece).
 SPLIT_ROWS = 512
-#: In the class modes no group is given fewer stack rows than this (a multiple of ROW_ALIGN; FastMoE.class_floor):
-#: a 64-row floor would merge the skewed chunk's six smallest classes (85 groups of 1 to 64 rows) into one, each such
-#: GEMM still bound by its expert's weight reads, and grow the stack's bound by (floor - ROW_ALIGN) rows an expert.
+#: In the class modes no group is given fewer stack rows than this (a multiple of ROW_ALIGN; FastMoE.class_floor;
+#: the stack's bound grows by (floor - ROW_ALIGN) rows an expert). A 64-row floor merges the skewed chunk's six
+#: smallest classes (85 groups of 1 to 64 rows) into one; on the H200 it gained nothing: the skewed layer took 1.190 ms
+#: with it, 1.483 with 32, 1.178 without (bench/results/lead_h200_s6/call2_layer_h200.json), so no floor.
 CLASS_FLOOR_ROWS = ROW_ALIGN
 
 #: Copy the first ring group of a streamed layer's uncached experts before the layer routes (prefetch_misses, which
@@ -278,16 +279,18 @@ def _ring_key(ring: np.ndarray) -> bytes:
     return np.asarray(ring, dtype=np.int64).tobytes()
 
 
-def ring_placement(sizes: Sequence[int], ring_slots: int, start: int = 0) -> tuple[list[np.ndarray], list[list[int]], int]:
+def ring_placement(sizes: Sequence[int], ring_slots: int,
+                   start: int = 0) -> tuple[list[np.ndarray], list[list[int]], int]:
     """Where a streamed layer's copy groups sit on a ring of ring_slots slots, as a circular buffer from position
     `start` on (a group may wrap past the last slot): (each group's positions in the ring, the earlier groups of this
     layer whose slots each reuses, the position after the last group). A layer starts where the previous one through
     the ring ended, so its first group (the prefetch, queued behind that layer's copies) takes the slots that layer's
     earliest groups read, not its last ones: from slot 0 every layer, the next layer's prefetch waited for the previous
     layer's tail groups and the admissions after them (6.2 ms of link idle before prefetches a half-skewed prefill,
-    0.3 ms this way: bench/results/lead_h200_s6/call2_link_trace_h200.json). Wrapping inside a group keeps every
-    slot in use: skipping the ring's tail to keep groups contiguous left one group fewer in flight whenever a layer
-    started mid-ring (the Q4_K_M cold layer 1.31x its link floor in call2_quant_layer_h200.json, 1.09x in call 1)."""
+    0.3 ms this way, groups then kept contiguous: bench/results/lead_h200_s6/call2_link_trace_h200.json). Wrapping
+    inside a group keeps every slot in use: skipping the ring's tail to keep groups contiguous left one group fewer
+    in flight whenever a layer started mid-ring (the Q4_K_M cold layer 1.31x its link floor in
+    call2_quant_layer_h200.json, 1.08x in call3_ with the wrap)."""
     n = int(ring_slots)
     positions: list[np.ndarray] = []
     deps: list[list[int]] = []
