@@ -115,6 +115,22 @@ def moe_grouped_ffn(x: np.ndarray, offsets: np.ndarray, slots: np.ndarray, pool:
     return y
 
 
+def moe_layer(x: np.ndarray, logits: np.ndarray, pool: ExpertPool, slot_of: np.ndarray, k: int) -> np.ndarray:
+    """One MoE layer's output in float64: sum over each token's top k of w_k * expert(slot_of[id_k])(x)."""
+    ids, w = route_topk(logits, k)
+    y = np.zeros(x.shape, F64)
+    for e in np.unique(ids):
+        rows, ks = np.nonzero(ids == e)
+        y[rows] += w[rows, ks, None] * expert_ffn(pool, int(slot_of[e]), x[rows])
+    return y
+
+
+def topk_margin(logits: np.ndarray, k: int) -> float:
+    """The smallest gap between a token's k-th and (k+1)-th logit (a near-tie may route either way)."""
+    s = np.sort(logits, axis=1)[:, ::-1]
+    return float((s[:, k - 1] - s[:, k]).min())
+
+
 def relative_error(out: np.ndarray, want: np.ndarray) -> float:
     """||out - want|| / ||want|| in float64 (NaN or inf anywhere in out gives inf)."""
     out = np.asarray(out, dtype=F64)

@@ -107,22 +107,6 @@ def test_the_gemv_path_of_small_groups_matches_the_float64_reference(tmp_path, c
     assert not y[12].any()
 
 
-def _layer_reference(x, logits, pool, slot_of, k):
-    """float64 sum_k w_k * expert(slot_of[id_k])(x) of one MoE layer (routing as the reference routes)."""
-    ids, w = r64.route_topk(logits, k)
-    y = np.zeros(x.shape, np.float64)
-    for e in np.unique(ids):
-        rows, ks = np.nonzero(ids == e)
-        y[rows] += w[rows, ks, None] * r64.expert_ffn(pool, int(slot_of[e]), x[rows])
-    return y
-
-
-def _margin(logits, k):
-    """The smallest gap between a token's k-th and (k+1)-th logit (a near-tie may route either way)."""
-    s = np.sort(logits, axis=1)[:, ::-1]
-    return float((s[:, k - 1] - s[:, k]).min())
-
-
 @pytest.mark.parametrize("group_experts,pieces", [(1, False), (3, False), (3, True)])
 def test_quant_moe_layer_warm_cold_and_decode_match_the_float64_reference(tmp_path, group_experts, pieces):
     """QuantMoE (the layer path of a 'gguf' model): a warm prefill chunk (every expert cached, groups of
@@ -150,9 +134,9 @@ def test_quant_moe_layer_warm_cold_and_decode_match_the_float64_reference(tmp_pa
     h = lp.fmt.hidden
     x = rng.standard_normal((300, h)).astype(np.float32)
     logits = rng.standard_normal((300, e_n)).astype(np.float32)
-    assert _margin(logits, k) > 1e-5
+    assert r64.topk_margin(logits, k) > 1e-5
     slot_of = layer * e_n + np.arange(e_n)
-    want = _layer_reference(x, logits, lp, slot_of, k)
+    want = r64.moe_layer(x, logits, lp, slot_of, k)
     budget = 2 * h * 64 if pieces else 1 << 30
     lay = scratch_layout(h, lp.fmt.ffn, e_n, budget, group_experts)
     assert (lay.group_experts == 0 and lay.gate_up_rows < lp.fmt.ffn and lay.down_cols < lp.fmt.ffn) if pieces \
@@ -246,9 +230,9 @@ def test_cuda_layer_ops_run_a_gguf_prefill_on_the_quant_moe_path(tmp_path):
         cp.cuda.Device().synchronize()
         xn = r64.rmsnorm(x_in, norm)
         logits = r64.linear(xn, router).astype(np.float32)
-        if _margin(logits, k) < 1e-3:  # a near-tie: the device's f32 router may pick the other expert
+        if r64.topk_margin(logits, k) < 1e-3:  # a near-tie: the device's f32 router may pick the other expert
             continue
-        want = _layer_reference(np.asarray(xn, np.float32), logits, host.for_layer(layer),
+        want = r64.moe_layer(np.asarray(xn, np.float32), logits, host.for_layer(layer),
                                 layer * e_n + np.arange(e_n), k)
         err = r64.relative_error(x.get() - x_in, want)
         print(f"layer ops gguf layer {layer}: rel err {err:.2e} (bound {F16_BOUND:g})")
@@ -301,8 +285,8 @@ def test_cuda_layer_ops_decode_a_gguf_model_as_graph_replays_per_format(tmp_path
         for layer in range(layers):
             xn = np.asarray(r64.rmsnorm(want.astype(np.float32), norms[layer]), np.float32)
             logits = r64.linear(xn, routers[layer]).astype(np.float32)
-            ok = ok and _margin(logits, k) > 1e-2
-            want = want + _layer_reference(xn, logits, host.for_layer(layer), layer * e_n + np.arange(e_n), k)
+            ok = ok and r64.topk_margin(logits, k) > 1e-2
+            want = want + r64.moe_layer(xn, logits, host.for_layer(layer), layer * e_n + np.arange(e_n), k)
         if ok:
             break
     assert ok, "no token without near-ties in 50 draws"

@@ -43,21 +43,6 @@ def _layer(tmp_path, experts: int, seed: int = 5):
     return lp, lp.with_arrays({"blob": dev_blob}), blob_h[2 * experts:3 * experts]
 
 
-def _reference(x, logits, pool, slot_of, k):
-    """float64 sum_k w_k * expert(slot_of[id_k])(x) (routing as the reference routes)."""
-    ids, w = r64.route_topk(logits, k)
-    y = np.zeros(x.shape, np.float64)
-    for e in np.unique(ids):
-        rows, ks = np.nonzero(ids == e)
-        y[rows] += w[rows, ks, None] * r64.expert_ffn(pool, int(slot_of[e]), x[rows])
-    return y
-
-
-def _margin(logits, k):
-    s = np.sort(logits, axis=1)[:, ::-1]
-    return float((s[:, k - 1] - s[:, k]).min())
-
-
 @pytest.mark.parametrize("config", list(CONFIGS))
 def test_warm_prefill_variants_match_the_float64_reference(tmp_path, config):
     """Every variant, twice in a row (the second call's speculation waits for the first's GEMMs), 16 experts in
@@ -72,9 +57,9 @@ def test_warm_prefill_variants_match_the_float64_reference(tmp_path, config):
     x = rng.standard_normal((t, h)).astype(np.float32)
     logits = rng.standard_normal((t, e_n)).astype(np.float32)
     logits[:, [1, 7]] -= 40.0
-    assert _margin(logits, k) > 1e-5
+    assert r64.topk_margin(logits, k) > 1e-5
     slot_of = 2 * e_n + np.arange(e_n)
-    want = _reference(x, logits, lp, slot_of, k)
+    want = r64.moe_layer(x, logits, lp, slot_of, k)
     moe = QuantMoE(e_n, k, lp.fmt, group_experts=3, scratch_budget_bytes=scratch_bytes(h, lp.fmt.ffn, 3))
     for name, v in CONFIGS[config].items():
         setattr(moe, name, v)
@@ -113,10 +98,10 @@ def test_a_speculated_slot_an_admission_rewrites_is_not_used_from_the_speculatio
     x = rng.standard_normal((t, h)).astype(np.float32)
     logits = rng.standard_normal((t, e_n)).astype(np.float32)
     logits[:, [4, 5]] -= 40.0
-    assert _margin(logits, k) > 1e-5
+    assert r64.topk_margin(logits, k) > 1e-5
     slot_of = np.array([0, 1, 2, 3, 4, 5, -1, -1])
     final = np.array([0, 1, 2, 3, -1, -1, 4, 5])
-    want = _reference(x, logits, lp, 2 * e_n + np.arange(e_n), k)
+    want = r64.moe_layer(x, logits, lp, 2 * e_n + np.arange(e_n), k)
     moe = QuantMoE(e_n, k, lp.fmt, group_experts=4, scratch_budget_bytes=scratch_bytes(h, lp.fmt.ffn, 4))
     moe.warm_spec_halves, moe.warm_merge_spec, moe.warm_rest_whole, moe.dequant_kernel = 2, False, False, "sb"
 
@@ -151,9 +136,9 @@ def test_a_partly_cached_streamed_layer_with_speculation_matches_the_reference(t
     rng = np.random.default_rng(29)  # seed 23 drew a near-tie (7.5e-6) on the H200 call 1
     x = rng.standard_normal((t, h)).astype(np.float32)
     logits = rng.standard_normal((t, e_n)).astype(np.float32)
-    assert _margin(logits, k) > 1e-5
+    assert r64.topk_margin(logits, k) > 1e-5
     slot_of = np.where(np.arange(e_n) % 2 == 0, 2 * e_n + np.arange(e_n), -1)
-    want = _reference(x, logits, lp, 2 * e_n + np.arange(e_n), k)
+    want = r64.moe_layer(x, logits, lp, 2 * e_n + np.arange(e_n), k)
     moe = QuantMoE(e_n, k, lp.fmt, group_experts=2, scratch_budget_bytes=scratch_bytes(h, lp.fmt.ffn, 2))
     moe.warm_spec_halves = 2
     ring0 = int(pool.arrays["blob"].shape[0]) - 8

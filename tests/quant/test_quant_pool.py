@@ -99,3 +99,21 @@ def test_moe_cl_computes_gguf_pools_from_their_bytes(gguf_files, backend):
             assert r64.relative_error(y, want) <= F32_BOUND, arch
     finally:
         session.close()
+
+
+def test_the_float64_moe_layer_is_each_tokens_weighted_experts(gguf_files):
+    """r64.moe_layer (the GPU quant tests' reference) against each token's top k summed one by one through
+    moe_grouped_ffn, and r64.topk_margin against a hand-made gap."""
+    pool = read_moe_tensors(gguf_files["qwen3moe"]).experts
+    lp = pool.for_layer(1)
+    e_n = int(lp.arrays["blob"].shape[0]) // len(pool.formats)
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((5, lp.fmt.hidden)).astype(np.float32)
+    logits = rng.standard_normal((5, e_n)).astype(np.float32)
+    slot_of = e_n + rng.permutation(e_n)  # layer 1's own slots
+    got = r64.moe_layer(x, logits, lp, slot_of, 2)
+    ids, w = r64.route_topk(logits, 2)
+    for t in range(5):
+        ys = r64.moe_grouped_ffn(np.repeat(x[t:t + 1], 2, 0), np.arange(3), slot_of[ids[t]], lp)
+        assert np.allclose(got[t], (w[t][:, None] * ys).sum(0), rtol=1e-12, atol=1e-12), t
+    assert r64.topk_margin(np.array([[3.0, 1.0, 2.5, 0.0], [0.0, 5.0, 4.0, 4.5]]), 2) == 0.5  # 4.5 - 4 (row 2)
