@@ -300,42 +300,27 @@ def run(args, res: dict, prof_txt: io.StringIO) -> None:
     res["timing"] = summary
 
     # stage timelines: device ms (events) and host ms (perf_counter at the mark) from the first mark
-    res["trace"] = {}
-    for n in [k for k in ("cur", "head", "old", "cur_4fly") if k in variants]:
+    def timeline(n: str, run) -> list:
         moe = variants[n]["moe"]
         host_t: list = []
         orig_mark = moe._mark
 
-        def mark(name, stream=None, _o=orig_mark, _h=host_t):
-            _h.append(time.perf_counter())
-            _o(name, stream)
+        def mark(name, stream=None):
+            host_t.append(time.perf_counter())
+            orig_mark(name, stream)
         moe._mark = mark
         moe.trace = []
         cp.cuda.Device().synchronize()
-        cold(n)
+        run(n)
         rep = moe.trace_report()
         moe.trace = None
         del moe._mark
-        res["trace"][n] = [(name, round(d, 4), round((t - host_t[0]) * 1e3, 4)) for (name, d), t in zip(rep, host_t)]
-    # warm timelines (--qw): the same marks, every expert cached
-    res["trace_warm"] = {}
-    for n in [k for k in ("cur", "qw_before", "qw_spec2_route", "f16") if args.qw and k in variants]:
-        moe = variants[n]["moe"]
-        host_t = []
-        orig_mark = moe._mark
+        return [(name, round(d, 4), round((t - host_t[0]) * 1e3, 4)) for (name, d), t in zip(rep, host_t)]
 
-        def mark(name, stream=None, _o=orig_mark, _h=host_t):
-            _h.append(time.perf_counter())
-            _o(name, stream)
-        moe._mark = mark
-        moe.trace = []
-        cp.cuda.Device().synchronize()
-        warm(n)
-        rep = moe.trace_report()
-        moe.trace = None
-        del moe._mark
-        res["trace_warm"][n] = [(name, round(d, 4), round((t - host_t[0]) * 1e3, 4))
-                                for (name, d), t in zip(rep, host_t)]
+    res["trace"] = {n: timeline(n, cold) for n in ("cur", "head", "old", "cur_4fly") if n in variants}
+    # warm timelines (--qw): the same marks, every expert cached
+    res["trace_warm"] = {n: timeline(n, warm) for n in ("cur", "qw_before", "qw_spec2_route", "f16")
+                         if args.qw and n in variants}
     print("traces", {n: len(t) for n, t in res["trace"].items()}, flush=True)
     # the dequantization of the whole layer alone (--qw), groups of a half on one stream, each kernel
     if args.qw:
