@@ -258,36 +258,32 @@ def run(args, res: dict) -> None:
     # decode: the layer entry (graph) and the KernelSet's grouped FFN of one token (GEMV kernels)
     d: dict = {}
     res["decode"] = d
+    def decode_figures(moe, tag: str, replays: bool = True) -> None:
+        # layer{tag}_rel_err, layer_graph{tag}(_us) and, with replays, graph_replays{tag} / graph_replay{tag}_us
+        out = moe.decode_layer(x1, l1, pool, smap)
+        moe.compute_stream.synchronize()  # before the null stream reads it (run 2 read first: its 1.0 was that race)
+        d[f"layer{tag}_rel_err"] = r64.relative_error(cp.asnumpy(out), want[:1])
+        d[f"layer_graph{tag}"] = time_ms(cp, lambda: moe.decode_layer(x1, l1, pool, smap), moe.compute_stream,
+                                         max(args.reps, 200))
+        d[f"layer_graph{tag}_us"] = d[f"layer_graph{tag}"]["median_ms"] * 1e3
+        if replays:
+            # the captured graph alone, REPLAYS launches back to back: the kernels' time without decode_layer's
+            # host work per call (decode_step replays every layer of a token in one graph, so that work is not
+            # per layer)
+            graph = next(iter(moe._graphs.values()))
+            d[f"graph_replays{tag}"] = time_ms(cp, lambda: [graph.launch(moe.compute_stream) for _ in range(REPLAYS)],
+                                               moe.compute_stream, args.reps)
+            d[f"graph_replay{tag}_us"] = d[f"graph_replays{tag}"]["median_ms"] * 1e3 / REPLAYS
+
     try:
         moe = QuantMoE(E, K, fmt)
-        o1 = moe.decode_layer(x1, l1, pool, smap)
-        moe.compute_stream.synchronize()  # before the null stream reads it (run 2 read first: its 1.0 was that race)
-        y1 = cp.asnumpy(o1)
-        d["layer_rel_err"] = r64.relative_error(y1, want[:1])
-        d["layer_graph"] = time_ms(cp, lambda: moe.decode_layer(x1, l1, pool, smap), moe.compute_stream,
-                                   max(args.reps, 200))
-        d["layer_graph_us"] = d["layer_graph"]["median_ms"] * 1e3
-        # the captured graph alone, REPLAYS launches back to back: the kernels' time without decode_layer's host
-        # work per call (decode_step replays every layer of a token in one graph, so that work is not per layer)
-        graph = next(iter(moe._graphs.values()))
-        d["graph_replays"] = time_ms(cp, lambda: [graph.launch(moe.compute_stream) for _ in range(REPLAYS)],
-                                     moe.compute_stream, args.reps)
-        d["graph_replay_us"] = d["graph_replays"]["median_ms"] * 1e3 / REPLAYS
+        decode_figures(moe, "")
         log(f"decode graph replayed {REPLAYS} times back to back: {d['graph_replay_us']:.1f} us a layer")
         d["form"], d["form_two_kernels"] = moe.quant_decode_form, bool(moe._decode_two(pool, x1))
         try:  # decode form 1 (quant_fast.cu's route + GEMV + wide down, the kernels before quant_decode.cu): A/B
             old = QuantMoE(E, K, fmt)
             old.quant_decode_form = 1
-            o3 = old.decode_layer(x1, l1, pool, smap)
-            old.compute_stream.synchronize()
-            d["layer_form1_rel_err"] = r64.relative_error(cp.asnumpy(o3), want[:1])
-            d["layer_graph_form1"] = time_ms(cp, lambda: old.decode_layer(x1, l1, pool, smap), old.compute_stream,
-                                             max(args.reps, 200))
-            d["layer_graph_form1_us"] = d["layer_graph_form1"]["median_ms"] * 1e3
-            g1 = next(iter(old._graphs.values()))
-            d["graph_replays_form1"] = time_ms(cp, lambda: [g1.launch(old.compute_stream) for _ in range(REPLAYS)],
-                                               old.compute_stream, args.reps)
-            d["graph_replay_form1_us"] = d["graph_replays_form1"]["median_ms"] * 1e3 / REPLAYS
+            decode_figures(old, "_form1")
             old = None
             log(f"decode form 1 graph {d['layer_graph_form1_us']:.1f} us, replayed {d['graph_replay_form1_us']:.1f} us "
                 f"(err {d['layer_form1_rel_err']:.2e}); form {d['form']} two kernels {d['form_two_kernels']}")
@@ -298,12 +294,7 @@ def run(args, res: dict) -> None:
             narrow = QuantMoE(E, K, fmt)
             narrow.quant_decode_form = 1
             narrow.decode_down_wide = False
-            o2 = narrow.decode_layer(x1, l1, pool, smap)
-            narrow.compute_stream.synchronize()
-            d["layer_narrow_rel_err"] = r64.relative_error(cp.asnumpy(o2), want[:1])
-            d["layer_graph_narrow"] = time_ms(cp, lambda: narrow.decode_layer(x1, l1, pool, smap),
-                                              narrow.compute_stream, max(args.reps, 200))
-            d["layer_graph_narrow_us"] = d["layer_graph_narrow"]["median_ms"] * 1e3
+            decode_figures(narrow, "_narrow", replays=False)
             narrow = None
             log(f"decode graph with the one-warp down kernel: {d['layer_graph_narrow_us']:.1f} us "
                 f"(err {d['layer_narrow_rel_err']:.2e})")
