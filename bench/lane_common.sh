@@ -1,15 +1,19 @@
 # Sourced by the H200 lane and call scripts (bench/lead_lane*.sh, bench/calls/lead5_*.sh): the start every call shares
 # and the per-file GPU test loop. Not run on its own.
 
-# Output folder, everything printed teed into $OUT/lane.log, the wheels the device lacks installed to /tmp/site,
-# this checkout and its backends on PYTHONPATH, the card named; rc=0 and t0 set for the caller.
-lane_start() {
-  OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-  exec > >(tee "$OUT/lane.log") 2>&1
+# The wheels the device lacks installed to /tmp/site, this checkout and its backends on PYTHONPATH, the card named.
+lane_env() {
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
     .whl/*.whl || exit 1
   export PYTHONPATH=$PWD:$PWD/backends/cuda:$PWD/backends/rocm:$PWD/backends/sycl:/tmp/site PYTHONUNBUFFERED=1
   nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv,noheader
+}
+
+# Output folder, everything printed teed into $OUT/lane.log, then lane_env; rc=0 and t0 set for the caller.
+lane_start() {
+  OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+  exec > >(tee "$OUT/lane.log") 2>&1
+  lane_env
   rc=0; t0=$(date +%s)
 }
 

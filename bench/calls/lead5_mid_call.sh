@@ -4,9 +4,8 @@
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 exec > >(tee "$OUT/lane.log") 2>&1
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=$PWD:$PWD/backends/cuda:$PWD/backends/rocm:$PWD/backends/sycl:/tmp/site PYTHONUNBUFFERED=1
-nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv,noheader
+. "$(dirname "${BASH_SOURCE[0]}")/../lane_common.sh"
+lane_env
 t0=$(date +%s)
 timeout -k 10 "${TRACE_S:-200}" python3 bench/link_trace_h200.py --out "$OUT" 2>&1 | tail -5
 echo "call took $(( $(date +%s) - t0 )) s"

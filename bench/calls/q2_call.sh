@@ -9,9 +9,8 @@
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 cp .q2_old/TREE.txt "$OUT/tree.txt" 2>/dev/null
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=$PWD:$PWD/backends/cuda:$PWD/backends/rocm:$PWD/backends/sycl:/tmp/site PYTHONUNBUFFERED=1
-nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv,noheader
+. "$(dirname "${BASH_SOURCE[0]}")/../lane_common.sh"
+lane_env
 rc=0; t0=$(date +%s)
 timeout -k 5 "${TEST_S:-70}" python3 -m pytest -p no:cacheprovider -q -rfE tests/gpu/test_quant_cuda.py \
   > "$OUT/gpu_quant_tests.log" 2>&1 || rc=1

@@ -9,9 +9,8 @@
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 cp .qd_tree.txt "$OUT/tree.txt" 2>/dev/null
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=$PWD:$PWD/backends/cuda:$PWD/backends/rocm:$PWD/backends/sycl:/tmp/site PYTHONUNBUFFERED=1
-nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv,noheader
+. "$(dirname "${BASH_SOURCE[0]}")/../lane_common.sh"
+lane_env
 rc=0; t0=$(date +%s)
 timeout -k 5 "${DEC_S:-45}" python3 -m pytest -p no:cacheprovider -q -rfE tests/gpu/test_quant_decode.py \
   > "$OUT/gpu_decode_tests.log" 2>&1 || rc=1

@@ -8,10 +8,8 @@
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 cp bench/results/qw_h200/call_tree.txt "$OUT/tree.txt" 2>/dev/null
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-  .whl/*.whl || exit 1
-export PYTHONPATH=$PWD:$PWD/backends/cuda:$PWD/backends/rocm:$PWD/backends/sycl:/tmp/site PYTHONUNBUFFERED=1
-nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv,noheader
+. "$(dirname "${BASH_SOURCE[0]}")/../lane_common.sh"
+lane_env
 rc=0; t0=$(date +%s)
 timeout -k 5 "${TEST_S:-70}" python3 -m pytest -p no:cacheprovider -q -rfE tests/gpu/test_quant_cuda.py \
   tests/gpu/test_quant_warm.py > "$OUT/gpu_tests.log" 2>&1 || rc=1
