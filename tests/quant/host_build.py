@@ -19,6 +19,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 try:
@@ -217,3 +218,17 @@ class CheckedLibrary:
             return out
 
         return call
+
+
+def pointer(a: np.ndarray) -> ctypes.c_void_p:
+    """A numpy array's data as the void pointer a host build's wrappers take."""
+    return a.ctypes.data_as(ctypes.c_void_p)
+
+
+def nvrtc_or_skip() -> None:
+    """Skip the calling test where cupy's NVRTC is not installed (its PTX checks need it; the host builds do not)."""
+    try:
+        from cupy_backends.cuda.libs import nvrtc
+        nvrtc.getVersion()
+    except Exception as e:  # cupy or NVRTC not installed here
+        pytest.skip(f"NVRTC is not available here ({type(e).__name__}: {e})")

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from host_build import FIBERS, block_shim, build_host_library
+from host_build import FIBERS, block_shim, build_host_library, nvrtc_or_skip, pointer
 
 from strata_core.models.gguf import read_moe_tensors
 from strata_core.reference.quants import GGML_TYPES
@@ -131,10 +131,6 @@ def lib(tmp_path_factory):
     return _host_library(tmp_path_factory, "moe_quant.cu", SHIM, WRAPPERS)
 
 
-def _p(a: np.ndarray):
-    return a.ctypes.data_as(ctypes.c_void_p)
-
-
 def host_grouped_ffn(lib, x, offsets, slots, pool, mma: bool = False) -> np.ndarray:
     """moe_grouped_ffn over a 'gguf' pool through the host build, launched as strata_cuda.quant_ffn launches it."""
     from strata_cuda.quant_ffn import TILE_OUTPUTS, tile_list
@@ -150,12 +146,12 @@ def host_grouped_ffn(lib, x, offsets, slots, pool, mma: bool = False) -> np.ndar
     bias = ctypes.c_longlong(fmt.bias_offset if fmt.bias else -1)
     ll, i32 = ctypes.c_longlong, ctypes.c_int
     gate_up, down = (lib.host_gate_up_mma, lib.host_down_mma) if mma else (lib.host_gate_up, lib.host_down)
-    gate_up(ctypes.c_uint(-(-f // TILE_OUTPUTS)), ctypes.c_uint(len(tg)), _p(x), _p(off), _p(sl), _p(tg),
-                     _p(tr), i32(blob.shape[0]), i32(h), i32(f), _p(blob), ll(blob.shape[1]),
-                     ll(fmt.gate_up_row_bytes), i32(GGML_TYPES[fmt.gate_up]), bias, _p(act))
-    down(ctypes.c_uint(-(-h // TILE_OUTPUTS)), ctypes.c_uint(len(tg)), _p(act), _p(off), _p(sl), _p(tg),
-                  _p(tr), i32(blob.shape[0]), i32(h), i32(f), _p(blob), ll(blob.shape[1]), ll(fmt.down_offset),
-                  ll(fmt.down_row_bytes), i32(GGML_TYPES[fmt.down]), bias, _p(y))
+    gate_up(ctypes.c_uint(-(-f // TILE_OUTPUTS)), ctypes.c_uint(len(tg)), pointer(x), pointer(off), pointer(sl), pointer(tg),
+                     pointer(tr), i32(blob.shape[0]), i32(h), i32(f), pointer(blob), ll(blob.shape[1]),
+                     ll(fmt.gate_up_row_bytes), i32(GGML_TYPES[fmt.gate_up]), bias, pointer(act))
+    down(ctypes.c_uint(-(-h // TILE_OUTPUTS)), ctypes.c_uint(len(tg)), pointer(act), pointer(off), pointer(sl), pointer(tg),
+                  pointer(tr), i32(blob.shape[0]), i32(h), i32(f), pointer(blob), ll(blob.shape[1]), ll(fmt.down_offset),
+                  ll(fmt.down_row_bytes), i32(GGML_TYPES[fmt.down]), bias, pointer(y))
     return y
 
 
@@ -182,11 +178,7 @@ def test_moe_quant_cu_on_the_host_matches_the_float64_reference(lib, gguf_files,
 
 
 def test_moe_quant_cu_compiles_with_nvrtc():
-    try:
-        from cupy_backends.cuda.libs import nvrtc
-        nvrtc.getVersion()
-    except Exception as e:  # cupy or NVRTC not installed here
-        pytest.skip(f"NVRTC is not available here ({type(e).__name__}: {e})")
+    nvrtc_or_skip()
     import re
 
     from strata_cuda.quant_ffn import KERNEL_NAMES, MMA_KERNEL_NAMES, compile_to_ptx
@@ -269,8 +261,8 @@ def test_quant_fast_dequant_f16_is_the_f16_of_the_oracle_bit_for_bit(fast_lib, f
     slots = np.array([2, 0, 1], np.int32)
     out = np.full((m, rows, cols), 0x7e00, np.uint16)  # poisoned: every element must be written
     ll, i32 = ctypes.c_longlong, ctypes.c_int
-    fast_lib.host_dequant_f16(ctypes.c_uint(2), _p(blob), ll(sb), _p(slots), i32(m), ll(pad), ll(rb), i32(rows),
-                              i32(cols), i32(GGML_TYPES[fmt]), _p(out))
+    fast_lib.host_dequant_f16(ctypes.c_uint(2), pointer(blob), ll(sb), pointer(slots), i32(m), ll(pad), ll(rb), i32(rows),
+                              i32(cols), i32(GGML_TYPES[fmt]), pointer(out))
     want = quants.dequantize(fmt, raw[slots], cols).astype(np.float16).view(np.uint16)
     mism = int(np.count_nonzero(out != want))
     assert mism == 0, f"{fmt}: {mism} of {out.size} f16 weights differ"
@@ -291,12 +283,12 @@ def host_gemv_grouped_ffn(lib, x, offsets, slots, pool) -> np.ndarray:
     bias = ctypes.c_longlong(fmt.bias_offset if fmt.bias else -1)
     ll, i32, u = ctypes.c_longlong, ctypes.c_int, ctypes.c_uint
     g = len(sl)
-    lib.host_gemv_gate_up(u(-(-f // FAST_WARPS)), u(g), _p(x), ll(h), _p(off), None, _p(sl), i32(blob.shape[0]),
-                          i32(h), i32(f), _p(blob), ll(blob.shape[1]), ll(fmt.gate_up_row_bytes),
-                          i32(GGML_TYPES[fmt.gate_up]), bias, i32(0), _p(act))
-    lib.host_gemv_down(u(-(-h // FAST_WARPS)), u(g), _p(act), _p(off), _p(sl), i32(blob.shape[0]), i32(h), i32(f),
-                       _p(blob), ll(blob.shape[1]), ll(fmt.down_offset), ll(fmt.down_row_bytes),
-                       i32(GGML_TYPES[fmt.down]), bias, _p(y))
+    lib.host_gemv_gate_up(u(-(-f // FAST_WARPS)), u(g), pointer(x), ll(h), pointer(off), None, pointer(sl), i32(blob.shape[0]),
+                          i32(h), i32(f), pointer(blob), ll(blob.shape[1]), ll(fmt.gate_up_row_bytes),
+                          i32(GGML_TYPES[fmt.gate_up]), bias, i32(0), pointer(act))
+    lib.host_gemv_down(u(-(-h // FAST_WARPS)), u(g), pointer(act), pointer(off), pointer(sl), i32(blob.shape[0]), i32(h), i32(f),
+                       pointer(blob), ll(blob.shape[1]), ll(fmt.down_offset), ll(fmt.down_row_bytes),
+                       i32(GGML_TYPES[fmt.down]), bias, pointer(y))
     return y
 
 
@@ -338,12 +330,12 @@ def test_quant_fast_decode_kernels_on_the_host_match_the_float64_reference(fast_
     bias = ll(fmt.bias_offset)
 
     def run(smap):
-        fast_lib.host_gemv_gate_up(u(-(-f // FAST_WARPS)), u(k), _p(x), ll(0), None, _p(ids), _p(smap),
-                                   i32(blob.shape[0]), i32(h), i32(f), _p(blob), ll(blob.shape[1]),
-                                   ll(fmt.gate_up_row_bytes), i32(GGML_TYPES[fmt.gate_up]), bias, i32(1), _p(act))
-        fast_lib.host_decode_down(u(-(-h // FAST_WARPS)), _p(act), _p(ids), _p(wts), _p(smap), i32(blob.shape[0]),
-                                  i32(k), i32(h), i32(f), _p(blob), ll(blob.shape[1]), ll(fmt.down_offset),
-                                  ll(fmt.down_row_bytes), i32(GGML_TYPES[fmt.down]), bias, i32(1), _p(out))
+        fast_lib.host_gemv_gate_up(u(-(-f // FAST_WARPS)), u(k), pointer(x), ll(0), None, pointer(ids), pointer(smap),
+                                   i32(blob.shape[0]), i32(h), i32(f), pointer(blob), ll(blob.shape[1]),
+                                   ll(fmt.gate_up_row_bytes), i32(GGML_TYPES[fmt.gate_up]), bias, i32(1), pointer(act))
+        fast_lib.host_decode_down(u(-(-h // FAST_WARPS)), pointer(act), pointer(ids), pointer(wts), pointer(smap), i32(blob.shape[0]),
+                                  i32(k), i32(h), i32(f), pointer(blob), ll(blob.shape[1]), ll(fmt.down_offset),
+                                  ll(fmt.down_row_bytes), i32(GGML_TYPES[fmt.down]), bias, i32(1), pointer(out))
 
     run(slot_map)
     ys = r64.moe_grouped_ffn(np.repeat(x, k, 0), np.arange(k + 1), slot_map[ids], pool)
@@ -358,11 +350,7 @@ def test_quant_fast_decode_kernels_on_the_host_match_the_float64_reference(fast_
 
 
 def test_quant_fast_cu_compiles_with_nvrtc():
-    try:
-        from cupy_backends.cuda.libs import nvrtc
-        nvrtc.getVersion()
-    except Exception as e:  # cupy or NVRTC not installed here
-        pytest.skip(f"NVRTC is not available here ({type(e).__name__}: {e})")
+    nvrtc_or_skip()
     import re
 
     from strata_cuda.quant_ffn import FAST_KERNEL_NAMES, FAST_SOURCE_NAME, compile_to_ptx
@@ -391,8 +379,8 @@ def test_the_piece_dequantization_is_the_f16_of_the_oracle_bit_for_bit(fast_lib,
     r0, nrows, c0, ccols = 2, 4, 9, 11  # chunks 9..19: across a 256-weight super-block boundary
     out = np.full((m, nrows, 32 * ccols), 0x7e00, np.uint16)
     ll, i32 = ctypes.c_longlong, ctypes.c_int
-    fast_lib.host_dequant_part(ctypes.c_uint(1), _p(blob), ll(sb), _p(slots), i32(m), ll(pad), ll(rb), i32(nrows),
-                          i32(r0), i32(c0), i32(ccols), i32(GGML_TYPES[fmt]), _p(out))
+    fast_lib.host_dequant_part(ctypes.c_uint(1), pointer(blob), ll(sb), pointer(slots), i32(m), ll(pad), ll(rb), i32(nrows),
+                          i32(r0), i32(c0), i32(ccols), i32(GGML_TYPES[fmt]), pointer(out))
     want = full[:, r0:r0 + nrows, 32 * c0:32 * (c0 + ccols)]
     mism = int(np.count_nonzero(out != want))
     assert mism == 0, f"{fmt}: {mism} of {out.size} f16 weights differ"
@@ -420,10 +408,10 @@ def test_the_wide_decode_down_kernel_matches_the_float64_reference(fast_lib, tmp
     ll, i32, u = ctypes.c_longlong, ctypes.c_int, ctypes.c_uint
 
     def run(smap):
-        fast_lib.host_decode_down_wide(u(-(-h // DECODE_DOWN_ROWS)), _p(act), _p(ids), _p(wts), _p(smap),
-                                  i32(blob.shape[0]), i32(k), i32(h), i32(f), _p(blob), ll(blob.shape[1]),
+        fast_lib.host_decode_down_wide(u(-(-h // DECODE_DOWN_ROWS)), pointer(act), pointer(ids), pointer(wts), pointer(smap),
+                                  i32(blob.shape[0]), i32(k), i32(h), i32(f), pointer(blob), ll(blob.shape[1]),
                                   ll(fmt.down_offset), ll(fmt.down_row_bytes), i32(GGML_TYPES[fmt.down]), ll(-1),
-                                  i32(1), _p(out))
+                                  i32(1), pointer(out))
 
     run(slot_map)
     from strata_core.reference import quants

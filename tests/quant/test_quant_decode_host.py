@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from host_build import FIBERS, block_shim, build_host_library
+from host_build import FIBERS, block_shim, build_host_library, nvrtc_or_skip, pointer
 
 from strata_core.models.gguf import read_moe_tensors, write_moe_gguf
 from strata_core.testing import reference64 as r64
@@ -45,10 +45,6 @@ def qd_lib(tmp_path_factory):
                               includes=[CUDA_DIR / "quants.cuh"])
 
 
-def _p(a: np.ndarray):
-    return a.ctypes.data_as(ctypes.c_void_p)
-
-
 def host_decode(lib, x, logits, pool, slot_map, k, out0, pad: int = 0):
     """One decode step through the host build, launched as QuantMoE launches it (decode_form 2): gate/up (routing
     in every block), then down added to out0; the blob `pad` bytes off a 16-byte boundary. (out, ids, w, slots)."""
@@ -66,11 +62,11 @@ def host_decode(lib, x, logits, pool, slot_map, k, out0, pad: int = 0):
     ll, i32, u = ctypes.c_longlong, ctypes.c_int, ctypes.c_uint
     rows = FAST_WARPS * DECODE_PAIRS
     getattr(lib, f"host_gate_up_{fmt.gate_up}")(
-        u(-(-f // rows)), u(k), _p(x), _p(logits), i32(e), i32(k), _p(slot_map), i32(blob.shape[0]), i32(h), i32(f),
-        _p(blob), ll(blob.shape[1]), ll(fmt.gate_up_row_bytes), _p(act), _p(ids), _p(w), _p(slots))
+        u(-(-f // rows)), u(k), pointer(x), pointer(logits), i32(e), i32(k), pointer(slot_map), i32(blob.shape[0]), i32(h), i32(f),
+        pointer(blob), ll(blob.shape[1]), ll(fmt.gate_up_row_bytes), pointer(act), pointer(ids), pointer(w), pointer(slots))
     getattr(lib, f"host_down_{fmt.down}")(
-        u(-(-h // FAST_WARPS)), _p(act), _p(w), _p(slots), i32(blob.shape[0]), i32(k), i32(h), i32(f), _p(blob),
-        ll(blob.shape[1]), ll(fmt.down_offset), ll(fmt.down_row_bytes), i32(1), _p(out))
+        u(-(-h // FAST_WARPS)), pointer(act), pointer(w), pointer(slots), i32(blob.shape[0]), i32(k), i32(h), i32(f), pointer(blob),
+        ll(blob.shape[1]), ll(fmt.down_offset), ll(fmt.down_row_bytes), i32(1), pointer(out))
     return out, ids, w, slots
 
 
@@ -159,11 +155,7 @@ def test_quant_decode_cu_compiles_with_nvrtc_and_keeps_its_loads_ahead_of_the_su
     """NVRTC builds every kernel QuantMoE names; in each gate/up and down kernel every weight load (32-bit or
     16-byte integer loads through the read-only path) sits between the kernel's first launch_dependents and the
     trip's issue fence (the last one), so none is left among the sums; no local memory."""
-    try:
-        from cupy_backends.cuda.libs import nvrtc
-        nvrtc.getVersion()
-    except Exception as e:  # cupy or NVRTC not installed here
-        pytest.skip(f"NVRTC is not available here ({type(e).__name__}: {e})")
+    nvrtc_or_skip()
     from strata_cuda.quant_ffn import DECODE_KERNEL_NAMES, DECODE_SOURCE_NAME, compile_to_ptx
     ptx = compile_to_ptx("compute_90", DECODE_SOURCE_NAME).decode()
     assert sorted(re.findall(r"\.entry\s+(\w+)", ptx)) == sorted(DECODE_KERNEL_NAMES)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from host_build import build_host_library
+from host_build import build_host_library, pointer
 from test_quant_cuda_host import FAST_SHIM
 
 from strata_core.reference import quants
@@ -35,10 +35,6 @@ def sb_lib(tmp_path_factory):
     text = FAST_SHIM + (CUDA_DIR / "quant_fast.cu").read_text() + SB_WRAPPERS
     return build_host_library(tmp_path_factory, "quant_fast_sb_host", text, CUDA_DIR,
                               includes=[CUDA_DIR / "quants.cuh"])
-
-
-def _p(a: np.ndarray):
-    return a.ctypes.data_as(ctypes.c_void_p)
 
 
 def _matrix(rng, fmt: str, m: int, rows: int, cols: int) -> np.ndarray:
@@ -69,9 +65,9 @@ def test_super_block_dequantization_is_the_f16_of_the_oracle_bit_for_bit(sb_lib,
     out_a = np.full((m, rows_a, cols_a), 0x7e00, np.uint16)  # poisoned: every element must be written
     out_b = np.full((m, rows_b, cols_b), 0x7e00, np.uint16)
     ll, i32 = ctypes.c_longlong, ctypes.c_int
-    sb_lib.host_dequant_sb(ctypes.c_uint(gx), _p(blob), ll(sb), _p(slots), i32(m), ll(off_a), ll(rb_a), i32(rows_a),
-                           i32(cols_a), i32(GGML_TYPES[fmt_a]), _p(out_a), ll(off_b), ll(rb_b), i32(rows_b),
-                           i32(cols_b), i32(GGML_TYPES[fmt_b]), _p(out_b))
+    sb_lib.host_dequant_sb(ctypes.c_uint(gx), pointer(blob), ll(sb), pointer(slots), i32(m), ll(off_a), ll(rb_a), i32(rows_a),
+                           i32(cols_a), i32(GGML_TYPES[fmt_a]), pointer(out_a), ll(off_b), ll(rb_b), i32(rows_b),
+                           i32(cols_b), i32(GGML_TYPES[fmt_b]), pointer(out_b))
     for fmt, q, out, cols in ((fmt_a, qa, out_a, cols_a), (fmt_b, qb, out_b, cols_b)):
         want = quants.dequantize(fmt, q[slots], cols).astype(np.float16).view(np.uint16)
         mism = int(np.count_nonzero(out != want))
@@ -89,8 +85,8 @@ def test_one_matrix_leaves_the_other_output_alone(sb_lib):
     out = np.full((m, rows, cols), 0x7e00, np.uint16)
     other = np.full(64, 0x1234, np.uint16)
     ll, i32 = ctypes.c_longlong, ctypes.c_int
-    sb_lib.host_dequant_sb(ctypes.c_uint(2), _p(blob), ll(blob.shape[1]), _p(slots), i32(m), ll(0), ll(rb), i32(rows),
-                           i32(cols), i32(GGML_TYPES["q4_k"]), _p(out), ll(0), ll(0), i32(0), i32(256),
-                           i32(GGML_TYPES["q6_k"]), _p(other))
+    sb_lib.host_dequant_sb(ctypes.c_uint(2), pointer(blob), ll(blob.shape[1]), pointer(slots), i32(m), ll(0), ll(rb), i32(rows),
+                           i32(cols), i32(GGML_TYPES["q4_k"]), pointer(out), ll(0), ll(0), i32(0), i32(256),
+                           i32(GGML_TYPES["q6_k"]), pointer(other))
     assert np.array_equal(out, quants.dequantize("q4_k", q[slots], cols).astype(np.float16).view(np.uint16))
     assert np.all(other == 0x1234)
