@@ -567,10 +567,9 @@ class FastMoE:
         self.pull_small_copies = PULL_SMALL_COPIES
         self._mapped: dict[int, int] = {}
         self._prefetched: tuple | None = None
-        # ring slot -> the event after the last group that read it, and the event after the layer ops' own reads of
-        # the ring (ring_read): what a prefetch into those slots must wait for
+        # ring slot -> the event after its last reader (the group that computed from it, or the layer ops' copy from
+        # it into the cache, ring_read): what a prefetch into that slot must wait for
         self._ring_done: dict[int, Any] = {}
-        self._ring_read_event: Any = None
         # (the ring's slots as bytes, the slot after its last layer's last group): ring_placement's start
         self._ring_cursor: tuple[bytes, int] | None = None
 
@@ -1090,8 +1089,9 @@ class FastMoE:
         ids) from host_pool into the ring slots that group takes; prefill_layer's streaming uses the copy when the
         routing misses exactly those experts first, and otherwise spends it (a wrong guess costs one group's copy).
         The copy waits for the last readers of those slots: with `after_previous_layer` (the caller's last prefill
-        on this FastMoE was the layer before, in the same chunk and ring), the groups that read them and the
-        ring_read event; else all work queued so far on compute_stream. Returns the bytes queued (0: none)."""
+        on this FastMoE was the layer before, in the same chunk and ring), their last readers (the groups that read
+        them, or ring_read's copies); else all work queued so far on compute_stream. Returns the bytes queued (0:
+        none)."""
         self._prefetched = None
         if not self.prefetch_misses_on or ring is None or host_pool is None:
             return 0
@@ -1110,8 +1110,6 @@ class FastMoE:
         if after_previous_layer and all(e is not None for e in known):
             for e in {id(e): e for e in known}.values():
                 cs.wait_event(e)
-            if self._ring_read_event is not None:
-                cs.wait_event(self._ring_read_event)
         else:
             now = cp.cuda.Event(disable_timing=True)
             now.record(self.compute_stream)
@@ -1131,14 +1129,11 @@ class FastMoE:
         if pre is not None:
             pre[3].synchronize()
 
-    def ring_read(self, slots: Sequence[int] | None = None) -> None:
-        """The caller has queued reads of these ring slots (None: any) on compute_stream after the layer (a copy from
-        the ring into the cache): a prefetch into them waits for those reads."""
+    def ring_read(self, slots: Sequence[int]) -> None:
+        """The caller has queued reads of these ring slots on compute_stream after the layer (a copy from the ring
+        into the cache): a prefetch into them waits for those reads."""
         ev = self._cp.cuda.Event(disable_timing=True)
         ev.record(self.compute_stream)
-        if slots is None:
-            self._ring_read_event = ev
-            return
         for r in slots:  # recorded after the layer's groups on the same stream: the slot's last reader now
             self._ring_done[int(r)] = ev
 
@@ -1210,16 +1205,14 @@ class FastMoE:
             streamed += queue_copies(g + 1)
         self.stats.bytes_streamed = streamed
         self.stats.copy_groups = len(sizes)
-        for g, size in enumerate(sizes):  # in order: a slot's last reader is the last group placed there
-            for i in range(size):
-                self._ring_done[int(group_slots[g][i])] = done[g]
-        self._ring_read_event = None  # the layer ops' reads of this layer's ring come after (ring_read)
-        # which expert each ring slot holds once the layer has computed (the last group placed there): a caller
-        # may copy hot ones into the cache from here, device to device, instead of over the link again
+        # in group order, so a slot's entries are its last group's: that group is its last reader, and the expert it
+        # holds once the layer has computed (a caller may copy hot ones into the cache from here, device to device,
+        # instead of over the link again)
         held = {}
-        for g, size in enumerate(sizes):
-            for i in range(size):
-                held[int(group_slots[g][i])] = int(misses[first_of[g] + i])
+        for g, slots in enumerate(group_slots):
+            for i, r in enumerate(slots.tolist()):
+                self._ring_done[r] = done[g]
+                held[r] = int(misses[first_of[g] + i])
         self.stats.ring_held = held
 
     # -- decode ------------------------------------------------------------------------------------------------
