@@ -299,8 +299,6 @@ class Executor:
         """The residual stream of these tokens, carved from the arena for the chunk's life (None in accounting)."""
         if self.accounting_only:
             return None
-        # the rows in the table's own dtype: DeviceMemory.upload widens them (on the device where it can, which
-        # halves the bytes copied and spares the host a 4096-row f16 -> f32 pass of ~30 ms)
         table = self.weights.dense.embed
         embed_rows = getattr(self.ops, "embed_rows", None)
         if (isinstance(token_ids, np.ndarray) and self._greedy_table is not None and self._greedy_for is self.ops
@@ -313,6 +311,8 @@ class Executor:
                 arena.fix()
                 return x
             arena.reset()
+        # the rows in the table's own dtype: DeviceMemory.upload widens them (on the device where it can, which
+        # halves the bytes copied and spares the host a 4096-row f16 -> f32 pass of ~30 ms)
         host = table[token_ids]
         x = arena.carve(host.shape, np.float32)
         self.dm.upload(x, host)

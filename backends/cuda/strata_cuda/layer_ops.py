@@ -903,7 +903,7 @@ class CudaLayerOps:
             buf = self._pinned.alloc(4 * ids.size, from_floor=True)
             if buf is None:
                 return False
-            dev = self._mapped_address(int(buf.array.ctypes.data)) if buf.nbytes else 0
+            dev = self._mapped_address(int(buf.array.ctypes.data))
             if not dev:
                 self._pinned.free(buf)
                 return False
