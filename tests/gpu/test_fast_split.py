@@ -65,7 +65,7 @@ def test_split_groups_match_the_reference_on_every_token(cp, split_moes, rng, dt
 def test_a_class_floor_keeps_every_token_and_lays_the_stack_as_the_host_does(cp, split_moes, rng, case, floor):
     """FastMoE.class_floor lifts the small groups' stack rows on the device (stack_cap) and the host (class_rows)
     alike: any disagreement puts a group's rows where its GEMM does not read them."""
-    from strata_cuda.fast import StackLayout
+    from strata_cuda.fast import CLASS_FLOOR_ROWS, StackLayout
     t = 512
     x = rng.standard_normal((t, H)).astype(np.float32)
     logits = routing(rng, t, True)
@@ -83,7 +83,7 @@ def test_a_class_floor_keeps_every_token_and_lays_the_stack_as_the_host_does(cp,
             out = run_prefill(cp, moe, x, logits, pool, slot_of, hp, ring)
             rows = moe.stats.stack_rows
         finally:
-            moe.split_rows, moe.class_floor = 0, 8
+            moe.split_rows, moe.class_floor = 0, CLASS_FLOOR_ROWS
         err = rel(out, want)
         assert err < FP16_PATH, f"{mode} floor {floor} {case}: relative error {err:.2e} (seed {rng.seed_value})"
         ids, _ = ref.route_topk(logits, K)
