@@ -15,6 +15,7 @@ import json
 import platform
 import sys
 import time
+from dataclasses import astuple
 from pathlib import Path
 
 import numpy as np
@@ -123,7 +124,9 @@ def layer(args, res: dict) -> None:
     from strata_cuda import fast as fast_mod
     res["split_rows_default"] = fast_mod.SPLIT_ROWS
     res["cublas_grouped_gemm_symbol"] = fast_mod._BlasExtra().grouped is not None
-    # mode:streams[:split rows][:f<class floor rows>], e.g. classes:4, classes:4:1024, classes:4:f64
+    # mode:streams[:split rows][:f<class floor rows>][:t[BMxBNxBKxWARPSxSTAGES[+down's]]], e.g. classes:4,
+    # classes:4:1024, classes:4:f64, classes:4:t (the device-table path, triton_moe's default tiles, for the warm
+    # layers; without a t token the device-table path is off)
     variants = [v.split(":") for v in args.variants.split(",")]
     for vi, (mode, streams, *extra) in enumerate(variants):
         streams = int(streams)
@@ -133,13 +136,23 @@ def layer(args, res: dict) -> None:
         except ValueError as e:
             res["modes"][name_v] = {"unavailable": str(e)}
             continue
+        device = "off"  # no t token: the cuBLAS mode itself, also for the warm layers
         for tok in extra:
             if tok.startswith("f"):
                 moe.class_floor = int(tok[1:])
+            elif tok.startswith("t"):
+                device = tok[1:].replace("x", ":").replace("+", "/")
             elif tok:
                 moe.split_rows = int(tok)
+        moe.set_device_gemm(device)
+        if device != "off" and moe.device_gemm is None:
+            res["modes"][name_v] = {"unavailable": "triton_moe: Triton/torch missing or the shape does not tile"}
+            continue
+        dg = moe.device_gemm
         r = res["modes"][name_v] = {"gemm_mode": mode, "gemm_streams": streams, "split_rows": moe.split_rows,
-                                    "class_floor": moe.class_floor}
+                                    "class_floor": moe.class_floor,
+                                    "device_gemm": None if dg is None else {"gate_up": list(astuple(dg.gate_up)),
+                                                                            "down": list(astuple(dg.down))}}
         for name, lg in (("uniform", lg_u), ("skewed", lg_s)):
             lg_d = cp.asarray(lg)
             out.fill(np.nan)
@@ -158,6 +171,7 @@ def layer(args, res: dict) -> None:
             t = time_ms(cp, call, moe.compute_stream, args.reps)
             r[f"warm_{name}"] = {**t, "rel_err": rel_err(y1[check], refs[name]), "same_bits_twice": same,
                                  "stack_rows": moe.stats.stack_rows, "gemm_problems": moe.stats.gemm_problems,
+                                 "device_table": moe.stats.device_table,
                                  "host_call_ms": float(np.median(host_s[-args.reps:])) * 1e3}
             log(f"{name_v:14s} warm {name:8s} {t['median_ms']:.3f} ms  err {r[f'warm_{name}']['rel_err']:.1e}  "
                 f"same bits {same}  stack rows {moe.stats.stack_rows}  problems {moe.stats.gemm_problems}  "
@@ -216,7 +230,7 @@ def main() -> int:
     ap.add_argument("--f16-layers", type=int, default=12)
     ap.add_argument("--skip", default="")
     ap.add_argument("--variants", default="classes:4,classes:8,grouped:1",
-                    help="gemm_mode:streams[:split_rows] to time (cold runs and the trace for the first only)")
+                    help="gemm_mode:streams[:split_rows][:fN][:t[cfg]] to time (cold runs and the trace for the first only)")
     args = ap.parse_args()
     res: dict = {"schema": "strata.bench.layer/1", "python": platform.python_version(),
                  "shape": {"experts": E, "top_k": K, "hidden": H, "ffn": F, "tokens": T, "ring": RING}}

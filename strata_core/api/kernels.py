@@ -253,7 +253,10 @@ class LayerWork:
 
 @runtime_checkable
 class LayerOps(Protocol):
-    """A prefill layer and a decode step, each given its whole work."""
+    """A prefill layer and a decode step, each given its whole work.
+
+    Optional: `prefill_done()`, which the executor calls after each chunk's layers where an op has it (an op that
+    counts a chunk's cache lookups late, the CUDA ops' device-table layers, counts them there)."""
 
     name: str
 

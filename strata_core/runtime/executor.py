@@ -363,6 +363,9 @@ class Executor:
                 x = self._embed(None if np.isscalar(prompt) else prompt[start:start + n], arena)
                 for work in self._works("prefill", x, n, ring, arena):
                     self.ops.prefill_layer(work)
+                done = getattr(self.ops, "prefill_done", None)  # optional: ops that count a chunk's layers late
+                if done is not None:
+                    done()
                 if start + n >= total and not self.accounting_only:
                     logits = self._head(x, arena)
                 self._sample()

@@ -46,8 +46,10 @@ def _modes():
     return GEMM_MODES
 
 
-def fast_moes(modes) -> dict:
-    """One FastMoE per mode of `modes` this device's cuBLAS offers (asserts at least one)."""
+def fast_moes(modes, device: bool = False) -> dict:
+    """One FastMoE per mode of `modes` this device's cuBLAS offers (asserts at least one), each with the
+    device-table path off, so a warm layer runs that mode; with `device`, also "device": the product's default
+    FastMoE, whose warm layers take triton_moe's launches (where Triton is there: test_device_gemm.py says so)."""
     from strata_cuda.fast import FastMoE
     out = {}
     for mode in modes:
@@ -55,14 +57,20 @@ def fast_moes(modes) -> dict:
             out[mode] = FastMoE(E, K, H, F, gemm_mode=mode)
         except ValueError:
             continue
+        out[mode].set_device_gemm("off")
     assert out, f"none of the GEMM modes {modes} is available"
+    if device:
+        moe = FastMoE(E, K, H, F)
+        if moe.device_gemm is not None:
+            out["device"] = moe
     return out
 
 
 @pytest.fixture(scope="module")
 def moes(cp):
-    """One FastMoE per GEMM mode this device's cuBLAS offers (built once: the module compiles at construction)."""
-    return fast_moes(_modes())
+    """One FastMoE per GEMM mode this device's cuBLAS offers, and the device-table one (built once: the module
+    compiles at construction)."""
+    return fast_moes(_modes(), device=True)
 
 
 class SeededGenerator:
@@ -232,6 +240,7 @@ def test_prefill_layer_matches_the_reference_and_repeats_its_bits(cp, moes, rng,
         assert err < FP16_PATH, f"{mode} {case}: relative error {err:.2e} (seed {rng.seed_value})"
         again = run_prefill(cp, moe, x, logits, pool, slot_of, hp, ring)
         assert sha(again) == sha(out), f"{mode} {case}: two runs gave other bits (seed {rng.seed_value})"
+        assert moe.stats.device_table == (mode == "device" and case == "warm" and dtype == "f16"), (mode, case)
         if case != "warm":
             assert moe.stats.misses > 0 and moe.stats.bytes_streamed > 0
         if case == "cold":
@@ -249,6 +258,9 @@ def test_the_compact_stack_does_not_pad_to_the_largest_group(cp, moes, rng):
     place(cp, pool, hp, np.arange(E), np.arange(E))
     for mode, moe in moes.items():
         run_prefill(cp, moe, x, logits, pool, np.arange(E), hp, None)
+        if mode == "device":  # no stack layout on the host: test_device_gemm.py checks it pads to no class
+            assert moe.stats.device_table
+            continue
         padded = int((counts > 0).sum()) * int(counts.max())
         # the rows every group would take padded to the largest, against the stack's own rows
         assert moe.stats.stack_rows < 0.5 * padded, (mode, moe.stats.stack_rows, padded)

@@ -122,6 +122,12 @@ SPLIT_ROWS = 512
 #: smallest classes (85 groups of 1 to 64 rows) into one; on the H200 it gained nothing: the skewed layer took 1.190 ms
 #: with it, 1.483 with 32, 1.178 without (bench/results/lead_h200_s6/call2_layer_h200.json), so no floor.
 CLASS_FLOOR_ROWS = ROW_ALIGN
+#: A prefill layer whose every expert is cached (f16 pool) runs its expert GEMMs as triton_moe's two launches, which
+#: read the routing counts on the device: no host sync, no size classes, no padding (FastMoE.device_gemm; needs
+#: Triton and torch, else the cuBLAS modes run). Its counts reach on_counts later, through page-locked staging that
+#: rotates over DEFERRED_COUNTS layers (flush_counts).
+DEVICE_GEMM = True
+DEFERRED_COUNTS = 4
 
 #: Copy the first ring group of a streamed layer's uncached experts before the layer routes (prefetch_misses, which
 #: the layer ops call at the layer's start): without it the link idles ~0.7 ms a layer between one layer's last
@@ -237,6 +243,15 @@ def warm_gemms(moe: "FastMoE", tokens: int) -> int:
     # mixed sizes, on the side lanes too: cuBLAS takes a workspace per stream it first runs on, which a run would
     # otherwise allocate inside its first layer, outside the plan's regions
     st = cupy.cuda.get_current_stream()
+
+    if moe.device_gemm is not None:
+        # Triton compiles and loads both launches here (their specialization is the shape's, not the counts'):
+        # with every count 0 each program returns at once
+        tables = cupy.zeros(3 * moe.experts, dtype=cupy.int32)
+        p = int(tables.data.ptr)
+        moe.device_gemm.layer(st.ptr, xs, gu, xs, w13, w2, p, p + 4 * moe.experts, p + 8 * moe.experts, routed)
+        st.synchronize()
+        calls += 2
 
     def run(ns: np.ndarray) -> None:
         one = np.zeros(ns.size, dtype=np.int64)
@@ -423,6 +438,9 @@ class LayerStats:
     #: the layer's prefetched first group (prefetch_misses): "used", "spent" (the routing missed other experts
     #: first; its bytes moved all the same and are in bytes_streamed) or "" (none)
     prefetch: str = ""
+    #: the layer ran on the device-table path (triton_moe): no host sync, so the counts behind experts_used,
+    #: hits and stack_rows were not on the host (they reach on_counts later)
+    device_table: bool = False
 
 
 class _Grown:
@@ -554,6 +572,17 @@ class FastMoE:
         self._stage = np.frombuffer(self._stage_mem, dtype=np.int32, count=n_stage)
         self._back_mem = self._page_locked(4 * max(experts, MAX_TOPK))
         self._back = np.frombuffer(self._back_mem, dtype=np.int32, count=max(experts, MAX_TOPK))
+        # the device-table path's rotating staging: slot maps up and counts back, DEFERRED_COUNTS layers of each,
+        # an entry reused once the event after its last copy has passed
+        n_rot = 2 * DEFERRED_COUNTS * experts
+        self._rot_mem = self._page_locked(4 * n_rot)
+        self._rot = np.frombuffer(self._rot_mem, dtype=np.int32, count=n_rot).reshape(2 * DEFERRED_COUNTS, experts)
+        self._rot_done: list = [None] * DEFERRED_COUNTS
+        self._rot_next = 0
+        #: (event, entry, on_counts) of device-table layers whose counts on_counts has not seen yet, oldest first
+        self._pending_counts: list = []
+        #: triton_moe.DeviceGroupedGEMM for cached f16 layers (DEVICE_GEMM; None: the cuBLAS modes only)
+        self.device_gemm = self._device_gemm() if DEVICE_GEMM else None
         self._synced = cupy.cuda.Event(disable_timing=True)
         self._ws = {n: _Grown(cupy) for n in ("route", "xs", "gu", "act", "ys")}
         #: decode_layer replays a captured graph per set of buffers (False: two plain launches per call)
@@ -574,6 +603,49 @@ class FastMoE:
         self._ring_cursor: tuple[bytes, int] | None = None
 
     # -- small helpers -----------------------------------------------------------------------------------------
+
+    def _device_gemm(self, gate_up: Any = None, down: Any = None) -> Any:
+        """triton_moe's launches for this shape, or None where Triton is missing or the shape does not tile."""
+        from . import triton_moe
+        if not triton_moe.available():
+            return None
+        cfg_gu = triton_moe.TileConfig.parse(gate_up, triton_moe.DEFAULT_CONFIG)
+        cfg_dn = triton_moe.TileConfig.parse(down, triton_moe.DOWN_CONFIG)
+        if not triton_moe.DeviceGroupedGEMM.takes(self.hidden, self.ffn, cfg_gu, cfg_dn):
+            return None
+        return triton_moe.DeviceGroupedGEMM(self.hidden, self.ffn, self.experts, cfg_gu, cfg_dn)
+
+    def set_device_gemm(self, spec: str | None) -> None:
+        """Turn the device-table path off ("off") or on with tile configs "BM:BN:BK:warps:stages[/BM:BN:BK:w:s]"
+        (gate|up, then down; "" or None: the defaults)."""
+        if spec == "off":
+            self.device_gemm = None
+            return
+        parts = (spec or "").split("/") if spec else []
+        self.device_gemm = self._device_gemm(parts[0] if parts else None, parts[1] if len(parts) > 1 else None)
+
+    def flush_counts(self, wait: bool = True) -> int:
+        """Hand the device-table layers' counts to their on_counts, oldest first: all of them (waiting for their
+        copies), or with wait=False those already landed; how many are still pending."""
+        while self._pending_counts and (wait or self._pending_counts[0][0].done):
+            self.flush_counts_one()
+        return len(self._pending_counts)
+
+    def _rot_entry(self) -> int:
+        """The next rotating staging entry, once its last copies have passed (its pending counts handed on first)."""
+        i = self._rot_next
+        self._rot_next = (i + 1) % DEFERRED_COUNTS
+        while any(p[1] == i for p in self._pending_counts):
+            self.flush_counts_one()
+        if self._rot_done[i] is not None:
+            self._rot_done[i].synchronize()
+        return i
+
+    def flush_counts_one(self) -> None:
+        """Hand the oldest pending layer's counts to its on_counts (waiting for their copy)."""
+        ev, entry, cb = self._pending_counts.pop(0)
+        ev.synchronize()
+        cb(self._rot[DEFERRED_COUNTS + entry].astype(np.int64))
 
     def _page_locked(self, nbytes: int) -> Any:
         """nbytes of page-locked host staging (a buffer np.frombuffer reads): from the session's pinned allocator's
@@ -868,6 +940,9 @@ class FastMoE:
 
     def _prefill(self, x: Any, logits: Any, pool: ExpertPool, slot_of: np.ndarray, host_pool: ExpertPool | None,
                  ring: np.ndarray | None, out: Any, accumulate: bool = False, on_counts: Any = None) -> Any:
+        self.flush_counts(wait=False)
+        if self.device_gemm is not None and pool.dtype == "f16" and slot_of.size and bool((slot_of >= 0).all()):
+            return self._prefill_device(x, logits, pool, slot_of, out, accumulate, on_counts)
         cp = self._cp
         t, h = int(x.shape[0]), self.hidden
         kk, e_n = self.top_k, self.experts
@@ -941,6 +1016,55 @@ class FastMoE:
         else:
             run_hits()
         self._k["strata_fast_combine"]((t,), (THREADS,), (np.uint64(bufs[3]), np.uint64(rowidx), np.uint64(wts),
+                                                          np.int32(t), np.int32(kk), np.int32(h), out,
+                                                          np.int32(bool(accumulate))))
+        self._mark("end")
+        return out
+
+    def _prefill_device(self, x: Any, logits: Any, pool: ExpertPool, slot_of: np.ndarray, out: Any,
+                        accumulate: bool, on_counts: Any) -> Any:
+        """_prefill for a layer whose every expert is cached: route, offsets and gather as there, then triton_moe's
+        two launches read the counts, offsets and slots on the device; no host sync. The counts go back to
+        page-locked staging, and on_counts (its answer unused: with nothing missed there is nothing to admit) sees
+        them at a later flush_counts."""
+        cp = self._cp
+        t, h, f = int(x.shape[0]), self.hidden, self.ffn
+        kk, e_n = self.top_k, self.experts
+        st = cp.cuda.get_current_stream()
+        self._mark("start")
+        maps = self._ws.setdefault("maps", _Grown(cp)).ptr(8 * e_n)
+        slot_d, row_of_d = maps, maps + 4 * e_n
+        i = self._rot_entry()
+        self._rot[i] = slot_of.astype(np.int32)
+        self._h2d_small(slot_d, int(self._rot.ctypes.data), 4 * i * e_n, 4 * e_n, st)
+        ids, wts, pos, rowidx, counts = self._launch_route(logits, t)
+        self._k["strata_fast_offsets"]((1,), (THREADS,), (np.uint64(counts), np.uint64(slot_d), np.int32(e_n),
+                                                          np.int32(0), np.uint64(row_of_d)))
+        self._mark("routed")
+        self._rt.memcpyAsync(int(self._rot[DEFERRED_COUNTS + i].ctypes.data), counts, 4 * e_n, 2, st.ptr)
+        landed = cp.cuda.Event(disable_timing=True)
+        landed.record(st)
+        self._rot_done[i] = landed
+        if on_counts is not None:
+            self._pending_counts.append((landed, i, on_counts))
+        self.stats = LayerStats(routed_rows=t * kk, routed_rows_hit=t * kk, device_table=True)
+        spent = self._take_prefetch()
+        if spent is not None:
+            self.stats.prefetch, self.stats.bytes_streamed = "spent", int(spent[4])
+            st.wait_event(spent[3])
+        rows = self.stack_rows_bound(t)
+        xs, act, ys = (self._ws[n].ptr(2 * rows * w) for n, w in (("xs", h), ("act", f), ("ys", h)))
+        self._k["strata_fast_gather"]((t,), (THREADS,),
+                                      (x, np.uint64(ids), np.uint64(pos), np.uint64(row_of_d), np.int32(t),
+                                       np.int32(kk), np.int32(h), np.uint64(xs), np.uint64(rowidx)))
+        self._mark("planned")
+        a = pool.arrays
+        self.device_gemm.layer(st.ptr, xs, act, ys, int(a["w_gate_up"].data.ptr), int(a["w_down"].data.ptr),
+                               counts, row_of_d, slot_d, t * kk)
+        self._mark("hits_done")
+        if out is None:
+            out = cp.empty((t, h), dtype=cp.float32)
+        self._k["strata_fast_combine"]((t,), (THREADS,), (np.uint64(ys), np.uint64(rowidx), np.uint64(wts),
                                                           np.int32(t), np.int32(kk), np.int32(h), out,
                                                           np.int32(bool(accumulate))))
         self._mark("end")

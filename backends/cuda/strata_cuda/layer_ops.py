@@ -310,6 +310,8 @@ class CudaLayerOps:
             fast.settle_prefetch()  # no copy may land in the ring after its slots go back to the cache
             raise
         st = fast.stats
+        if st.device_table:
+            self.counts["prefill_device_table"] = self.counts.get("prefill_device_table", 0) + 1
         if st.prefetch:
             self.counts[f"prefetch_{st.prefetch}"] = self.counts.get(f"prefetch_{st.prefetch}", 0) + 1
         if with_ring and (st.misses or st.bytes_streamed):
@@ -325,6 +327,12 @@ class CudaLayerOps:
         work.workspace.reset()
         if observer is not None:
             observer(work.phase, work.layer, x_in, np.asarray(self.memory.download(x)))
+
+    def prefill_done(self) -> None:
+        """Count every cached layer of the chunk whose counts stayed on the device (FastMoE.flush_counts): the
+        executor calls this after a chunk's layers, before anything reads the cache's figures."""
+        for fast in self._fast.values():
+            fast.flush_counts()
 
     def _admit_from_ring(self, work: LayerWork, fast: Any, slot_map: np.ndarray, held: dict,
                          counts: np.ndarray) -> list[int]:
