@@ -82,3 +82,13 @@ def test_shapes_that_do_not_tile_are_refused():
 
 def test_available_answers_without_a_gpu():
     assert tm.available() in (True, False)  # never raises, with or without Triton and a GPU
+
+
+def test_the_defaults_narrow_to_tile_small_shapes():
+    gu, dn = tm.fitted(2048, 768)
+    assert (gu, dn) == (tm.TileConfig(*tm.DEFAULT_CONFIG), tm.TileConfig(*tm.DOWN_CONFIG))
+    for h, f in ((128, 64), (256, 128), (2048, 1408), (4096, 14336), (80, 48)):
+        gu, dn = tm.fitted(h, f)
+        assert tm.DeviceGroupedGEMM.takes(h, f, gu, dn), (h, f, gu, dn)
+        assert gu.bn <= tm.DEFAULT_CONFIG[1] and dn.bn <= tm.DOWN_CONFIG[1]
+    assert tm.fitted(2048, 40) is None  # 40 is no multiple of 16

@@ -154,8 +154,12 @@ def test_a_warm_layer_allocates_nothing(cp, pair, rng):
 def test_a_layer_with_a_miss_takes_the_class_path(cp, pair, rng):
     dev, _ = pair
     t = 256
-    x, logits, hp, pool, slot_of = _warm(cp, rng, t, False)
-    slot_of = slot_of.copy()
+    x = rng.standard_normal((t, H)).astype(np.float32)
+    logits = routing(rng, t, False)
+    hp = host_pool(cp, "f16", *experts_f16(rng, E))
+    pool = device_pool(cp, hp, E + 3)
+    slot_of = rng.permutation(E).astype(np.int64)  # slots E.. are the ring
+    place(cp, pool, hp, np.arange(E), slot_of)
     slot_of[5] = -1
     out = poisoned(cp, (t, H))
     dev.prefill_layer(cp.asarray(x), cp.asarray(logits), pool, slot_of, hp, (E, 3), out=out)

@@ -609,8 +609,14 @@ class FastMoE:
         from . import triton_moe
         if not triton_moe.available():
             return None
-        cfg_gu = triton_moe.TileConfig.parse(gate_up, triton_moe.DEFAULT_CONFIG)
-        cfg_dn = triton_moe.TileConfig.parse(down, triton_moe.DOWN_CONFIG)
+        if gate_up is None and down is None:
+            got = triton_moe.fitted(self.hidden, self.ffn)  # the defaults, narrowed to tile a small shape
+            if got is None:
+                return None
+            cfg_gu, cfg_dn = got
+        else:
+            cfg_gu = triton_moe.TileConfig.parse(gate_up, triton_moe.DEFAULT_CONFIG)
+            cfg_dn = triton_moe.TileConfig.parse(down, triton_moe.DOWN_CONFIG)
         if not triton_moe.DeviceGroupedGEMM.takes(self.hidden, self.ffn, cfg_gu, cfg_dn):
             return None
         return triton_moe.DeviceGroupedGEMM(self.hidden, self.ffn, self.experts, cfg_gu, cfg_dn)

@@ -25,10 +25,12 @@ from typing import Any
 import numpy as np
 
 #: Row tile, column tile and K step of each launch, its warps and pipeline stages; the gate|up launch's column
-#: tile is BN columns of gate and the same BN of up (two accumulators). bench/layer_h200.py times others
-#: ("device:BM:BN:BK:warps:stages").
-DEFAULT_CONFIG = (128, 64, 64, 8, 4)
-DOWN_CONFIG = (128, 128, 64, 8, 4)
+#: tile is BN columns of gate and the same BN of up (two accumulators). bench/layer_h200.py times others (its
+#: variant token t<BMxBNxBKxWARPSxSTAGES>+<down's>). On the H200 (Qwen3-30B-A3B layer, 4096 tokens) 128/128/64/8/3
+#: with down 128/256/64/8/3 ran the warm layer in 0.988 ms uniform and 1.043 skewed, against 1.119 and 1.217 for
+#: 128/64/64/8/4 with 128/128/64/8/4 and 1.147 and 1.349 for the cuBLAS classes (bench/results/lead_h200_s7/).
+DEFAULT_CONFIG = (128, 128, 64, 8, 3)
+DOWN_CONFIG = (128, 256, 64, 8, 3)
 
 
 @dataclass(frozen=True)
@@ -46,10 +48,27 @@ class TileConfig:
         """From "BM:BN:BK:warps:stages" (or a tuple; None: the default)."""
         if text is None:
             return cls(*default)
+        if isinstance(text, TileConfig):
+            return text
         vals = tuple(int(v) for v in (text.split(":") if isinstance(text, str) else text))
         if len(vals) != 5 or min(vals) <= 0:
             raise ValueError(f"a Triton tile config is BM:BN:BK:warps:stages, not {text!r}")
         return cls(*vals)
+
+
+def fitted(hidden: int, ffn: int) -> tuple[TileConfig, TileConfig] | None:
+    """The default configs with column tiles and K steps halved until they divide the shape (at least 16), or
+    None where even 16 does not (hidden and ffn not multiples of 16)."""
+    def fit(cfg: TileConfig, n: int, k: int) -> TileConfig | None:
+        bn, bk = cfg.bn, cfg.bk
+        while bn > 16 and n % bn:
+            bn //= 2
+        while bk > 16 and k % bk:
+            bk //= 2
+        return TileConfig(cfg.bm, bn, bk, cfg.warps, cfg.stages) if n % bn == 0 and k % bk == 0 else None
+    gu = fit(TileConfig(*DEFAULT_CONFIG), ffn, hidden)
+    dn = fit(TileConfig(*DOWN_CONFIG), hidden, ffn)
+    return (gu, dn) if gu is not None and dn is not None else None
 
 
 def max_row_tiles(routed_rows: int, experts: int, bm: int) -> int:
