@@ -27,8 +27,9 @@ import numpy as np
 #: Row tile, column tile and K step of each launch, its warps and pipeline stages; the gate|up launch's column
 #: tile is BN columns of gate and the same BN of up (two accumulators). bench/layer_h200.py times others (its
 #: variant token t<BMxBNxBKxWARPSxSTAGES>+<down's>). On the H200 (Qwen3-30B-A3B layer, 4096 tokens) 128/128/64/8/3
-#: with down 128/256/64/8/3 ran the warm layer in 0.988 ms uniform and 1.043 skewed, against 1.119 and 1.217 for
-#: 128/64/64/8/4 with 128/128/64/8/4 and 1.147 and 1.349 for the cuBLAS classes (bench/results/lead_h200_s7/).
+#: with down 128/256/64/8/3 ran the warm layer in 0.927 ms uniform and 0.975 skewed, against 0.985 and 1.250 for the
+#: cuBLAS classes; 4 stages 0.920 / 0.969, BK 32 1.017 / 1.065, BM 64 1.216 / 1.228 (bench/results/lead_h200_s7/
+#: call2_layer_h200.json; call 1 there, on a slower host, ranked them alike).
 DEFAULT_CONFIG = (128, 128, 64, 8, 3)
 DOWN_CONFIG = (128, 256, 64, 8, 3)
 
