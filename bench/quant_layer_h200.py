@@ -175,13 +175,14 @@ def run(args, res: dict) -> None:
 
     res["variants"] = {}
     for spec in args.variants:
-        g_s, mode = spec.split(":")
+        g_s, mode, *flags = spec.split(":")  # flag "host": warm layers on the host-synced path (warm_device off)
         kw = {} if g_s == "auto" else {"group_experts": int(g_s),
                                        "scratch_budget_bytes": scratch_bytes(H, F, int(g_s))}
         v: dict = {"gemm_mode": mode}
         res["variants"][spec] = v
         try:
             moe = QuantMoE(E, K, fmt, gemm_mode=mode, **kw)
+            moe.warm_device = "host" not in flags
             g = moe.layout.group_experts
             v.update(group_experts=g, scratch_bytes=moe.scratch_bytes())
             moe.prefill_layer(xd, ld, pool, warm_map, out=out)
@@ -192,6 +193,7 @@ def run(args, res: dict) -> None:
             v["warm"] = time_ms(cp, lambda: moe.prefill_layer(xd, ld, pool, warm_map, out=out), moe.compute_stream,
                                 args.reps)
             v["warm_x_f16"] = v["warm"]["median_ms"] / res["warm_f16"]["median_ms"]
+            v["warm_device_table"] = bool(moe.stats.device_table)
             # the first cached experts dequantized before the routing, and the blocks that used them
             v["warm_spec"] = dict(moe.spec_report)
             moe.prefill_layer(xd, ld, pool, cold_map, host_pool, (E, RING), out=out)

@@ -92,3 +92,15 @@ def test_the_defaults_narrow_to_tile_small_shapes():
         assert tm.DeviceGroupedGEMM.takes(h, f, gu, dn), (h, f, gu, dn)
         assert gu.bn <= tm.DEFAULT_CONFIG[1] and dn.bn <= tm.DOWN_CONFIG[1]
     assert tm.fitted(2048, 40) is None  # 40 is no multiple of 16
+
+
+def test_a_launch_over_a_range_of_experts_finds_only_theirs():
+    rng = np.random.default_rng(5)
+    for counts in _routings(rng, 40, 900):
+        for lo, hi in ((0, 40), (0, 13), (13, 26), (26, 40), (39, 40)):
+            sub = np.where((np.arange(40) >= lo) & (np.arange(40) < hi), counts, 0)
+            expert, start = tm.tile_table(sub, 64)
+            assert int(expert.size) <= tm.max_row_tiles(int(counts[lo:hi].sum()), hi - lo, 64)
+            for tile in range(int(expert.size)):
+                e, r0, tot = tm.expert_of_tile(counts, 64, tile, (lo, hi))
+                assert lo <= e < hi and (e, r0, tot) == (expert[tile], start[tile], expert.size)

@@ -17,16 +17,20 @@ pytestmark = [pytest.mark.gpu, pytest.mark.requires_cuda]
 #: f16 weights, activations and intermediates (the fast path's bound, tests/gpu/test_quant_cuda.py's F16_BOUND)
 F16_BOUND = 1e-3
 
-#: QuantMoE attributes of each variant the bench times (bench/q2_diag_h200.py), the product's default ({}) first
+#: QuantMoE attributes of each variant the bench times (bench/q2_diag_h200.py), the product's default ({}: the
+#: device-table path, where Triton is there) first; the others are the host-synced path (warm_device off)
+_HOST = dict(warm_device=False)
 CONFIGS = {
     "default": {},
-    "chunk-kernel-halves": dict(dequant_kernel="chunk", warm_spec_halves=0, warm_rest_whole=False),
-    "sb-kernel-whole": dict(dequant_kernel="sb", warm_spec_halves=0),
-    "sb-no-spec-halves": dict(dequant_kernel="sb", warm_spec_halves=0, warm_rest_whole=False),
-    "spec1-halves": dict(dequant_kernel="sb", warm_spec_halves=1, warm_rest_whole=False),
-    "spec2-split-halves": dict(dequant_kernel="sb", warm_spec_halves=2, warm_merge_spec=False, warm_rest_whole=False),
-    "spec2-merged-whole": dict(dequant_kernel="sb", warm_spec_halves=2),
-    "spec2-merged-whole-after-route": dict(dequant_kernel="sb", warm_spec_halves=2, spec_after_route=True),
+    "host-default": dict(_HOST),
+    "chunk-kernel-halves": dict(_HOST, dequant_kernel="chunk", warm_spec_halves=0, warm_rest_whole=False),
+    "sb-kernel-whole": dict(_HOST, dequant_kernel="sb", warm_spec_halves=0),
+    "sb-no-spec-halves": dict(_HOST, dequant_kernel="sb", warm_spec_halves=0, warm_rest_whole=False),
+    "spec1-halves": dict(_HOST, dequant_kernel="sb", warm_spec_halves=1, warm_rest_whole=False),
+    "spec2-split-halves": dict(_HOST, dequant_kernel="sb", warm_spec_halves=2, warm_merge_spec=False,
+                               warm_rest_whole=False),
+    "spec2-merged-whole": dict(_HOST, dequant_kernel="sb", warm_spec_halves=2),
+    "spec2-merged-whole-after-route": dict(_HOST, dequant_kernel="sb", warm_spec_halves=2, spec_after_route=True),
 }
 
 
@@ -75,9 +79,41 @@ def test_warm_prefill_variants_match_the_float64_reference(tmp_path, config):
     spec = moe.warm_spec_halves
     print(f"{config}: rel err {errs} (bound {F16_BOUND:g}); speculation {moe.spec_report}")
     assert max(errs) <= F16_BOUND, errs
+    # the product's default takes the device-table path wherever FastMoE has one (Triton there)
+    assert moe.stats.device_table == (config == "default" and moe.device_gemm is not None), config
     # halves of 3: 3 * halves experts speculated, of which experts 1 (and 7 past the halves) are left out
     assert moe.spec_report["speculated"] == 3 * spec
     assert moe.spec_report["used"] == {0: 0, 1: 2, 2: 5}[spec]
+
+
+def test_warm_layers_queued_back_to_back_keep_their_own_scratch(tmp_path):
+    """Five warm layers on the device-table path queued with no sync between them (each its own input and
+    routing, two layers' experts in the pool): a layer's dequantization into a scratch half must wait for the
+    GEMMs of the layer before that read the half, so each output is its own layer's float64 reference."""
+    import cupy as cp
+    from strata_cuda.quant_ffn import QuantMoE, scratch_bytes
+    e_n, k, t = 16, 2, 300
+    lp, pool, _ = _layer(tmp_path, e_n)
+    h = lp.fmt.hidden
+    moe = QuantMoE(e_n, k, lp.fmt, group_experts=5, scratch_budget_bytes=scratch_bytes(h, lp.fmt.ffn, 5))
+    if moe.device_gemm is None:
+        pytest.skip("no device-table path here (Triton or torch missing)")
+    rng = np.random.default_rng(23)
+    runs = []
+    for i in range(5):
+        x = rng.standard_normal((t, h)).astype(np.float32)
+        logits = rng.standard_normal((t, e_n)).astype(np.float32)
+        slot_of = (e_n if i % 2 else 2 * e_n) + np.arange(e_n)  # layers 1 and 2 of the file, in turn
+        out = cp.full((t, h), np.nan, cp.float32)
+        cp.cuda.Device().synchronize()  # the inputs (null stream) land before the layers queue
+        runs.append((x, logits, slot_of, out))
+    for x, logits, slot_of, out in runs:
+        moe.prefill_layer(cp.asarray(x), cp.asarray(logits), pool, slot_of, out=out)
+        assert moe.stats.device_table
+    moe.compute_stream.synchronize()
+    for i, (x, logits, slot_of, out) in enumerate(runs):
+        err = r64.relative_error(cp.asnumpy(out), r64.moe_layer(x, logits, lp, slot_of, k))
+        assert err <= F16_BOUND, (i, err)
 
 
 def test_a_speculated_slot_an_admission_rewrites_is_not_used_from_the_speculation(tmp_path):

@@ -249,9 +249,10 @@ def warm_gemms(moe: "FastMoE", tokens: int) -> int:
         # with every count 0 each program returns at once
         tables = cupy.zeros(3 * moe.experts, dtype=cupy.int32)
         p = int(tables.data.ptr)
-        moe.device_gemm.layer(st.ptr, xs, gu, xs, w13, w2, p, p + 4 * moe.experts, p + 8 * moe.experts, routed)
+        for slots in (p + 8 * moe.experts, None):  # pool slots (f16 pools), a dequantized group's order
+            moe.device_gemm.layer(st.ptr, xs, gu, xs, w13, w2, p, p + 4 * moe.experts, slots, routed)
         st.synchronize()
-        calls += 2
+        calls += 4
 
     def run(ns: np.ndarray) -> None:
         one = np.zeros(ns.size, dtype=np.int64)
@@ -947,7 +948,8 @@ class FastMoE:
     def _prefill(self, x: Any, logits: Any, pool: ExpertPool, slot_of: np.ndarray, host_pool: ExpertPool | None,
                  ring: np.ndarray | None, out: Any, accumulate: bool = False, on_counts: Any = None) -> Any:
         self.flush_counts(wait=False)
-        if self.device_gemm is not None and pool.dtype == "f16" and slot_of.size and bool((slot_of >= 0).all()):
+        if self.device_gemm is not None and slot_of.size and bool((slot_of >= 0).all()) and \
+                self._device_takes(pool, int(x.shape[0])):
             return self._prefill_device(x, logits, pool, slot_of, out, accumulate, on_counts)
         cp = self._cp
         t, h = int(x.shape[0]), self.hidden
@@ -1064,9 +1066,7 @@ class FastMoE:
                                       (x, np.uint64(ids), np.uint64(pos), np.uint64(row_of_d), np.int32(t),
                                        np.int32(kk), np.int32(h), np.uint64(xs), np.uint64(rowidx)))
         self._mark("planned")
-        a = pool.arrays
-        self.device_gemm.layer(st.ptr, xs, act, ys, int(a["w_gate_up"].data.ptr), int(a["w_down"].data.ptr),
-                               counts, row_of_d, slot_d, t * kk)
+        self._device_experts(pool, slot_of, xs, act, ys, counts, row_of_d, slot_d, t * kk)
         self._mark("hits_done")
         if out is None:
             out = cp.empty((t, h), dtype=cp.float32)
@@ -1075,6 +1075,17 @@ class FastMoE:
                                                           np.int32(bool(accumulate))))
         self._mark("end")
         return out
+
+    def _device_takes(self, pool: ExpertPool, tokens: int) -> bool:
+        """Whether a layer of this pool, every expert cached, runs on the device-table path (f16 pools here)."""
+        return pool.dtype == "f16"
+
+    def _device_experts(self, pool: ExpertPool, slot_of: np.ndarray, xs: int, act: int, ys: int, counts: int,
+                        row_of: int, slot_d: int, routed_rows: int) -> None:
+        """The device-table path's expert GEMMs on the current stream: xs -> act -> ys for every expert."""
+        a = pool.arrays
+        self.device_gemm.layer(self._cp.cuda.get_current_stream().ptr, xs, act, ys, int(a["w_gate_up"].data.ptr),
+                               int(a["w_down"].data.ptr), counts, row_of, slot_d, routed_rows)
 
     def grouped_ffn(self, x: Any, offsets: Any, slots: Any, pool: ExpertPool) -> Any:
         """The KernelSet's moe_grouped_ffn on this path: rows offsets[g]:offsets[g+1] of x [N,H] f32 run slot

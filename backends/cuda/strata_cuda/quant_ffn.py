@@ -20,6 +20,9 @@
   every block, each lane's weight loads issued before any sum) and down kernel (a warp a hidden row), programmatic
   launches; form 1 (other formats, biases, unaligned q4_k/q5_k blobs): route, one GEMV kernel for gate/up of all K
   experts and one for down with the routing weights (QF_DW warps a row).
+  A warm layer (every expert cached) takes FastMoE's device-table path instead (WARM_DEVICE, _device_experts):
+  no host sync; groups of a scratch half dequantized on the side stream in expert order, each group's triton_moe
+  launches on the compute stream behind its dequantization.
   strata_cuda.layer_ops takes QuantMoE (quant_moe_for) for prefill chunks of a 'gguf' model.
 cupy is imported by the caller (or inside the constructors).
 """
@@ -109,6 +112,12 @@ WARM_MERGE_SPEC = True
 #: group cost the host ~0.5 ms (cuBLAS calls per size class): two groups of 64 took 1.11 ms of host against 1.85 for
 #: four of 32 (bench/results/qw_h200/call1_qw_diag.json, qw_sb_whole and qw_sb).
 WARM_REST_WHOLE = True
+#: A warm layer (every expert cached, a chunk of at least SPEC_MIN_ROWS_PER_EXPERT rows an expert) of a 'gguf' pool
+#: on FastMoE's device-table path: no host sync; the cached experts dequantized group by group (expert order, the
+#: scratch halves in turn) on the side stream, each group's two Triton launches (triton_moe, its experts' rows only)
+#: on the compute stream as soon as its f16 has landed, so one group dequantizes while the one before computes
+#: (QuantMoE._device_experts). False: the host-synced path above (counts, hit_groups, cuBLAS classes).
+WARM_DEVICE = True
 #: One token's layer from the quant blocks (quant_decode.cu, issue 14 item 5): routing fused into gate/up, each lane
 #: issuing a trip's loads before any sum, x staged in shared memory in unit order; its kernels by the format of the
 #: matrix each reads (no biases; other formats and biased ones take quant_fast.cu's route + GEMV + wide down).
@@ -438,6 +447,8 @@ class QuantMoE(FastMoE):
         self.spec_after_route = False
         self.warm_merge_spec = WARM_MERGE_SPEC
         self.warm_rest_whole = WARM_REST_WHOLE
+        #: warm 'gguf' layers on the device-table path (WARM_DEVICE; where FastMoE has one)
+        self.warm_device = WARM_DEVICE
         #: the last prefill's speculation: experts dequantized ahead, and blocks that used them (tests, benches)
         self.spec_report = {"speculated": 0, "used": 0}
         self._spec: dict | None = None
@@ -637,6 +648,46 @@ class QuantMoE(FastMoE):
                 self._mark(f"hit_group_{sub}_{m}{'_spec' if ahead else ''}")
         finally:
             self._ready = None
+
+    # -- warm layers on the device-table path (WARM_DEVICE) ------------------------------------------------------
+
+    def _device_takes(self, pool: ExpertPool, tokens: int) -> bool:
+        """FastMoE's f16 pools, and 'gguf' pools on the fast path with a scratch of whole experts, for chunks long
+        enough to route to nearly every expert (every cached one is dequantized, routed to or not)."""
+        if pool.dtype != "gguf":
+            return super()._device_takes(pool, tokens)
+        return bool(self.warm_device and self.layout.group_experts > 0 and fast_path_takes(pool.fmt)
+                    and tokens * self.top_k >= SPEC_MIN_ROWS_PER_EXPERT * self.experts)
+
+    def _device_experts(self, pool: ExpertPool, slot_of: np.ndarray, xs: int, act: int, ys: int, counts: int,
+                        row_of: int, slot_d: int, routed_rows: int) -> None:
+        """Every cached expert in groups of a scratch half (expert order): group g dequantized on the side stream
+        into half g % 2 once the GEMMs that read that half before are done, then its Triton launches on this
+        stream; the next group's dequantization is queued before this one's GEMMs run."""
+        if pool.dtype != "gguf":
+            return super()._device_experts(pool, slot_of, xs, act, ys, counts, row_of, slot_d, routed_rows)
+        cp = self._cp
+        main, side = cp.cuda.get_current_stream(), self.dequant_stream
+        step = self.layout.group_experts
+        table = self._upload_slots(np.asarray(slot_of, dtype=np.int32))
+        fork = cp.cuda.Event(disable_timing=True)
+        fork.record(main)  # the table, and the last layer's readers of the scratch
+        side.wait_event(fork)
+        read: list = [None, None]  # the event after the GEMMs that last read each half
+        for g, e_lo in enumerate(range(0, self.experts, step)):
+            e_hi, half = min(self.experts, e_lo + step), g % 2
+            if read[half] is not None:
+                side.wait_event(read[half])
+            with side:
+                w13, w2 = self._dequant(pool, table + 4 * e_lo, e_hi - e_lo, half)
+            ready = cp.cuda.Event(disable_timing=True)
+            ready.record(side)
+            main.wait_event(ready)
+            self.device_gemm.layer(main.ptr, xs, act, ys, int(w13[0]), int(w2[0]), counts, row_of, None,
+                                   routed_rows, (e_lo, e_hi))
+            read[half] = cp.cuda.Event(disable_timing=True)
+            read[half].record(main)
+            self._mark(f"device_group_{e_lo}_{e_hi}")
 
     # -- the speculated dequantization of a prefill's first cached experts (WARM_SPEC_HALVES) -----------------
 

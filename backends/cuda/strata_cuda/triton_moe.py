@@ -86,10 +86,15 @@ def tile_table(counts: np.ndarray, bm: int) -> tuple[np.ndarray, np.ndarray]:
     return expert.astype(np.int64), start.astype(np.int64)
 
 
-def expert_of_tile(counts: np.ndarray, bm: int, tile: int) -> tuple[int, int, int]:
-    """The kernels' look-up in numpy: (expert, first row within it, total tiles) of row tile `tile` (expert E and
-    a row past its count when tile >= total, where the program returns)."""
-    tiles = -(-np.asarray(counts, dtype=np.int64) // bm)
+def expert_of_tile(counts: np.ndarray, bm: int, tile: int, experts: tuple[int, int] | None = None
+                   ) -> tuple[int, int, int]:
+    """The kernels' look-up in numpy: (expert, first row within it, total tiles) of row tile `tile` over the
+    experts e_lo <= e < e_hi (default all; the others count as 0 rows); past the last tile the program returns."""
+    counts = np.asarray(counts, dtype=np.int64)
+    if experts is not None:
+        idx = np.arange(counts.size)
+        counts = np.where((idx >= experts[0]) & (idx < experts[1]), counts, 0)
+    tiles = -(-counts // bm)
     cum = np.cumsum(tiles)
     e = int(np.count_nonzero(cum <= tile))
     return e, (int(tile) - int(tiles[:e].sum())) * bm, int(tiles.sum())
@@ -118,9 +123,9 @@ def _kernels() -> Any:
     import triton.language as tl
 
     @triton.jit
-    def _expert_of_tile(counts, E: tl.constexpr, EP: tl.constexpr, BM: tl.constexpr, tile):
+    def _expert_of_tile(counts, e_lo, e_hi, EP: tl.constexpr, BM: tl.constexpr, tile):
         offs = tl.arange(0, EP)
-        cnt = tl.load(counts + offs, mask=offs < E, other=0)
+        cnt = tl.load(counts + offs, mask=(offs >= e_lo) & (offs < e_hi), other=0)
         tiles = (cnt + BM - 1) // BM
         cum = tl.cumsum(tiles, axis=0)
         e = tl.sum((cum <= tile).to(tl.int32), axis=0)
@@ -129,18 +134,23 @@ def _kernels() -> Any:
         return e, (tile - first) * BM, total
 
     @triton.jit
-    def grouped_tn(a, w, c, counts, row0, slots, N, K, w_slot, E: tl.constexpr, EP: tl.constexpr,
-                   SWIGLU: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-        """c[rows of e, :N] = a[rows of e] @ w[slot e]^T (SWIGLU: silu(a Wg^T) * (a Wu^T), up rows N.. of w)."""
+    def grouped_tn(a, w, c, counts, row0, slots, N, K, w_slot, e_lo, e_hi, EP: tl.constexpr,
+                   SWIGLU: tl.constexpr, SLOTS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                   BK: tl.constexpr):
+        """c[rows of e, :N] = a[rows of e] @ w[slot e]^T for experts e_lo <= e < e_hi (SWIGLU: silu(a Wg^T) *
+        (a Wu^T), up rows N.. of w); slot e is slots[e] (SLOTS), else e - e_lo (a dequantized group's order)."""
         pid = tl.program_id(0)
         nt = N // BN
         tile, pn = pid // nt, pid % nt
-        e, r_in, total = _expert_of_tile(counts, E, EP, BM, tile)
+        e, r_in, total = _expert_of_tile(counts, e_lo, e_hi, EP, BM, tile)
         if tile >= total:
             return
         count = tl.load(counts + e)
         base = tl.load(row0 + e).to(tl.int64)
-        slot = tl.load(slots + e).to(tl.int64)
+        if SLOTS:
+            slot = tl.load(slots + e).to(tl.int64)
+        else:
+            slot = (e - e_lo).to(tl.int64)
         rows = r_in + tl.arange(0, BM)
         live = rows < count
         grow = base + rows.to(tl.int64)
@@ -211,20 +221,25 @@ class DeviceGroupedGEMM:
         return s
 
     def _launch(self, cfg: TileConfig, a: int, w: int, c: int, tables: tuple, n: int, k: int, w_slot: int,
-                swiglu: bool, routed_rows: int) -> None:
-        counts, row0, slots = (_Ptr(p, self._i32) for p in tables)
-        grid = (max_row_tiles(routed_rows, self.experts, cfg.bm) * (n // cfg.bn),)
-        self._kernel[grid](_Ptr(a, self._f16), _Ptr(w, self._f16), _Ptr(c, self._f16), counts, row0, slots,
-                           n, k, w_slot, E=self.experts, EP=self._ep, SWIGLU=swiglu, BM=cfg.bm, BN=cfg.bn,
+                swiglu: bool, routed_rows: int, experts: tuple[int, int]) -> None:
+        counts, row0, slots = tables
+        e_lo, e_hi = experts
+        grid = (max_row_tiles(routed_rows, e_hi - e_lo, cfg.bm) * (n // cfg.bn),)
+        self._kernel[grid](_Ptr(a, self._f16), _Ptr(w, self._f16), _Ptr(c, self._f16), _Ptr(counts, self._i32),
+                           _Ptr(row0, self._i32), _Ptr(slots or counts, self._i32), n, k, w_slot, e_lo, e_hi,
+                           EP=self._ep, SWIGLU=swiglu, SLOTS=slots is not None, BM=cfg.bm, BN=cfg.bn,
                            BK=cfg.bk, num_warps=cfg.warps, num_stages=cfg.stages)
 
     def layer(self, stream_ptr: int, xs: int, act: int, ys: int, w_gate_up: int, w_down: int, counts: int,
-              row0: int, slots: int, routed_rows: int) -> None:
-        """Queue gate|up with SwiGLU (xs -> act) and down (act -> ys) for every expert on the stream at stream_ptr.
+              row0: int, slots: int | None, routed_rows: int, experts: tuple[int, int] | None = None) -> None:
+        """Queue gate|up with SwiGLU (xs -> act) and down (act -> ys) for the experts e_lo <= e < e_hi (default:
+        all) on the stream at stream_ptr.
 
-        counts, row0 and slots are int32 [E] device tables; w_gate_up / w_down the pool arrays' base addresses."""
+        counts, row0 and slots are int32 [E] device tables; w_gate_up / w_down the base addresses of [slots,2F,H]
+        and [slots,H,F] f16 weights; slots None: expert e's weights are number e - e_lo there."""
         h, f = self.hidden, self.ffn
         tables = (counts, row0, slots)
+        ex = experts or (0, self.experts)
         with self._torch.cuda.stream(self._stream(int(stream_ptr))):
-            self._launch(self.gate_up, xs, w_gate_up, act, tables, f, h, 2 * f * h, True, routed_rows)
-            self._launch(self.down, act, w_down, ys, tables, h, f, h * f, False, routed_rows)
+            self._launch(self.gate_up, xs, w_gate_up, act, tables, f, h, 2 * f * h, True, routed_rows, ex)
+            self._launch(self.down, act, w_down, ys, tables, h, f, h * f, False, routed_rows, ex)
