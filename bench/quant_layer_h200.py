@@ -175,7 +175,9 @@ def run(args, res: dict) -> None:
 
     res["variants"] = {}
     for spec in args.variants:
-        g_s, mode, *flags = spec.split(":")  # flag "host": warm layers on the host-synced path (warm_device off)
+        # flags: "host" warm layers on the host-synced path (warm_device off); "lowprio" the side stream at the
+        # default priority
+        g_s, mode, *flags = spec.split(":")
         kw = {} if g_s == "auto" else {"group_experts": int(g_s),
                                        "scratch_budget_bytes": scratch_bytes(H, F, int(g_s))}
         v: dict = {"gemm_mode": mode}
@@ -183,6 +185,9 @@ def run(args, res: dict) -> None:
         try:
             moe = QuantMoE(E, K, fmt, gemm_mode=mode, **kw)
             moe.warm_device = "host" not in flags
+            if "lowprio" in flags:
+                moe.set_dequant_priority("default")
+            v["dequant_priority"] = moe.dequant_priority
             g = moe.layout.group_experts
             v.update(group_experts=g, scratch_bytes=moe.scratch_bytes())
             moe.prefill_layer(xd, ld, pool, warm_map, out=out)

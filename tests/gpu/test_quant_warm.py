@@ -34,12 +34,13 @@ CONFIGS = {
 }
 
 
-def _layer(tmp_path, experts: int, seed: int = 5):
+def _layer(tmp_path, experts: int, seed: int = 5, down: str | None = None):
     """A qwen3moe Q4_K_M-style layer of `experts` experts (hidden and ffn 256: whole super-blocks) on the device, with
-    8 spare slots; (layer pool, device pool, host blob of the layer's experts)."""
+    8 spare slots; (layer pool, device pool, host blob of the layer's experts). `down`: every layer's down type
+    (default Q4_K_M's, which differ between layers)."""
     import cupy as cp
     path = write_moe_gguf(tmp_path / "q.gguf", seed=seed, arch="qwen3moe", layers=3, experts=experts,
-                          gate_up="q4_k", down=q4_k_m_down_types(3))
+                          gate_up="q4_k", down=down or q4_k_m_down_types(3))
     lp = read_moe_tensors(path).experts.for_layer(2)
     blob_h = lp.arrays["blob"]
     dev_blob = cp.full((blob_h.shape[0] + 8, blob_h.shape[1]), 255, cp.uint8)
@@ -93,7 +94,7 @@ def test_warm_layers_queued_back_to_back_keep_their_own_scratch(tmp_path):
     import cupy as cp
     from strata_cuda.quant_ffn import QuantMoE, scratch_bytes
     e_n, k, t = 16, 2, 300
-    lp, pool, _ = _layer(tmp_path, e_n)
+    lp, pool, _ = _layer(tmp_path, e_n, down="q6_k")  # one format in every layer: layers 1 and 2 share the pool
     h = lp.fmt.hidden
     moe = QuantMoE(e_n, k, lp.fmt, group_experts=5, scratch_budget_bytes=scratch_bytes(h, lp.fmt.ffn, 5))
     if moe.device_gemm is None:

@@ -118,6 +118,9 @@ WARM_REST_WHOLE = True
 #: on the compute stream as soon as its f16 has landed, so one group dequantizes while the one before computes
 #: (QuantMoE._device_experts). False: the host-synced path above (counts, hit_groups, cuBLAS classes).
 WARM_DEVICE = True
+#: The side stream's priority: "high" (the device's greatest), so the dequantization, the warm layer's slower half,
+#: takes SMs as the GEMMs free them rather than queueing behind the whole launch; "default" the same as the rest.
+DEQUANT_PRIORITY = "high"
 #: One token's layer from the quant blocks (quant_decode.cu, issue 14 item 5): routing fused into gate/up, each lane
 #: issuing a trip's loads before any sum, x staged in shared memory in unit order; its kernels by the format of the
 #: matrix each reads (no biases; other formats and biased ones take quant_fast.cu's route + GEMV + wide down).
@@ -420,8 +423,9 @@ class QuantMoE(FastMoE):
             raise ValueError(f"QuantMoE: {fmt.label} at hidden {fmt.hidden}, ffn {fmt.ffn} is not on the fast path")
         self.fmt = fmt
         self._qk = fast_kernels(cupy)
-        #: the side stream the dequantization of the next group runs on
-        self.dequant_stream = cupy.cuda.Stream(non_blocking=True)
+        #: the side stream the dequantization of the next group runs on (DEQUANT_PRIORITY; set_dequant_priority)
+        self.dequant_stream = None
+        self.set_dequant_priority(DEQUANT_PRIORITY)
         #: how the prefill uses its scratch (groups of whole experts, or pieces of one)
         self.layout = scratch_layout(fmt.hidden, fmt.ffn, experts, scratch_budget_bytes, group_experts)
         self._ready: tuple | None = None
@@ -461,6 +465,18 @@ class QuantMoE(FastMoE):
         self._slot_dev = cupy.cuda.alloc(4 * n)
         self._slot_cursor = 0
         self._slot_done = cupy.cuda.Event(disable_timing=True)
+
+    def set_dequant_priority(self, priority: str) -> None:
+        """A new side stream of this priority ("high": the device's greatest; "default"); call between layers."""
+        cp = self._cp
+        if priority not in ("high", "default"):
+            raise ValueError(f"QuantMoE: a dequantization priority is 'high' or 'default', not {priority!r}")
+        self.dequant_priority = priority
+        if priority == "high":
+            greatest = int(cp.cuda.runtime.deviceGetStreamPriorityRange()[1])
+            self.dequant_stream = cp.cuda.Stream(non_blocking=True, priority=greatest)
+        else:
+            self.dequant_stream = cp.cuda.Stream(non_blocking=True)
 
     def miss_groups(self, n: int, ring_slots: int, slot_bytes: int = 0) -> list[int]:
         """Copy groups of n streamed experts (ring_group_sizes): FastMoE's sizes (group_experts, or COPY_GROUP_BYTES
