@@ -473,8 +473,9 @@ class QuantMoE(FastMoE):
             raise ValueError(f"QuantMoE: a dequantization priority is 'high' or 'default', not {priority!r}")
         self.dequant_priority = priority
         if priority == "high":
-            greatest = int(cp.cuda.runtime.deviceGetStreamPriorityRange()[1])
-            self.dequant_stream = cp.cuda.Stream(non_blocking=True, priority=greatest)
+            # CUDA clamps a priority past its range to the range's end: this is the device's greatest (cupy does
+            # not bind cudaDeviceGetStreamPriorityRange)
+            self.dequant_stream = cp.cuda.Stream(non_blocking=True, priority=-1000)
         else:
             self.dequant_stream = cp.cuda.Stream(non_blocking=True)
 
