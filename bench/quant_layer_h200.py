@@ -175,8 +175,9 @@ def run(args, res: dict) -> None:
 
     res["variants"] = {}
     for spec in args.variants:
-        # flags: "host" warm layers on the host-synced path (warm_device off); "lowprio" the side stream at the
-        # default priority
+        # flags: "device" / "host" warm layers on the device-table path / the host-synced one (warm_device on /
+        # off; neither: quant_ffn.WARM_DEVICE); "highprio" / "lowprio" the side stream at the device's greatest /
+        # the default priority (neither: quant_ffn.DEQUANT_PRIORITY)
         g_s, mode, *flags = spec.split(":")
         kw = {} if g_s == "auto" else {"group_experts": int(g_s),
                                        "scratch_budget_bytes": scratch_bytes(H, F, int(g_s))}
@@ -184,9 +185,10 @@ def run(args, res: dict) -> None:
         res["variants"][spec] = v
         try:
             moe = QuantMoE(E, K, fmt, gemm_mode=mode, **kw)
-            moe.warm_device = "host" not in flags
-            if "lowprio" in flags:
-                moe.set_dequant_priority("default")
+            if "device" in flags or "host" in flags:
+                moe.warm_device = "device" in flags
+            if "highprio" in flags or "lowprio" in flags:
+                moe.set_dequant_priority("high" if "highprio" in flags else "default")
             v["dequant_priority"] = moe.dequant_priority
             g = moe.layout.group_experts
             v.update(group_experts=g, scratch_bytes=moe.scratch_bytes())

@@ -18,11 +18,13 @@ pytestmark = [pytest.mark.gpu, pytest.mark.requires_cuda]
 F16_BOUND = 1e-3
 
 #: QuantMoE attributes of each variant the bench times (bench/q2_diag_h200.py), the product's default ({}: the
-#: device-table path, where Triton is there) first; the others are the host-synced path (warm_device off)
+#: host-synced path, quant_ffn.WARM_DEVICE off) first, then the device-table path (where Triton is there) at each
+#: side-stream priority; the rest are the host-synced path's variants, warm_device off whatever the default
 _HOST = dict(warm_device=False)
 CONFIGS = {
     "default": {},
-    "host-default": dict(_HOST),
+    "device": dict(warm_device=True),
+    "device-high-priority": dict(warm_device=True, dequant_priority="high"),
     "chunk-kernel-halves": dict(_HOST, dequant_kernel="chunk", warm_spec_halves=0, warm_rest_whole=False),
     "sb-kernel-whole": dict(_HOST, dequant_kernel="sb", warm_spec_halves=0),
     "sb-no-spec-halves": dict(_HOST, dequant_kernel="sb", warm_spec_halves=0, warm_rest_whole=False),
@@ -67,7 +69,10 @@ def test_warm_prefill_variants_match_the_float64_reference(tmp_path, config):
     want = r64.moe_layer(x, logits, lp, slot_of, k)
     moe = QuantMoE(e_n, k, lp.fmt, group_experts=3, scratch_budget_bytes=scratch_bytes(h, lp.fmt.ffn, 3))
     for name, v in CONFIGS[config].items():
-        setattr(moe, name, v)
+        if name == "dequant_priority":
+            moe.set_dequant_priority(v)
+        else:
+            setattr(moe, name, v)
     xd, ld = cp.asarray(x), cp.asarray(logits)
     cp.cuda.Device().synchronize()
     errs = []
@@ -80,8 +85,11 @@ def test_warm_prefill_variants_match_the_float64_reference(tmp_path, config):
     spec = moe.warm_spec_halves
     print(f"{config}: rel err {errs} (bound {F16_BOUND:g}); speculation {moe.spec_report}")
     assert max(errs) <= F16_BOUND, errs
-    # the product's default takes the device-table path wherever FastMoE has one (Triton there)
-    assert moe.stats.device_table == (config == "default" and moe.device_gemm is not None), config
+    # the device configs take the device-table path wherever FastMoE has one (Triton there), the others never
+    from strata_cuda.quant_ffn import WARM_DEVICE
+    wants = moe.warm_device and moe.device_gemm is not None
+    assert moe.warm_device == CONFIGS[config].get("warm_device", WARM_DEVICE)
+    assert moe.stats.device_table == wants, config
     # halves of 3: 3 * halves experts speculated, of which experts 1 (and 7 past the halves) are left out
     assert moe.spec_report["speculated"] == 3 * spec
     assert moe.spec_report["used"] == {0: 0, 1: 2, 2: 5}[spec]
@@ -97,6 +105,7 @@ def test_warm_layers_queued_back_to_back_keep_their_own_scratch(tmp_path):
     lp, pool, _ = _layer(tmp_path, e_n, down="q6_k")  # one format in every layer: layers 1 and 2 share the pool
     h = lp.fmt.hidden
     moe = QuantMoE(e_n, k, lp.fmt, group_experts=5, scratch_budget_bytes=scratch_bytes(h, lp.fmt.ffn, 5))
+    moe.warm_device = True
     if moe.device_gemm is None:
         pytest.skip("no device-table path here (Triton or torch missing)")
     rng = np.random.default_rng(23)

@@ -20,9 +20,9 @@
   every block, each lane's weight loads issued before any sum) and down kernel (a warp a hidden row), programmatic
   launches; form 1 (other formats, biases, unaligned q4_k/q5_k blobs): route, one GEMV kernel for gate/up of all K
   experts and one for down with the routing weights (QF_DW warps a row).
-  A warm layer (every expert cached) takes FastMoE's device-table path instead (WARM_DEVICE, _device_experts):
-  no host sync; groups of a scratch half dequantized on the side stream in expert order, each group's triton_moe
-  launches on the compute stream behind its dequantization.
+  With warm_device (WARM_DEVICE, off by default: not faster on the H200) a warm layer (every expert cached) takes
+  FastMoE's device-table path instead (_device_experts): no host sync; groups of a scratch half dequantized on the
+  side stream in expert order, each group's triton_moe launches on the compute stream behind its dequantization.
   strata_cuda.layer_ops takes QuantMoE (quant_moe_for) for prefill chunks of a 'gguf' model.
 cupy is imported by the caller (or inside the constructors).
 """
@@ -116,11 +116,16 @@ WARM_REST_WHOLE = True
 #: on FastMoE's device-table path: no host sync; the cached experts dequantized group by group (expert order, the
 #: scratch halves in turn) on the side stream, each group's two Triton launches (triton_moe, its experts' rows only)
 #: on the compute stream as soon as its f16 has landed, so one group dequantizes while the one before computes
-#: (QuantMoE._device_experts). False: the host-synced path above (counts, hit_groups, cuBLAS classes).
-WARM_DEVICE = True
-#: The side stream's priority: "high" (the device's greatest), so the dequantization, the warm layer's slower half,
-#: takes SMs as the GEMMs free them rather than queueing behind the whole launch; "default" the same as the rest.
-DEQUANT_PRIORITY = "high"
+#: (QuantMoE._device_experts). False: the host-synced path above (counts, hit_groups, cuBLAS classes), the default:
+#: on the H200 the dequantization and the GEMMs did not overlap on this path either, and with a host of normal speed
+#: the Qwen3-30B-A3B Q4_K_M warm layer took 1.852 ms on it (1.823 with the side stream at default priority, 1.808 in
+#: groups of 16) against 1.771 host-synced (bench/results/lead_h200_s7/call4_quant_layer_h200.json); only a slow
+#: host made it the faster (1.803 against 2.066, call3_). Issue 14's warm target needs the dequantization inside the
+#: GEMM's K loop.
+WARM_DEVICE = False
+#: The side stream's priority: "high" (the device's greatest: the dequantization takes SMs as the GEMMs free them) or
+#: "default"; "high" gained nothing measurable (1.852 against 1.823 ms, call4_), so "default".
+DEQUANT_PRIORITY = "default"
 #: One token's layer from the quant blocks (quant_decode.cu, issue 14 item 5): routing fused into gate/up, each lane
 #: issuing a trip's loads before any sum, x staged in shared memory in unit order; its kernels by the format of the
 #: matrix each reads (no biases; other formats and biased ones take quant_fast.cu's route + GEMV + wide down).
