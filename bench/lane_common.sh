@@ -36,3 +36,23 @@ lane_gpu_tests() {
     echo "$f: $(tail -1 "$OUT/gpu_tests.log")"
   done
 }
+
+# Planted faults: each sed expression applied in turn to SRC (restored after each), TEST run on it; a fault must
+# make TEST fail (a failure, not an error, is a catch: the log's last line says which). Sets rc=1 when a fault did not
+# apply or TEST passed with it. Usage: lane_planted_faults SRC TEST EXPR...
+lane_planted_faults() {
+  local src=$1 test=$2; shift 2
+  local keep fault
+  keep=$(mktemp)
+  cp "$src" "$keep"
+  for fault in "$@"; do
+    sed -i "$fault" "$src"
+    if cmp -s "$src" "$keep"; then echo "planted fault did not apply: $fault"; rc=1; fi
+    echo "=== planted fault: $fault" >> "$OUT/gpu_tests.log"
+    timeout -k 10 120 python3 -m pytest -p no:cacheprovider -q "$test" >> "$OUT/gpu_tests.log" 2>&1 \
+      && { echo "planted fault NOT caught: $fault"; rc=1; } \
+      || echo "planted fault: $(tail -1 "$OUT/gpu_tests.log") (a failure, not an error, is a catch)"
+    cp "$keep" "$src"
+  done
+  rm -f "$keep"
+}

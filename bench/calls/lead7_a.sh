@@ -9,17 +9,9 @@ lane_start
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)
 from strata_cuda import triton_moe; print('triton_moe.available', triton_moe.available())"
 lane_gpu_tests 150 tests/gpu/test_device_gemm.py tests/gpu/test_fast_paths.py
-src=backends/cuda/strata_cuda/triton_moe.py
-cp $src /tmp/triton_moe.py
-for fault in 's/acc = acc \/ (1.0 + tl.exp(-acc)) \* acc_u/acc = acc \/ (1.0 + tl.exp(-acc))/' \
-             's/first = tl.sum(tl.where(offs < e, tiles, 0), axis=0)/first = tl.sum(tl.where(offs <= e, tiles, 0), axis=0)/'; do
-  sed -i "$fault" $src
-  if cmp -s $src /tmp/triton_moe.py; then echo "planted fault did not apply: $fault"; rc=1; fi
-  echo "=== planted fault: $fault" >> "$OUT/gpu_tests.log"
-  timeout -k 10 120 python3 -m pytest -p no:cacheprovider -q -x tests/gpu/test_device_gemm.py >> "$OUT/gpu_tests.log" 2>&1 \
-    && { echo "planted fault NOT caught: $fault"; rc=1; } || echo "planted fault: $(tail -1 "$OUT/gpu_tests.log") (a failure, not an error, is a catch)"
-  cp /tmp/triton_moe.py $src
-done
+lane_planted_faults backends/cuda/strata_cuda/triton_moe.py tests/gpu/test_device_gemm.py \
+  's/acc = acc \/ (1.0 + tl.exp(-acc)) \* acc_u/acc = acc \/ (1.0 + tl.exp(-acc))/' \
+  's/first = tl.sum(tl.where(offs < e, tiles, 0), axis=0)/first = tl.sum(tl.where(offs <= e, tiles, 0), axis=0)/'
 timeout -k 10 "${LAYER_S:-150}" python3 bench/layer_h200.py --out "$OUT" --skip generation --reps 9 \
   --variants "classes:4:t,classes:4,classes:4:t64x64x64x4x4+64x128x64x4x4,classes:4:t128x64x64x8x3+128x128x64x8x3,classes:4:t128x128x64x8x3+128x256x64x8x3,classes:4:t:" 2>&1 | tail -14 || rc=1
 echo "lane took $(( $(date +%s) - t0 )) s"

@@ -10,17 +10,9 @@ set -uo pipefail
 lane_start
 lane_gpu_tests 150 tests/gpu/test_device_gemm.py tests/gpu/test_quant_warm.py tests/gpu/test_quant_cuda.py \
   tests/gpu/test_fast_paths.py tests/gpu/test_layer_ops.py
-src=backends/cuda/strata_cuda/quant_ffn.py
-cp $src /tmp/quant_ffn.py
-for fault in 's/w13, w2 = self._dequant(pool, table + 4 \* e_lo, e_hi - e_lo, half)/w13, w2 = self._dequant(pool, table, e_hi - e_lo, half)/' \
-             's/            self.device_gemm.layer(main.ptr, xs, act, ys, int(w13\[0\]), int(w2\[0\]), counts, row_of, None,/            self.device_gemm.layer(main.ptr, xs, act, ys, int(w13[0]), int(w13[0]), counts, row_of, None,/'; do
-  sed -i "$fault" $src
-  if cmp -s $src /tmp/quant_ffn.py; then echo "planted fault did not apply: $fault"; rc=1; fi
-  echo "=== planted fault: $fault" >> "$OUT/gpu_tests.log"
-  timeout -k 10 120 python3 -m pytest -p no:cacheprovider -q tests/gpu/test_quant_warm.py >> "$OUT/gpu_tests.log" 2>&1 \
-    && { echo "planted fault NOT caught: $fault"; rc=1; } || echo "planted fault: $(tail -1 "$OUT/gpu_tests.log") (a failure, not an error, is a catch)"
-  cp /tmp/quant_ffn.py $src
-done
+lane_planted_faults backends/cuda/strata_cuda/quant_ffn.py tests/gpu/test_quant_warm.py \
+  's/w13, w2 = self._dequant(pool, table + 4 \* e_lo, e_hi - e_lo, half)/w13, w2 = self._dequant(pool, table, e_hi - e_lo, half)/' \
+  's/            self.device_gemm.layer(main.ptr, xs, act, ys, int(w13\[0\]), int(w2\[0\]), counts, row_of, None,/            self.device_gemm.layer(main.ptr, xs, act, ys, int(w13[0]), int(w13[0]), counts, row_of, None,/'
 timeout -k 10 120 python3 bench/quant_layer_h200.py --out "$OUT" --reps 5 --variants auto:classes auto:classes:host 2>&1 | tail -16 || rc=1
 timeout -k 10 90 python3 bench/layer_h200.py --out "$OUT" --skip generation --variants "classes:4:t,classes:4" --reps 9 2>&1 | tail -8 || rc=1
 echo "lane took $(( $(date +%s) - t0 )) s"
