@@ -175,9 +175,10 @@ def run(args, res: dict) -> None:
 
     res["variants"] = {}
     for spec in args.variants:
-        # flags: "device" / "host" warm layers on the device-table path / the host-synced one (warm_device on /
-        # off; neither: quant_ffn.WARM_DEVICE); "highprio" / "lowprio" the side stream at the device's greatest /
-        # the default priority (neither: quant_ffn.DEQUANT_PRIORITY)
+        # flags: "device" / "host" / "fused" warm layers on the device-table path with scratch / the host-synced
+        # one / the device-table path decoding inside the GEMMs (neither: quant_ffn.WARM_DEVICE, WARM_FUSED);
+        # "highprio" / "lowprio" the side stream at the device's greatest / the default priority (neither:
+        # quant_ffn.DEQUANT_PRIORITY)
         g_s, mode, *flags = spec.split(":")
         kw = {} if g_s == "auto" else {"group_experts": int(g_s),
                                        "scratch_budget_bytes": scratch_bytes(H, F, int(g_s))}
@@ -185,8 +186,14 @@ def run(args, res: dict) -> None:
         res["variants"][spec] = v
         try:
             moe = QuantMoE(E, K, fmt, gemm_mode=mode, **kw)
-            if "device" in flags or "host" in flags:
-                moe.warm_device = "device" in flags
+            if "device" in flags or "host" in flags or "fused" in flags:
+                moe.warm_device = "host" not in flags
+            moe.warm_fused = "fused" in flags or (moe.warm_fused and "host" not in flags and "device" not in flags)
+            v["warm_fused"] = bool(moe.warm_fused)
+            for tok in flags:  # qBMxBNxWxS+BMxBNxWxS: the fused launches' tiles
+                if tok.startswith("q") and moe.warm_fused and moe._fused_gemm(fmt) is not None:
+                    moe._fused_gemm(fmt).set_configs(tok[1:])
+                    v["fused_tiles"] = tok[1:]
             if "highprio" in flags or "lowprio" in flags:
                 moe.set_dequant_priority("high" if "highprio" in flags else "default")
             v["dequant_priority"] = moe.dequant_priority

@@ -104,3 +104,24 @@ def test_a_launch_over_a_range_of_experts_finds_only_theirs():
             for tile in range(int(expert.size)):
                 e, r0, tot = tm.expert_of_tile(counts, 64, tile, (lo, hi))
                 assert lo <= e < hi and (e, r0, tot) == (expert[tile], start[tile], expert.size)
+
+
+@pytest.mark.parametrize("fmt", ["q4_k", "q5_k", "q6_k", "q8_0"])
+def test_the_k_loop_decode_is_the_oracles_dequantization_bit_for_bit(fmt):
+    """step_weights, the quant kernels' decode op for op, over every K step of random rows (any bytes: scales and
+    halves of every sign and size, NaN and inf included) equals quants.dequantize's float32 bits."""
+    from strata_core.reference import quants
+    rng = np.random.default_rng(13)
+    k = 768 if fmt != "q8_0" else 512  # 3 super-blocks (6 steps), or 16 q8_0 blocks (4 steps)
+    rb = quants.row_bytes(fmt, k)
+    rows = rng.integers(0, 256, (16, rb), dtype=np.uint8)
+    with np.errstate(invalid="ignore", over="ignore"):  # inf * 0 and the like: the format's own values
+        want = quants.dequantize(fmt, rows, k).reshape(16, k)
+        got = np.concatenate([tm.step_weights(fmt, rows, s) for s in range(k // tm.QUANT_BK)], axis=1)
+    assert got.shape == want.shape
+    assert np.array_equal(got.view(np.uint32), want.astype(np.float32).view(np.uint32))
+
+
+def test_the_k_loop_decode_refuses_other_types():
+    with pytest.raises(ValueError, match="mxfp4"):
+        tm.step_weights("mxfp4", np.zeros((1, 17), np.uint8), 0)

@@ -1,4 +1,5 @@
-"""QuantMoE's warm prefill on a real GPU (issue 14 item 5): the super-block dequantization kernel, the speculated
+"""QuantMoE's warm prefill on a real GPU (issue 14 item 5): the device-table paths (scratch groups behind the Triton
+launches, and the decode inside the GEMMs), the super-block dequantization kernel, the speculated
 dequantization of the first cached experts before the routing is known, and the ways hit_groups groups the rest,
 each against the float64 reference of the same bytes; a speculated slot an admission rewrites is not used from the
 speculation. Skipped, saying "no CUDA device", where there is none. Run on the H200:
@@ -25,6 +26,7 @@ CONFIGS = {
     "default": {},
     "device": dict(warm_device=True),
     "device-high-priority": dict(warm_device=True, dequant_priority="high"),
+    "fused": dict(warm_device=True, warm_fused=True),
     "chunk-kernel-halves": dict(_HOST, dequant_kernel="chunk", warm_spec_halves=0, warm_rest_whole=False),
     "sb-kernel-whole": dict(_HOST, dequant_kernel="sb", warm_spec_halves=0),
     "sb-no-spec-halves": dict(_HOST, dequant_kernel="sb", warm_spec_halves=0, warm_rest_whole=False),
@@ -124,6 +126,46 @@ def test_warm_layers_queued_back_to_back_keep_their_own_scratch(tmp_path):
     for i, (x, logits, slot_of, out) in enumerate(runs):
         err = r64.relative_error(cp.asnumpy(out), r64.moe_layer(x, logits, lp, slot_of, k))
         assert err <= F16_BOUND, (i, err)
+
+
+@pytest.mark.parametrize("gate_up,down", [("q4_k", "q6_k"), ("q4_k", "q4_k"), ("q5_k", "q5_k"), ("q8_0", "q8_0")])
+@pytest.mark.parametrize("t", [5, 300])
+def test_the_fused_decode_inside_the_gemms_matches_the_reference(tmp_path, gate_up, down, t):
+    """QuantMoE.warm_fused: the warm layer's GEMMs decode the pool's own blocks in their K loop (no scratch), for
+    each type the decode knows, a chunk of 5 tokens (most experts left out) and one of 300, experts in scattered
+    slots; twice, the same bits."""
+    import cupy as cp
+    from strata_cuda.quant_ffn import QuantMoE
+    e_n, k = 16, 2
+    path = write_moe_gguf(tmp_path / "f.gguf", seed=11, arch="qwen3moe", layers=3, experts=e_n, gate_up=gate_up,
+                          down=down)
+    lp = read_moe_tensors(path).experts.for_layer(2)
+    blob_h = lp.arrays["blob"]
+    perm = np.random.default_rng(3).permutation(blob_h.shape[0])
+    dev = cp.asarray(blob_h[perm])  # every row moved: slot s holds the file's row perm[s]
+    pool = lp.with_arrays({"blob": dev})
+    slot_of = np.argsort(perm)[2 * e_n + np.arange(e_n)]
+    h = lp.fmt.hidden
+    rng = np.random.default_rng(29)
+    x = rng.standard_normal((t, h)).astype(np.float32)
+    logits = rng.standard_normal((t, e_n)).astype(np.float32)
+    moe = QuantMoE(e_n, k, lp.fmt)
+    moe.warm_device = moe.warm_fused = True
+    assert moe._fused_gemm(lp.fmt) is not None or moe.device_gemm is None
+    if moe.device_gemm is None:
+        pytest.skip("no device-table path here (Triton or torch missing)")
+    want = r64.moe_layer(x, logits, lp, 2 * e_n + np.arange(e_n), k)
+    outs = []
+    for _ in range(2):
+        out = cp.full((t, h), np.nan, cp.float32)
+        cp.cuda.Device().synchronize()
+        moe.prefill_layer(cp.asarray(x), cp.asarray(logits), pool, slot_of, out=out)
+        moe.compute_stream.synchronize()
+        assert moe.stats.device_table
+        outs.append(cp.asnumpy(out))
+    err = r64.relative_error(outs[0], want)
+    assert err <= F16_BOUND, (gate_up, down, t, err)
+    assert np.array_equal(outs[0], outs[1])
 
 
 def test_a_speculated_slot_an_admission_rewrites_is_not_used_from_the_speculation(tmp_path):

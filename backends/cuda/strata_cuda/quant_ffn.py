@@ -123,6 +123,10 @@ WARM_REST_WHOLE = True
 #: host made it the faster (1.803 against 2.066, call3_). Issue 14's warm target needs the dequantization inside the
 #: GEMM's K loop.
 WARM_DEVICE = False
+#: With warm_device: the warm layer's GEMMs read the pool's own blocks and decode them inside the K loop
+#: (triton_moe.DeviceQuantGEMM, q4_k/q5_k/q6_k/q8_0 rows; the CPU tests hold its decode, triton_moe.step_weights,
+#: against the oracle bit for bit): no scratch, no dequantization pass. Off: it has not run on the H200 yet.
+WARM_FUSED = False
 #: The side stream's priority: "high" (the device's greatest: the dequantization takes SMs as the GEMMs free them) or
 #: "default"; "high" gained nothing measurable (1.852 against 1.823 ms, call4_), so "default".
 DEQUANT_PRIORITY = "default"
@@ -456,8 +460,11 @@ class QuantMoE(FastMoE):
         self.spec_after_route = False
         self.warm_merge_spec = WARM_MERGE_SPEC
         self.warm_rest_whole = WARM_REST_WHOLE
-        #: warm 'gguf' layers on the device-table path (WARM_DEVICE; where FastMoE has one)
+        #: warm 'gguf' layers on the device-table path (WARM_DEVICE; where FastMoE has one), and there with the
+        #: decode inside the GEMMs (WARM_FUSED)
         self.warm_device = WARM_DEVICE
+        self.warm_fused = WARM_FUSED
+        self._fused: dict = {}
         #: the last prefill's speculation: experts dequantized ahead, and blocks that used them (tests, benches)
         self.spec_report = {"speculated": 0, "used": 0}
         self._spec: dict | None = None
@@ -678,8 +685,24 @@ class QuantMoE(FastMoE):
         enough to route to nearly every expert (every cached one is dequantized, routed to or not)."""
         if pool.dtype != "gguf":
             return super()._device_takes(pool, tokens)
-        return bool(self.warm_device and self.layout.group_experts > 0 and fast_path_takes(pool.fmt)
+        if not self.warm_device:
+            return False
+        if self.warm_fused and self._fused_gemm(pool.fmt) is not None:
+            return True  # nothing is decoded for an expert the routing leaves out: any chunk
+        return bool(self.layout.group_experts > 0 and fast_path_takes(pool.fmt)
                     and tokens * self.top_k >= SPEC_MIN_ROWS_PER_EXPERT * self.experts)
+
+    def _fused_gemm(self, fmt: ExpertFormat) -> Any:
+        """triton_moe.DeviceQuantGEMM for this format (built once), or None where its launches do not run it."""
+        from . import triton_moe
+        key = (fmt.gate_up, fmt.down, fmt.bias)
+        if key not in self._fused:
+            ok = self.device_gemm is not None and triton_moe.quant_takes(fmt.gate_up, fmt.down, fmt.hidden,
+                                                                         fmt.ffn, fmt.bias)
+            self._fused[key] = triton_moe.DeviceQuantGEMM(
+                fmt.hidden, fmt.ffn, self.experts, fmt.gate_up, fmt.down, fmt.gate_up_row_bytes,
+                fmt.down_row_bytes, fmt.down_offset) if ok else None
+        return self._fused[key]
 
     def _device_experts(self, pool: ExpertPool, slot_of: np.ndarray, xs: int, act: int, ys: int, counts: int,
                         row_of: int, slot_d: int, routed_rows: int) -> None:
@@ -689,6 +712,12 @@ class QuantMoE(FastMoE):
         if pool.dtype != "gguf":
             return super()._device_experts(pool, slot_of, xs, act, ys, counts, row_of, slot_d, routed_rows)
         cp = self._cp
+        fused = self._fused_gemm(pool.fmt) if self.warm_fused else None
+        if fused is not None:  # the blocks decoded inside the GEMMs' K loop, straight from the pool's slots
+            blob = pool.arrays["blob"]
+            fused.quant_layer(cp.cuda.get_current_stream().ptr, xs, act, ys, int(blob.data.ptr), int(blob.shape[1]),
+                              counts, row_of, slot_d, routed_rows)
+            return
         main, side = cp.cuda.get_current_stream(), self.dequant_stream
         step = self.layout.group_experts
         table = self._upload_slots(np.asarray(slot_of, dtype=np.int32))

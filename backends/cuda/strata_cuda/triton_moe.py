@@ -100,6 +100,61 @@ def expert_of_tile(counts: np.ndarray, bm: int, tile: int, experts: tuple[int, i
     return e, (int(tile) - int(tiles[:e].sum())) * bm, int(tiles.sum())
 
 
+#: K step of the quant kernels: half a 256-weight super-block (q4_k, q5_k, q6_k) or four q8_0 blocks.
+QUANT_BK = 128
+#: ggml types the quant kernels decode inside their K loop, with their block bytes (a row is blocks back to back).
+QUANT_BLOCK_BYTES = {"q4_k": 144, "q5_k": 176, "q6_k": 210, "q8_0": 34}
+
+
+def _f16_of(lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+    """The little-endian binary16 of two byte arrays as float32 (exact)."""
+    return (lo.astype(np.uint16) | (hi.astype(np.uint16) << 8)).view(np.float16).astype(np.float32)
+
+
+def step_weights(fmt: str, rows: np.ndarray, step: int) -> np.ndarray:
+    """Weights QUANT_BK*step .. +QUANT_BK of each row of `rows` [BN, row bytes] (uint8) as float32 [BN, QUANT_BK]:
+    the quant kernels' decode, op for op (the same shapes, joins and permutes, the same float32 steps), so that a
+    test can hold it against quants.dequantize on the CPU."""
+    if fmt not in QUANT_BLOCK_BYTES:
+        raise ValueError(f"triton_moe: no K-loop decode of {fmt!r} (it has {sorted(QUANT_BLOCK_BYTES)})")
+    rows = np.asarray(rows, dtype=np.uint8)
+    bn = rows.shape[0]
+    f32 = np.float32
+    if fmt == "q8_0":
+        blk = rows[:, 34 * 4 * step + np.arange(4)[:, None] * 34 + np.arange(34)[None, :]]  # [BN, 4, 34]
+        d = _f16_of(blk[:, :, 0], blk[:, :, 1])
+        q = blk[:, :, 2:].view(np.int8).astype(f32)
+        return (q * d[:, :, None]).reshape(bn, QUANT_BK)
+    bb = QUANT_BLOCK_BYTES[fmt]
+    b = rows[:, (step // 2) * bb + np.arange(bb)]  # the super-block, [BN, bb]
+    h = step % 2  # which half of it
+    if fmt in ("q4_k", "q5_k"):
+        d, dmin = _f16_of(b[:, 0], b[:, 1]), _f16_of(b[:, 2], b[:, 3])
+        sa, sb, sc_ = (b[:, 4 + 4 * i:8 + 4 * i].astype(np.uint32) for i in range(3))
+        if h == 0:
+            sc, mn = sa & 63, sb & 63
+        else:
+            sc, mn = (sc_ & 15) | ((sa >> 6) << 4), (sc_ >> 4) | ((sb >> 6) << 4)
+        q0 = 16 if fmt == "q4_k" else 48
+        qs = b[:, q0 + 64 * h + np.arange(2)[:, None] * 32 + np.arange(32)[None, :]]  # [BN, 2, 32]
+        q = np.stack([qs & 15, qs >> 4], axis=-1).transpose(0, 1, 3, 2).reshape(bn, 4, 32)  # join, permute
+        if fmt == "q5_k":
+            qh = b[:, 16 + np.arange(32)][:, None, :]  # [BN, 1, 32]
+            q = q | (((qh >> (4 * h + np.arange(4, dtype=np.uint8))[None, :, None]) & 1) << 4)
+        scale = d[:, None] * sc.astype(f32)
+        minv = dmin[:, None] * mn.astype(f32)
+        return (scale[:, :, None] * q.astype(f32) - minv[:, :, None]).reshape(bn, QUANT_BK)
+    # q6_k
+    ql = b[:, 64 * h + np.arange(2)[:, None] * 32 + np.arange(32)[None, :]]  # [BN, 2 (which), 32]
+    low = np.stack([ql & 15, ql >> 4], axis=-1).transpose(0, 3, 1, 2).reshape(bn, 4, 32)  # g = 2 nib + which
+    qh = b[:, 128 + 32 * h + np.arange(32)][:, None, :]
+    high = (qh >> (2 * np.arange(4, dtype=np.uint8))[None, :, None]) & 3
+    q = (low | (high << 4)).astype(np.int32) - 32
+    sc = b[:, 192 + 8 * h + np.arange(8)].view(np.int8).astype(f32)  # [BN, 8]: weights 16 each
+    scale = _f16_of(b[:, 208], b[:, 209])[:, None] * sc
+    return (scale.reshape(bn, 4, 2, 1) * q.reshape(bn, 4, 2, 16).astype(f32)).reshape(bn, QUANT_BK)
+
+
 _STATE: dict[str, Any] = {}
 
 
@@ -174,8 +229,112 @@ def _kernels() -> Any:
             acc = acc / (1.0 + tl.exp(-acc)) * acc_u
         tl.store(c + grow[:, None] * N + cols[None, :], acc.to(tl.float16), mask=live[:, None])
 
+    @triton.jit
+    def _f16_at(p):
+        """The little-endian binary16 at byte pointers p, as float32."""
+        lo = tl.load(p).to(tl.uint16)
+        hi = tl.load(p + 1).to(tl.uint16)
+        return (lo | (hi << 8)).to(tl.float16, bitcast=True).to(tl.float32)
+
+    @triton.jit
+    def _step_weights(row, step, FMT: tl.constexpr, BB: tl.constexpr, Q0: tl.constexpr, BN: tl.constexpr):
+        """step_weights on the device: weights 128*step.. of the rows starting at byte pointers row [BN]."""
+        if FMT == 8:  # q8_0: four blocks of 32
+            blk = row[:, None] + 136 * step + tl.arange(0, 4)[None, :] * 34  # [BN, 4]
+            d = _f16_at(blk)
+            q = tl.load(blk[:, :, None] + 2 + tl.arange(0, 32)[None, None, :]).to(tl.int8, bitcast=True)
+            w = q.to(tl.float32) * d[:, :, None]
+        elif FMT == 14:  # q6_k: half `step % 2` of a 210-byte super-block
+            h = step % 2
+            b = row + (step // 2) * BB
+            ql = tl.load(b[:, None, None] + 64 * h + tl.arange(0, 2)[None, :, None] * 32
+                         + tl.arange(0, 32)[None, None, :])  # [BN, 2 (which), 32]
+            low = tl.reshape(tl.permute(tl.join(ql & 15, ql >> 4), (0, 3, 1, 2)), (BN, 4, 32))
+            qh = tl.load(b[:, None, None] + 128 + 32 * h + tl.arange(0, 32)[None, None, :])  # [BN, 1, 32]
+            high = (qh.to(tl.int32) >> (2 * tl.arange(0, 4))[None, :, None]) & 3
+            q = (low.to(tl.int32) | (high << 4)) - 32
+            sc = tl.load(b[:, None] + 192 + 8 * h + tl.arange(0, 8)[None, :]).to(tl.int8, bitcast=True)
+            scale = _f16_at(b + 208)[:, None] * sc.to(tl.float32)  # [BN, 8]: 16 weights each
+            w = tl.reshape(scale, (BN, 4, 2, 1)) * tl.reshape(q.to(tl.float32), (BN, 4, 2, 16))
+        else:  # q4_k (12), q5_k (13): half `step % 2` of a super-block, subs 4h .. 4h+3
+            h = step % 2
+            b = row + (step // 2) * BB
+            d = _f16_at(b)[:, None]
+            dmin = _f16_at(b + 2)[:, None]
+            j4 = tl.arange(0, 4)[None, :]
+            sa = tl.load(b[:, None] + 4 + j4).to(tl.uint32)
+            sb = tl.load(b[:, None] + 8 + j4).to(tl.uint32)
+            sc_ = tl.load(b[:, None] + 12 + j4).to(tl.uint32)
+            sc = tl.where(h == 0, sa & 63, (sc_ & 15) | ((sa >> 6) << 4))
+            mn = tl.where(h == 0, sb & 63, (sc_ >> 4) | ((sb >> 6) << 4))
+            qs = tl.load(b[:, None, None] + Q0 + 64 * h + tl.arange(0, 2)[None, :, None] * 32
+                         + tl.arange(0, 32)[None, None, :])  # [BN, 2, 32]
+            q = tl.reshape(tl.permute(tl.join(qs & 15, qs >> 4), (0, 1, 3, 2)), (BN, 4, 32)).to(tl.int32)
+            if FMT == 13:
+                qh = tl.load(b[:, None, None] + 16 + tl.arange(0, 32)[None, None, :]).to(tl.int32)
+                q = q | (((qh >> (4 * h + tl.arange(0, 4))[None, :, None]) & 1) << 4)
+            scale = d * sc.to(tl.float32)
+            minv = dmin * mn.to(tl.float32)
+            w = scale[:, :, None] * q.to(tl.float32) - minv[:, :, None]
+        return tl.reshape(w, (BN, 128))
+
+    @triton.jit
+    def grouped_tn_quant(a, blob, c, counts, row0, slots, N, K, slot_bytes, mat_off, row_bytes, e_lo, e_hi,
+                         EP: tl.constexpr, SWIGLU: tl.constexpr, FMT: tl.constexpr, BB: tl.constexpr,
+                         Q0: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+        """grouped_tn with the weights read from the 'gguf' pool's own blocks (a slot of slot_bytes at blob, the
+        matrix's rows at mat_off, row_bytes each) and decoded step by step inside the K loop (_step_weights)."""
+        pid = tl.program_id(0)
+        nt = N // BN
+        tile, pn = pid // nt, pid % nt
+        e, r_in, total = _expert_of_tile(counts, e_lo, e_hi, EP, BM, tile)
+        if tile >= total:
+            return
+        count = tl.load(counts + e)
+        base = tl.load(row0 + e).to(tl.int64)
+        slot = tl.load(slots + e).to(tl.int64)
+        rows = r_in + tl.arange(0, BM)
+        live = rows < count
+        grow = base + rows.to(tl.int64)
+        cols = pn * BN + tl.arange(0, BN)
+        wrow = blob + slot * slot_bytes + mat_off + cols.to(tl.int64) * row_bytes
+        a_p = a + grow[:, None] * K + tl.arange(0, BK)[None, :]
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        if SWIGLU:
+            urow = wrow + N.to(tl.int64) * row_bytes
+            acc_u = tl.zeros((BM, BN), dtype=tl.float32)
+        for step in range(0, K // BK):
+            x = tl.load(a_p, mask=live[:, None], other=0.0)
+            wg = _step_weights(wrow, step, FMT, BB, Q0, BN).to(tl.float16)
+            acc = tl.dot(x, tl.trans(wg), acc)
+            if SWIGLU:
+                wu = _step_weights(urow, step, FMT, BB, Q0, BN).to(tl.float16)
+                acc_u = tl.dot(x, tl.trans(wu), acc_u)
+            a_p += BK
+        if SWIGLU:
+            acc = acc / (1.0 + tl.exp(-acc)) * acc_u
+        tl.store(c + grow[:, None] * N + cols[None, :], acc.to(tl.float16), mask=live[:, None])
+
     _STATE["k"] = grouped_tn
+    _STATE["kq"] = grouped_tn_quant
     return grouped_tn
+
+
+#: The quant launches' tiles (gate|up with SwiGLU, down): BM, BN, warps, stages; the K step is QUANT_BK. Not yet
+#: tuned: the fused quant path has not run on the H200 (QuantMoE.warm_fused is off).
+QUANT_GATE_UP_CONFIG = (128, 64, 8, 2)
+QUANT_DOWN_CONFIG = (128, 128, 8, 2)
+#: ggml type ids of the K-loop decode (quants.GGML_TYPES), and where a q4_k / q5_k block's low-nibble quants start.
+_QUANT_TYPE_IDS = {"q8_0": 8, "q4_k": 12, "q5_k": 13, "q6_k": 14}
+_QS_OFFSET = {"q4_k": 16, "q5_k": 48, "q6_k": 0, "q8_0": 0}
+
+
+def quant_takes(gate_up: str, down: str, hidden: int, ffn: int, biased: bool = False) -> bool:
+    """Whether the fused quant launches run experts of these types and shape (no biases; K steps and column
+    tiles whole)."""
+    gbn, dbn = QUANT_GATE_UP_CONFIG[1], QUANT_DOWN_CONFIG[1]
+    return (not biased and gate_up in QUANT_BLOCK_BYTES and down in QUANT_BLOCK_BYTES
+            and hidden % QUANT_BK == 0 and ffn % QUANT_BK == 0 and ffn % gbn == 0 and hidden % dbn == 0)
 
 
 class _Ptr:
@@ -243,3 +402,58 @@ class DeviceGroupedGEMM:
         with self._torch.cuda.stream(self._stream(int(stream_ptr))):
             self._launch(self.gate_up, xs, w_gate_up, act, tables, f, h, 2 * f * h, True, routed_rows, ex)
             self._launch(self.down, act, w_down, ys, tables, h, f, h * f, False, routed_rows, ex)
+
+
+class DeviceQuantGEMM(DeviceGroupedGEMM):
+    """DeviceGroupedGEMM's two launches over a 'gguf' pool's own blocks (q4_k, q5_k, q6_k, q8_0 rows), decoded
+    inside the K loop: no f16 copy of any expert. Exact as the scratch path: each weight is quants.dequantize's
+    float32 (no fused multiply-add: enable_fp_fusion off) rounded once to f16."""
+
+    def __init__(self, hidden: int, ffn: int, experts: int, gate_up: str, down: str, gate_up_row_bytes: int,
+                 down_row_bytes: int, down_offset: int):
+        super().__init__(hidden, ffn, experts)
+        if not quant_takes(gate_up, down, hidden, ffn):
+            raise ValueError(f"triton_moe: no fused launches for {gate_up}/{down} at hidden {hidden}, ffn {ffn}")
+        self.types = (gate_up, down)
+        self._rows = (int(gate_up_row_bytes), int(down_row_bytes))
+        self._down_offset = int(down_offset)
+        self._kq = _STATE["kq"]
+        self._u8 = self._torch.uint8
+        #: the two launches' (BM, BN, warps, stages); the K step is QUANT_BK
+        self.gate_up_q, self.down_q = QUANT_GATE_UP_CONFIG, QUANT_DOWN_CONFIG
+
+    def set_configs(self, spec: str) -> None:
+        """Tiles from "BMxBNxWARPSxSTAGES+BMxBNxWARPSxSTAGES" (gate|up, then down); ValueError where they do not
+        tile this shape."""
+        parts = [tuple(int(v) for v in p.split("x")) for p in spec.split("+")]
+        if len(parts) != 2 or any(len(p) != 4 or min(p) <= 0 for p in parts):
+            raise ValueError(f"triton_moe: quant tiles are BMxBNxWARPSxSTAGES+BMxBNxWARPSxSTAGES, not {spec!r}")
+        if self.ffn % parts[0][1] or self.hidden % parts[1][1]:
+            raise ValueError(f"triton_moe: column tiles {parts[0][1]}, {parts[1][1]} do not tile {self.ffn}, "
+                             f"{self.hidden}")
+        self.gate_up_q, self.down_q = parts
+
+    def _launch_q(self, cfg: tuple, a: int, blob: int, c: int, tables: tuple, n: int, k: int, slot_bytes: int,
+                  mat_off: int, row_bytes: int, typ: str, swiglu: bool, routed_rows: int,
+                  experts: tuple[int, int]) -> None:
+        bm, bn, warps, stages = cfg
+        counts, row0, slots = (_Ptr(p, self._i32) for p in tables)
+        e_lo, e_hi = experts
+        grid = (max_row_tiles(routed_rows, e_hi - e_lo, bm) * (n // bn),)
+        self._kq[grid](_Ptr(a, self._f16), _Ptr(blob, self._u8), _Ptr(c, self._f16), counts, row0, slots, n, k,
+                       slot_bytes, mat_off, row_bytes, e_lo, e_hi, EP=self._ep, SWIGLU=swiglu,
+                       FMT=_QUANT_TYPE_IDS[typ], BB=QUANT_BLOCK_BYTES[typ], Q0=_QS_OFFSET[typ], BM=bm, BN=bn,
+                       BK=QUANT_BK, num_warps=warps, num_stages=stages, enable_fp_fusion=False)
+
+    def quant_layer(self, stream_ptr: int, xs: int, act: int, ys: int, blob: int, slot_bytes: int, counts: int,
+                    row0: int, slots: int, routed_rows: int, experts: tuple[int, int] | None = None) -> None:
+        """layer() over the pool's blob (slot s at blob + s * slot_bytes): gate|up rows from the slot's start, down
+        rows from its down offset."""
+        h, f = self.hidden, self.ffn
+        tables = (counts, row0, slots)
+        ex = experts or (0, self.experts)
+        with self._torch.cuda.stream(self._stream(int(stream_ptr))):
+            self._launch_q(self.gate_up_q, xs, blob, act, tables, f, h, slot_bytes, 0, self._rows[0],
+                           self.types[0], True, routed_rows, ex)
+            self._launch_q(self.down_q, act, blob, ys, tables, h, f, slot_bytes, self._down_offset,
+                           self._rows[1], self.types[1], False, routed_rows, ex)

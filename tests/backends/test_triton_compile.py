@@ -1,0 +1,63 @@
+"""triton_moe's kernels compile for the H200 (sm_90) with no GPU here: Triton's front end, its lowering and the
+ptxas it carries, for every specialization the product launches (f16 gate|up and down, with pool slots or a group's
+order; the fused quant launches for each type the K-loop decode knows). Each must lower its dots to Hopper's
+wgmma (the tensor cores the layer's speed needs). Skipped, saying so, where Triton does not import (the cuda
+extra installs it)."""
+
+from __future__ import annotations
+
+import pytest
+
+triton = pytest.importorskip("triton", reason="no Triton (pip install -e '.[cuda]')")
+
+from strata_cuda import triton_moe as tm  # noqa: E402
+
+_F16_SIG = {"a": "*fp16", "w": "*fp16", "c": "*fp16", "counts": "*i32", "row0": "*i32", "slots": "*i32",
+            "N": "i32", "K": "i32", "w_slot": "i32", "e_lo": "i32", "e_hi": "i32", "EP": "constexpr",
+            "SWIGLU": "constexpr", "SLOTS": "constexpr", "BM": "constexpr", "BN": "constexpr", "BK": "constexpr"}
+_Q_SIG = {"a": "*fp16", "blob": "*u8", "c": "*fp16", "counts": "*i32", "row0": "*i32", "slots": "*i32",
+          "N": "i32", "K": "i32", "slot_bytes": "i64", "mat_off": "i64", "row_bytes": "i64", "e_lo": "i32",
+          "e_hi": "i32", "EP": "constexpr", "SWIGLU": "constexpr", "FMT": "constexpr", "BB": "constexpr",
+          "Q0": "constexpr", "BM": "constexpr", "BN": "constexpr", "BK": "constexpr"}
+#: the pointer arguments 16-byte aligned, as Triton specializes them at a launch
+_ALIGNED = {(i,): [["tt.divisibility", 16]] for i in range(6)}
+
+
+def _ptx(fn, sig: dict, consts: dict, opts: dict) -> str:
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    try:
+        c = triton.compile(ASTSource(fn, sig, consts, _ALIGNED), target=GPUTarget("cuda", 90, 32), options=opts)
+    except RuntimeError as e:
+        if "ptxas" in str(e) and "not found" in str(e):
+            pytest.skip(f"Triton here has no ptxas: {e}")
+        raise
+    return c.asm["ptx"]
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    tm._kernels()
+    return tm._STATE["k"], tm._STATE["kq"]
+
+
+@pytest.mark.parametrize("swiglu", [True, False], ids=["gate_up", "down"])
+@pytest.mark.parametrize("slots", [True, False], ids=["pool_slots", "group_order"])
+def test_the_f16_launches_compile_to_wgmma(kernels, swiglu, slots):
+    cfg = tm.TileConfig(*(tm.DEFAULT_CONFIG if swiglu else tm.DOWN_CONFIG))
+    ptx = _ptx(kernels[0], _F16_SIG, {"EP": 128, "SWIGLU": swiglu, "SLOTS": slots, "BM": cfg.bm, "BN": cfg.bn,
+                                      "BK": cfg.bk}, {"num_warps": cfg.warps, "num_stages": cfg.stages})
+    assert "wgmma.mma_async" in ptx
+
+
+@pytest.mark.parametrize("typ", sorted(tm.QUANT_BLOCK_BYTES))
+@pytest.mark.parametrize("swiglu", [True, False], ids=["gate_up", "down"])
+def test_the_fused_quant_launches_compile_to_wgmma_without_fma(kernels, typ, swiglu):
+    bm, bn, warps, stages = tm.QUANT_GATE_UP_CONFIG if swiglu else tm.QUANT_DOWN_CONFIG
+    consts = {"EP": 128, "SWIGLU": swiglu, "FMT": tm._QUANT_TYPE_IDS[typ], "BB": tm.QUANT_BLOCK_BYTES[typ],
+              "Q0": tm._QS_OFFSET[typ], "BM": bm, "BN": bn, "BK": tm.QUANT_BK}
+    ptx = _ptx(kernels[1], _Q_SIG, consts, {"num_warps": warps, "num_stages": stages, "enable_fp_fusion": False})
+    assert "wgmma.mma_async" in ptx
+    # the decode's multiply and subtract stay two roundings, as numpy's (an fma would round once)
+    if typ in ("q4_k", "q5_k"):
+        assert "fma.rn.f32" not in ptx
