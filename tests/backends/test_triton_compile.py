@@ -19,8 +19,8 @@ _Q_SIG = {"a": "*fp16", "blob": "*u8", "c": "*fp16", "counts": "*i32", "row0": "
           "N": "i32", "K": "i32", "slot_bytes": "i64", "mat_off": "i64", "row_bytes": "i64", "e_lo": "i32",
           "e_hi": "i32", "EP": "constexpr", "SWIGLU": "constexpr", "FMT": "constexpr", "BB": "constexpr",
           "Q0": "constexpr", "BM": "constexpr", "BN": "constexpr", "BK": "constexpr"}
-#: the pointer arguments 16-byte aligned, as Triton specializes them at a launch
-_ALIGNED = {(i,): [["tt.divisibility", 16]] for i in range(6)}
+#: the pointer arguments 16-byte aligned and N, K multiples of 16, as Triton specializes them at a launch
+_ALIGNED = {(i,): [["tt.divisibility", 16]] for i in range(8)}
 
 
 def _ptx(fn, sig: dict, consts: dict, opts: dict) -> str:
@@ -46,7 +46,8 @@ def kernels():
 def test_the_f16_launches_compile_to_wgmma(kernels, swiglu, slots):
     cfg = tm.TileConfig(*(tm.DEFAULT_CONFIG if swiglu else tm.DOWN_CONFIG))
     ptx = _ptx(kernels[0], _F16_SIG, {"EP": 128, "SWIGLU": swiglu, "SLOTS": slots, "BM": cfg.bm, "BN": cfg.bn,
-                                      "BK": cfg.bk}, {"num_warps": cfg.warps, "num_stages": cfg.stages})
+                                      "BK": cfg.bk}, {"num_warps": cfg.warps, "num_stages": cfg.stages,
+                                                     "enable_fp_fusion": True})
     assert "wgmma.mma_async" in ptx
 
 

@@ -320,10 +320,11 @@ def _kernels() -> Any:
     return grouped_tn
 
 
-#: The quant launches' tiles (gate|up with SwiGLU, down): BM, BN, warps, stages; the K step is QUANT_BK. Not yet
-#: tuned: the fused quant path has not run on the H200 (QuantMoE.warm_fused is off).
+#: The quant launches' tiles (gate|up with SwiGLU, down): BM, BN, warps, stages; the K step is QUANT_BK. Not timed:
+#: the fused quant path has not run on the H200 (QuantMoE.warm_fused is off). Chosen from compiling for sm_90 here
+#: (bench/results/triton_compile_report.json): down at 128 columns spilled 44 bytes in q4_k, at 64 none.
 QUANT_GATE_UP_CONFIG = (128, 64, 8, 2)
-QUANT_DOWN_CONFIG = (128, 128, 8, 2)
+QUANT_DOWN_CONFIG = (128, 64, 8, 2)
 #: ggml type ids of the K-loop decode (quants.GGML_TYPES), and where a q4_k / q5_k block's low-nibble quants start.
 _QUANT_TYPE_IDS = {"q8_0": 8, "q4_k": 12, "q5_k": 13, "q6_k": 14}
 _QS_OFFSET = {"q4_k": 16, "q5_k": 48, "q6_k": 0, "q8_0": 0}
@@ -387,7 +388,7 @@ class DeviceGroupedGEMM:
         self._kernel[grid](_Ptr(a, self._f16), _Ptr(w, self._f16), _Ptr(c, self._f16), _Ptr(counts, self._i32),
                            _Ptr(row0, self._i32), _Ptr(slots or counts, self._i32), n, k, w_slot, e_lo, e_hi,
                            EP=self._ep, SWIGLU=swiglu, SLOTS=slots is not None, BM=cfg.bm, BN=cfg.bn,
-                           BK=cfg.bk, num_warps=cfg.warps, num_stages=cfg.stages)
+                           BK=cfg.bk, num_warps=cfg.warps, num_stages=cfg.stages, enable_fp_fusion=True)
 
     def layer(self, stream_ptr: int, xs: int, act: int, ys: int, w_gate_up: int, w_down: int, counts: int,
               row0: int, slots: int | None, routed_rows: int, experts: tuple[int, int] | None = None) -> None:
