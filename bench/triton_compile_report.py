@@ -21,13 +21,6 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "backends" / "cuda"))
 
-F16_SIG = {"a": "*fp16", "w": "*fp16", "c": "*fp16", "counts": "*i32", "row0": "*i32", "slots": "*i32",
-           "N": "i32", "K": "i32", "w_slot": "i32", "e_lo": "i32", "e_hi": "i32", "EP": "constexpr",
-           "SWIGLU": "constexpr", "SLOTS": "constexpr", "BM": "constexpr", "BN": "constexpr", "BK": "constexpr"}
-Q_SIG = {"a": "*fp16", "blob": "*u8", "c": "*fp16", "counts": "*i32", "row0": "*i32", "slots": "*i32",
-         "N": "i32", "K": "i32", "slot_bytes": "i64", "mat_off": "i64", "row_bytes": "i64", "e_lo": "i32",
-         "e_hi": "i32", "EP": "constexpr", "SWIGLU": "constexpr", "FMT": "constexpr", "BB": "constexpr",
-         "Q0": "constexpr", "BM": "constexpr", "BN": "constexpr", "BK": "constexpr"}
 #: (BM, BN, BK, warps, stages) of the f16 launches (BK is the quant launches' QUANT_BK there)
 F16_CONFIGS = [(128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 64, 64, 8, 4), (128, 64, 64, 4, 3),
                (64, 128, 64, 4, 3), (128, 256, 64, 8, 3)]
@@ -39,8 +32,8 @@ def compile_one(fn, sig: dict, consts: dict, opts: dict) -> dict:
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-    # as a launch specializes them: the six pointers 16-byte aligned, N and K (arguments 6 and 7) multiples of 16
-    attrs = {(i,): [["tt.divisibility", 16]] for i in range(8)}
+    from strata_cuda import triton_moe as tm
+    attrs = tm.LAUNCH_ATTRS
     t0 = time.perf_counter()
     c = triton.compile(ASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32), options=opts)
     ptx = c.asm["ptx"]
@@ -71,7 +64,7 @@ def main() -> int:
     for bm, bn, bk, w, st in F16_CONFIGS:
         for sw in (True, False):
             name = f"{'gate_up' if sw else 'down'} {bm}x{bn}x{bk} w{w} s{st}"
-            res["f16"][name] = compile_one(k, F16_SIG, {"EP": 128, "SWIGLU": sw, "SLOTS": True, "BM": bm, "BN": bn,
+            res["f16"][name] = compile_one(k, tm.F16_SIGNATURE, {"EP": 128, "SWIGLU": sw, "SLOTS": True, "BM": bm, "BN": bn,
                                                         "BK": bk}, {"num_warps": w, "num_stages": st})
             print(name, res["f16"][name], flush=True)
     for typ in ("q4_k", "q6_k"):
@@ -80,7 +73,7 @@ def main() -> int:
                 name = f"{typ} {'gate_up' if sw else 'down'} {bm}x{bn} w{w} s{st}"
                 consts = {"EP": 128, "SWIGLU": sw, "FMT": tm._QUANT_TYPE_IDS[typ], "BB": tm.QUANT_BLOCK_BYTES[typ],
                           "Q0": tm._QS_OFFSET[typ], "BM": bm, "BN": bn, "BK": tm.QUANT_BK}
-                res["quant"][name] = compile_one(kq, Q_SIG, consts, {"num_warps": w, "num_stages": st,
+                res["quant"][name] = compile_one(kq, tm.QUANT_SIGNATURE, consts, {"num_warps": w, "num_stages": st,
                                                                      "enable_fp_fusion": False})
                 print(name, res["quant"][name], flush=True)
     Path(args.out).mkdir(parents=True, exist_ok=True)

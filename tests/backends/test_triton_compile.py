@@ -12,15 +12,7 @@ triton = pytest.importorskip("triton", reason="no Triton (pip install -e '.[cuda
 
 from strata_cuda import triton_moe as tm  # noqa: E402
 
-_F16_SIG = {"a": "*fp16", "w": "*fp16", "c": "*fp16", "counts": "*i32", "row0": "*i32", "slots": "*i32",
-            "N": "i32", "K": "i32", "w_slot": "i32", "e_lo": "i32", "e_hi": "i32", "EP": "constexpr",
-            "SWIGLU": "constexpr", "SLOTS": "constexpr", "BM": "constexpr", "BN": "constexpr", "BK": "constexpr"}
-_Q_SIG = {"a": "*fp16", "blob": "*u8", "c": "*fp16", "counts": "*i32", "row0": "*i32", "slots": "*i32",
-          "N": "i32", "K": "i32", "slot_bytes": "i64", "mat_off": "i64", "row_bytes": "i64", "e_lo": "i32",
-          "e_hi": "i32", "EP": "constexpr", "SWIGLU": "constexpr", "FMT": "constexpr", "BB": "constexpr",
-          "Q0": "constexpr", "BM": "constexpr", "BN": "constexpr", "BK": "constexpr"}
-#: the pointer arguments 16-byte aligned and N, K multiples of 16, as Triton specializes them at a launch
-_ALIGNED = {(i,): [["tt.divisibility", 16]] for i in range(8)}
+_F16_SIG, _Q_SIG, _ALIGNED = tm.F16_SIGNATURE, tm.QUANT_SIGNATURE, tm.LAUNCH_ATTRS
 
 
 def _ptx(fn, sig: dict, consts: dict, opts: dict) -> str:

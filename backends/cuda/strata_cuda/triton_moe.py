@@ -155,6 +155,19 @@ def step_weights(fmt: str, rows: np.ndarray, step: int) -> np.ndarray:
     return (scale.reshape(bn, 4, 2, 1) * q.reshape(bn, 4, 2, 16).astype(f32)).reshape(bn, QUANT_BK)
 
 
+#: The kernels' argument types as triton.compile takes them (what a launch specializes to): offline compiles, the
+#: compile test and bench/triton_compile_report.py, use these.
+F16_SIGNATURE = {"a": "*fp16", "w": "*fp16", "c": "*fp16", "counts": "*i32", "row0": "*i32", "slots": "*i32",
+                 "N": "i32", "K": "i32", "w_slot": "i32", "e_lo": "i32", "e_hi": "i32", "EP": "constexpr",
+                 "SWIGLU": "constexpr", "SLOTS": "constexpr", "BM": "constexpr", "BN": "constexpr",
+                 "BK": "constexpr"}
+QUANT_SIGNATURE = {"a": "*fp16", "blob": "*u8", "c": "*fp16", "counts": "*i32", "row0": "*i32", "slots": "*i32",
+                   "N": "i32", "K": "i32", "slot_bytes": "i64", "mat_off": "i64", "row_bytes": "i64",
+                   "e_lo": "i32", "e_hi": "i32", "EP": "constexpr", "SWIGLU": "constexpr", "FMT": "constexpr",
+                   "BB": "constexpr", "Q0": "constexpr", "BM": "constexpr", "BN": "constexpr", "BK": "constexpr"}
+#: A launch's specialization of the first eight arguments: the six pointers 16-byte aligned, N and K multiples of 16.
+LAUNCH_ATTRS = {(i,): [["tt.divisibility", 16]] for i in range(8)}
+
 _STATE: dict[str, Any] = {}
 
 
