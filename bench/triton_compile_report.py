@@ -2,7 +2,8 @@
 Triton compiles each specialization as a launch would (pointers 16-byte aligned) and the ptxas it carries reports
 the registers and spills. A config that spills may pay for it on the H200; this ranks candidates before device
 time is spent on them, no more: it is not the device's own compile (the driver, Triton's autotuned layout choices at
-a real launch), and the f16 default, which reads as spilling here, ran fastest of those timed there. Writes triton_compile_report.json in --out.
+a real launch), and the f16 default, which reads as spilling here, ran fastest of those timed there. Writes
+triton_compile_report.json in --out.
 
     python bench/triton_compile_report.py --out bench/results
 """
@@ -46,7 +47,8 @@ def compile_one(fn, sig: dict, consts: dict, opts: dict) -> dict:
     regs = re.search(r"Used (\d+) registers", info)
     spill = re.search(r"(\d+) bytes spill stores", info)
     return {"shared_bytes": int(c.metadata.shared), "wgmma": ptx.count("wgmma.mma_async"),
-            "registers": int(regs.group(1)) if regs else None, "spill_store_bytes": int(spill.group(1)) if spill else None,
+            "registers": int(regs.group(1)) if regs else None,
+            "spill_store_bytes": int(spill.group(1)) if spill else None,
             "compile_s": round(time.perf_counter() - t0, 2)}
 
 
@@ -64,8 +66,8 @@ def main() -> int:
     for bm, bn, bk, w, st in F16_CONFIGS:
         for sw in (True, False):
             name = f"{'gate_up' if sw else 'down'} {bm}x{bn}x{bk} w{w} s{st}"
-            res["f16"][name] = compile_one(k, tm.F16_SIGNATURE, {"EP": 128, "SWIGLU": sw, "SLOTS": True, "BM": bm, "BN": bn,
-                                                        "BK": bk}, {"num_warps": w, "num_stages": st})
+            consts = {"EP": 128, "SWIGLU": sw, "SLOTS": True, "BM": bm, "BN": bn, "BK": bk}
+            res["f16"][name] = compile_one(k, tm.F16_SIGNATURE, consts, {"num_warps": w, "num_stages": st})
             print(name, res["f16"][name], flush=True)
     for typ in ("q4_k", "q6_k"):
         for bm, bn, w, st in Q_CONFIGS:
