@@ -249,10 +249,13 @@ def warm_gemms(moe: "FastMoE", tokens: int) -> int:
         # with every count 0 each program returns at once
         tables = cupy.zeros(3 * moe.experts, dtype=cupy.int32)
         p = int(tables.data.ptr)
-        for slots in (p + 8 * moe.experts, None):  # pool slots (f16 pools), a dequantized group's order
+        from .quant_ffn import WARM_DEVICE
+        # pool slots (f16 pools); a dequantized group's order only where QuantMoE's warm layers take the path
+        orders = (p + 8 * moe.experts, None) if WARM_DEVICE else (p + 8 * moe.experts,)
+        for slots in orders:
             moe.device_gemm.layer(st.ptr, xs, gu, xs, w13, w2, p, p + 4 * moe.experts, slots, routed)
         st.synchronize()
-        calls += 4
+        calls += 2 * len(orders)
 
     def run(ns: np.ndarray) -> None:
         one = np.zeros(ns.size, dtype=np.int64)
@@ -635,7 +638,7 @@ class FastMoE:
         """Hand the device-table layers' counts to their on_counts, oldest first: all of them (waiting for their
         copies), or with wait=False those already landed; how many are still pending."""
         while self._pending_counts and (wait or self._pending_counts[0][0].done):
-            self.flush_counts_one()
+            self._flush_one()
         return len(self._pending_counts)
 
     def _rot_entry(self) -> int:
@@ -643,12 +646,12 @@ class FastMoE:
         i = self._rot_next
         self._rot_next = (i + 1) % DEFERRED_COUNTS
         while any(p[1] == i for p in self._pending_counts):
-            self.flush_counts_one()
+            self._flush_one()
         if self._rot_done[i] is not None:
             self._rot_done[i].synchronize()
         return i
 
-    def flush_counts_one(self) -> None:
+    def _flush_one(self) -> None:
         """Hand the oldest pending layer's counts to its on_counts (waiting for their copy)."""
         ev, entry, cb = self._pending_counts.pop(0)
         ev.synchronize()

@@ -432,8 +432,7 @@ class QuantMoE(FastMoE):
             raise ValueError(f"QuantMoE: {fmt.label} at hidden {fmt.hidden}, ffn {fmt.ffn} is not on the fast path")
         self.fmt = fmt
         self._qk = fast_kernels(cupy)
-        #: the side stream the dequantization of the next group runs on (DEQUANT_PRIORITY; set_dequant_priority)
-        self.dequant_stream = None
+        # the side stream the dequantization of the next group runs on, dequant_stream (DEQUANT_PRIORITY)
         self.set_dequant_priority(DEQUANT_PRIORITY)
         #: how the prefill uses its scratch (groups of whole experts, or pieces of one)
         self.layout = scratch_layout(fmt.hidden, fmt.ffn, experts, scratch_budget_bytes, group_experts)
