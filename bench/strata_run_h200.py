@@ -29,6 +29,8 @@ import numpy as np
 
 LAYERS, E, K, H, F = 48, 128, 8, 2048, 768
 PROMPT, DECODE = 4096, 128
+#: The model the runs generate (--model sets it: the expert dtype after "@"; F16 writes strata_run_h200.json, any
+#: other dtype strata_run_h200_<dtype>.json beside it).
 MODEL = "Qwen3-30B-A3B@F16"
 
 
@@ -356,6 +358,11 @@ def summarize(d: dict) -> dict:
     return out
 
 
+def slot_bytes_of(run: dict) -> int | None:
+    """A run's expert slot bytes, as its plan states them."""
+    return ((run.get("plan") or {}).get("expert_cache") or {}).get("slot_bytes")
+
+
 def verdict(res: dict) -> dict:
     """Add issue 13's targets, the link floors, and ours over the peers (per run and for `all`), from the file's own
     figures."""
@@ -368,10 +375,14 @@ def verdict(res: dict) -> dict:
         return None if v is None else v >= bound
 
     floor = p.get("link_floor_prefill_tokens_per_s_all_streamed")
+    link, sm_slot = p.get("link_bytes_per_s"), slot_bytes_of(runs.get("smallest") or {})
+    if link and sm_slot:  # the run's own expert bytes (a Q8_0 expert is not the f16 copy the peers time)
+        floor = res["prompt_tokens"] / (LAYERS * E * sm_slot / link)
+        res["link_floor_prefill_tokens_per_s_all_streamed"] = round(floor, 1)
     if floor and val("smallest", "prefill_tokens_per_s"):
         res["smallest_over_link_floor"] = round(val("smallest", "prefill_tokens_per_s") / floor, 4)
-    hs, link = runs.get("half_skewed") or {}, p.get("link_bytes_per_s")
-    slot = ((hs.get("plan") or {}).get("expert_cache") or {}).get("slot_bytes")
+    hs = runs.get("half_skewed") or {}
+    slot = slot_bytes_of(hs)
     admitted = sum(int(c.get("decode_admitted", 0)) for c in (hs.get("layer_ops") or []))
     if link and slot and hs.get("bytes_streamed") and hs.get("prefill_tokens_per_s"):
         # bytes_streamed counts the prefill's ring copies and decode's admissions, one slot each
@@ -380,6 +391,17 @@ def verdict(res: dict) -> dict:
         res["half_skewed_prefill_experts_streamed"] = prefill_experts
         res["half_skewed_link_floor_prefill_tokens_per_s"] = round(floor, 1)
         res["half_skewed_prefill_over_link_floor"] = round(hs["prefill_tokens_per_s"] / floor, 4)
+    all_dec, hs_dec, hit = val("all", "decode_tokens_per_s"), hs.get("decode_tokens_per_s"), hs.get(
+        "cache_hit_rate_decode")
+    if link and slot and all_dec and hs_dec and hit is not None:
+        # a missed expert is read whole over the link (mapped page-locked memory) for its one token
+        miss_s = (1 - hit) * LAYERS * K * slot / link
+        res["half_skewed_decode_link"] = {
+            "misses_a_token": round((1 - hit) * LAYERS * K, 2), "link_ms_a_token": round(miss_s * 1e3, 3),
+            "all_cached_ms_a_token": round(1e3 / all_dec, 3), "measured_ms_a_token": round(1e3 / hs_dec, 3),
+            "serial_bound_tokens_per_s": round(1 / (1 / all_dec + miss_s), 1),
+            "overlap_bound_tokens_per_s": round(1 / max(1 / all_dec, miss_s), 1),
+            "over_serial_bound": round(hs_dec * (1 / all_dec + miss_s), 4)}
     res["targets"] = {
         "all_prefill_ge_40000": ge(val("all", "prefill_tokens_per_s"), 40000),
         "all_decode_ge_450": ge(val("all", "decode_tokens_per_s"), 450),
@@ -410,6 +432,7 @@ def verdict(res: dict) -> dict:
 
 def main() -> int:
     """Run the settings and the peers; write the JSON."""
+    global MODEL
     if "--child-run" in sys.argv:
         i = sys.argv.index("--")
         return child_run(sys.argv[i + 1:], "--decode-baseline" in sys.argv[:i])
@@ -420,7 +443,11 @@ def main() -> int:
     ap.add_argument("--timeout", type=int, default=240)
     ap.add_argument("--skip-peers", action="store_true")
     ap.add_argument("--fidelity", action="store_true", help="also write fidelity_h200.json")
+    ap.add_argument("--model", default=MODEL, help="Qwen3-30B-A3B@<dtype> (default %(default)s)")
     args = ap.parse_args()
+    MODEL = args.model
+    dtype = MODEL.partition("@")[2] or "F16"
+    result_name = "strata_run_h200.json" if dtype.upper() == "F16" else f"strata_run_h200_{dtype.lower()}.json"
     if args.fidelity:
         try:
             fidelity(args.out, args.timeout)
@@ -458,7 +485,7 @@ def main() -> int:
         if d.get("_exit"):
             log(d.get("_stderr_tail", "")[-1500:])
         Path(args.out).mkdir(parents=True, exist_ok=True)
-        (Path(args.out) / "strata_run_h200.json").write_text(json.dumps(res, indent=1, default=str))
+        (Path(args.out) / result_name).write_text(json.dumps(res, indent=1, default=str))
     if not args.skip_peers:
         try:
             peers(res)
@@ -470,7 +497,7 @@ def main() -> int:
     if broken:
         log(f"PLAN BROKEN: measured device peak over the plan in {', '.join(broken)}")
     Path(args.out).mkdir(parents=True, exist_ok=True)
-    (Path(args.out) / "strata_run_h200.json").write_text(json.dumps(res, indent=1, default=str))
+    (Path(args.out) / result_name).write_text(json.dumps(res, indent=1, default=str))
     return 0
 
 

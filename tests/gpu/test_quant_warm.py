@@ -128,12 +128,14 @@ def test_warm_layers_queued_back_to_back_keep_their_own_scratch(tmp_path):
         assert err <= F16_BOUND, (i, err)
 
 
-@pytest.mark.parametrize("gate_up,down", [("q4_k", "q6_k"), ("q4_k", "q4_k"), ("q5_k", "q5_k"), ("q8_0", "q8_0")])
+@pytest.mark.parametrize("gate_up,down", [("q4_k", "q6_k"), ("q4_k", "q4_k"), ("q5_k", "q5_k"), ("q8_0", "q6_k"),
+                                          ("q6_k", "q8_0")])
 @pytest.mark.parametrize("t", [5, 300])
 def test_the_fused_decode_inside_the_gemms_matches_the_reference(tmp_path, gate_up, down, t):
     """QuantMoE.warm_fused: the warm layer's GEMMs decode the pool's own blocks in their K loop (no scratch), for
     each type the decode knows, a chunk of 5 tokens (most experts left out) and one of 300, experts in scattered
-    slots; twice, the same bits."""
+    slots; twice, the same bits. Q8_0 in mixed slots: a file all in Q8_0 loads as the native 'q8_0' pool (FastMoE's
+    kernels), not a 'gguf' blob."""
     import cupy as cp
     from strata_cuda.quant_ffn import QuantMoE
     e_n, k = 16, 2
