@@ -66,7 +66,7 @@ def main() -> int:
     for bm, bn, bk, w, st in F16_CONFIGS:
         for sw in (True, False):
             name = f"{'gate_up' if sw else 'down'} {bm}x{bn}x{bk} w{w} s{st}"
-            consts = {"EP": 128, "SWIGLU": sw, "SLOTS": True, "BM": bm, "BN": bn, "BK": bk}
+            consts = {"EP": 128, "SWIGLU": sw, "SLOTS": True, "Q8": False, "BM": bm, "BN": bn, "BK": bk}
             res["f16"][name] = compile_one(k, tm.F16_SIGNATURE, consts, {"num_warps": w, "num_stages": st})
             print(name, res["f16"][name], flush=True)
     for typ in ("q4_k", "q6_k"):

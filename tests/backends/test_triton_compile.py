@@ -34,13 +34,16 @@ def kernels():
 
 
 @pytest.mark.parametrize("swiglu", [True, False], ids=["gate_up", "down"])
-@pytest.mark.parametrize("slots", [True, False], ids=["pool_slots", "group_order"])
-def test_the_f16_launches_compile_to_wgmma(kernels, swiglu, slots):
+@pytest.mark.parametrize("slots,q8", [(True, False), (False, False), (True, True)],
+                         ids=["pool_slots", "group_order", "q8_0_pool_slots"])
+def test_the_f16_launches_compile_to_wgmma(kernels, swiglu, slots, q8):
     cfg = tm.TileConfig(*(tm.DEFAULT_CONFIG if swiglu else tm.DOWN_CONFIG))
-    ptx = _ptx(kernels[0], _F16_SIG, {"EP": 128, "SWIGLU": swiglu, "SLOTS": slots, "BM": cfg.bm, "BN": cfg.bn,
-                                      "BK": cfg.bk}, {"num_warps": cfg.warps, "num_stages": cfg.stages,
-                                                     "enable_fp_fusion": True})
+    ptx = _ptx(kernels[0], tm.Q8_SIGNATURE if q8 else _F16_SIG,
+               {"EP": 128, "SWIGLU": swiglu, "SLOTS": slots, "Q8": q8, "BM": cfg.bm, "BN": cfg.bn, "BK": cfg.bk},
+               {"num_warps": cfg.warps, "num_stages": cfg.stages, "enable_fp_fusion": True})
     assert "wgmma.mma_async" in ptx
+    # Q8_0: the int8 quants become floats in the K loop; the f16 launch converts no integer weight
+    assert ("cvt.rn.f32.s16" in ptx or "cvt.rn.f32.s8" in ptx) == q8
 
 
 @pytest.mark.parametrize("typ", sorted(tm.QUANT_BLOCK_BYTES))

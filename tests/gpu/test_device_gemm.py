@@ -166,3 +166,31 @@ def test_a_layer_with_a_miss_takes_the_class_path(cp, pair, rng):
     dev.compute_stream.synchronize()
     assert not dev.stats.device_table
     assert rel(out.get(), reference(x, logits, hp)) < FP16_PATH
+
+
+@pytest.mark.parametrize("skew", [False, True], ids=["uniform", "skewed"])
+@pytest.mark.parametrize("t", [7, 1000])
+def test_a_q8_0_pool_decodes_its_quants_in_the_k_loop(cp, pair, rng, skew, t):
+    """A warm Q8_0 layer on the device-table path: within the f16 path's bound of the float64 reference, and bit for
+    bit the f16 launches over the same weights dequantized (ref.dequantize_q8_0, the scratch path's rounding)."""
+    dev, cls = pair
+    x = rng.standard_normal((t, H)).astype(np.float32)
+    logits = routing(rng, t, skew)
+    hq = host_pool(cp, "q8_0", *experts_f16(rng, E))
+    a = hq.arrays
+    hf = host_pool(cp, "f16", ref.dequantize_q8_0(a["gate_up_q"], a["gate_up_d"]),
+                   ref.dequantize_q8_0(a["down_q"], a["down_d"]))
+    slots = rng.permutation(E + 3)[:E]
+    pools = []
+    for hp in (hq, hf):
+        pools.append(device_pool(cp, hp, E + 3))
+        place(cp, pools[-1], hp, np.arange(E), slots)
+    slot_of = slots.astype(np.int64)
+    got = _run(cp, dev, x, logits, pools[0], slot_of)
+    assert dev.stats.device_table
+    err = rel(got, reference(x, logits, hq))
+    assert err < FP16_PATH, f"q8_0 device t={t}: relative error {err:.2e} (seed {rng.seed_value})"
+    same = sha(_run(cp, dev, x, logits, pools[1], slot_of)) == sha(got)
+    assert same, f"q8_0 and its f16 differ (seed {rng.seed_value})"
+    base = _run(cp, cls, x, logits, pools[0], slot_of)
+    assert not cls.stats.device_table and rel(base, reference(x, logits, hq)) < FP16_PATH

@@ -240,7 +240,7 @@ def test_prefill_layer_matches_the_reference_and_repeats_its_bits(cp, moes, rng,
         assert err < FP16_PATH, f"{mode} {case}: relative error {err:.2e} (seed {rng.seed_value})"
         again = run_prefill(cp, moe, x, logits, pool, slot_of, hp, ring)
         assert sha(again) == sha(out), f"{mode} {case}: two runs gave other bits (seed {rng.seed_value})"
-        assert moe.stats.device_table == (mode == "device" and case == "warm" and dtype == "f16"), (mode, case)
+        assert moe.stats.device_table == (mode == "device" and case == "warm"), (mode, case)
         if case != "warm":
             assert moe.stats.misses > 0 and moe.stats.bytes_streamed > 0
         if case == "cold":

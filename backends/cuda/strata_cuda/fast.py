@@ -127,6 +127,10 @@ CLASS_FLOOR_ROWS = ROW_ALIGN
 #: Triton and torch, else the cuBLAS modes run). Its counts reach on_counts later, through page-locked staging that
 #: rotates over DEFERRED_COUNTS layers (flush_counts).
 DEVICE_GEMM = True
+#: Pool dtypes of that path: f16, and Q8_0 (the int8 quants and f16 scales read in the K loop, each weight rounded
+#: once to f16 as strata_fast_dequant_q8_0 rounds it; the cuBLAS path dequantized slot runs into scratch group by
+#: group, 11.8 ms a Qwen3-30B-A3B layer on the H200: bench/results/lead_h200_s8/call2_strata_run_h200_q8_0.json).
+DEVICE_TABLE_DTYPES = ("f16", "q8_0")
 DEFERRED_COUNTS = 4
 
 #: Copy the first ring group of a streamed layer's uncached experts before the layer routes (prefetch_misses, which
@@ -217,10 +221,11 @@ def warm_up() -> None:
 WARM_BATCHES = (*range(1, 17), 24, 32, 48, 64, 96, 128, 192, 256, 384)
 
 
-def warm_gemms(moe: "FastMoE", tokens: int) -> int:
+def warm_gemms(moe: "FastMoE", tokens: int, pool_dtype: str = "f16") -> int:
     """Run each expert GEMM size class a `tokens`-token chunk can meet, both projections, at a few batch counts, on
     moe's own lanes: cuBLAS loads a kernel the first time it picks it (about a millisecond each), and a first request
-    met new class sizes layer after layer. Scratch buffers only; returns the GEMM calls made."""
+    met new class sizes layer after layer. Scratch buffers only (the device-table launches of `pool_dtype`'s
+    weights too); returns the GEMM calls made."""
     import cupy
     if moe.gemm_mode == "loop":
         return 0
@@ -254,6 +259,10 @@ def warm_gemms(moe: "FastMoE", tokens: int) -> int:
         orders = (p + 8 * moe.experts, None) if WARM_DEVICE else (p + 8 * moe.experts,)
         for slots in orders:
             moe.device_gemm.layer(st.ptr, xs, gu, xs, w13, w2, p, p + 4 * moe.experts, slots, routed)
+        if pool_dtype == "q8_0":  # the Q8_0 specialization (the scratch stands in for quants and scales)
+            moe.device_gemm.layer(st.ptr, xs, gu, xs, w13, w2, p, p + 4 * moe.experts, p + 8 * moe.experts, routed,
+                                  scales=(w13, w2))
+            calls += 2
         st.synchronize()
         calls += 2 * len(orders)
 
@@ -1080,15 +1089,21 @@ class FastMoE:
         return out
 
     def _device_takes(self, pool: ExpertPool, tokens: int) -> bool:
-        """Whether a layer of this pool, every expert cached, runs on the device-table path (f16 pools here)."""
-        return pool.dtype == "f16"
+        """Whether a layer of this pool, every expert cached, runs on the device-table path (f16 and Q8_0 pools
+        here: Q8_0 quants decoded in the K loop)."""
+        return pool.dtype in DEVICE_TABLE_DTYPES
 
     def _device_experts(self, pool: ExpertPool, slot_of: np.ndarray, xs: int, act: int, ys: int, counts: int,
                         row_of: int, slot_d: int, routed_rows: int) -> None:
         """The device-table path's expert GEMMs on the current stream: xs -> act -> ys for every expert."""
-        a = pool.arrays
-        self.device_gemm.layer(self._cp.cuda.get_current_stream().ptr, xs, act, ys, int(a["w_gate_up"].data.ptr),
-                               int(a["w_down"].data.ptr), counts, row_of, slot_d, routed_rows)
+        a, st = pool.arrays, self._cp.cuda.get_current_stream().ptr
+        if pool.dtype == "q8_0":
+            self.device_gemm.layer(st, xs, act, ys, int(a["gate_up_q"].data.ptr), int(a["down_q"].data.ptr), counts,
+                                   row_of, slot_d, routed_rows,
+                                   scales=(int(a["gate_up_d"].data.ptr), int(a["down_d"].data.ptr)))
+            return
+        self.device_gemm.layer(st, xs, act, ys, int(a["w_gate_up"].data.ptr), int(a["w_down"].data.ptr), counts,
+                               row_of, slot_d, routed_rows)
 
     def grouped_ffn(self, x: Any, offsets: Any, slots: Any, pool: ExpertPool) -> Any:
         """The KernelSet's moe_grouped_ffn on this path: rows offsets[g]:offsets[g+1] of x [N,H] f32 run slot

@@ -81,7 +81,7 @@ class CudaLayerOps:
                 # the plan's shape: its FastMoE built now and every GEMM size class its chunks can meet run once,
                 # so cuBLAS loads its kernels here and not inside the first request's layers
                 self._fast[tuple(shape)] = FastMoE(*shape, pinned=pinned)
-                warm_gemms(self._fast[tuple(shape)], max(1, int(max_tokens)))
+                warm_gemms(self._fast[tuple(shape)], max(1, int(max_tokens)), str(pool_dtype))
                 self._fast[tuple(shape)].decode_buffers()
                 self._warm_router(kernels, max(1, int(max_tokens)), e, h)
             except Exception:  # a failed warm-up costs only time (the first request pays it)

@@ -158,9 +158,11 @@ def step_weights(fmt: str, rows: np.ndarray, step: int) -> np.ndarray:
 #: The kernels' argument types as triton.compile takes them (what a launch specializes to): offline compiles, the
 #: compile test and bench/triton_compile_report.py, use these.
 F16_SIGNATURE = {"a": "*fp16", "w": "*fp16", "c": "*fp16", "counts": "*i32", "row0": "*i32", "slots": "*i32",
-                 "N": "i32", "K": "i32", "w_slot": "i32", "e_lo": "i32", "e_hi": "i32", "EP": "constexpr",
-                 "SWIGLU": "constexpr", "SLOTS": "constexpr", "BM": "constexpr", "BN": "constexpr",
-                 "BK": "constexpr"}
+                 "N": "i32", "K": "i32", "w_slot": "i32", "e_lo": "i32", "e_hi": "i32", "ws": "*fp16",
+                 "EP": "constexpr", "SWIGLU": "constexpr", "SLOTS": "constexpr", "Q8": "constexpr", "BM": "constexpr",
+                 "BN": "constexpr", "BK": "constexpr"}
+#: F16_SIGNATURE with Q8_0 quants for w (Q8 set)
+Q8_SIGNATURE = {**F16_SIGNATURE, "w": "*i8"}
 QUANT_SIGNATURE = {"a": "*fp16", "blob": "*u8", "c": "*fp16", "counts": "*i32", "row0": "*i32", "slots": "*i32",
                    "N": "i32", "K": "i32", "slot_bytes": "i64", "mat_off": "i64", "row_bytes": "i64",
                    "e_lo": "i32", "e_hi": "i32", "EP": "constexpr", "SWIGLU": "constexpr", "FMT": "constexpr",
@@ -202,11 +204,20 @@ def _kernels() -> Any:
         return e, (tile - first) * BM, total
 
     @triton.jit
-    def grouped_tn(a, w, c, counts, row0, slots, N, K, w_slot, e_lo, e_hi, EP: tl.constexpr,
-                   SWIGLU: tl.constexpr, SLOTS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                   BK: tl.constexpr):
+    def _q8_tile(w_p, s_p, BN: tl.constexpr, BK: tl.constexpr):
+        """The f16 weights of a [BN, BK] tile of Q8_0 quants at w_p with their scales [BN, BK // 32] at s_p."""
+        q = tl.reshape(tl.load(w_p).to(tl.float32), (BN, BK // 32, 32))
+        d = tl.load(s_p).to(tl.float32)
+        return tl.reshape(q * d[:, :, None], (BN, BK)).to(tl.float16)
+
+    @triton.jit
+    def grouped_tn(a, w, c, counts, row0, slots, N, K, w_slot, e_lo, e_hi, ws, EP: tl.constexpr,
+                   SWIGLU: tl.constexpr, SLOTS: tl.constexpr, Q8: tl.constexpr, BM: tl.constexpr,
+                   BN: tl.constexpr, BK: tl.constexpr):
         """c[rows of e, :N] = a[rows of e] @ w[slot e]^T for experts e_lo <= e < e_hi (SWIGLU: silu(a Wg^T) *
-        (a Wu^T), up rows N.. of w); slot e is slots[e] (SLOTS), else e - e_lo (a dequantized group's order)."""
+        (a Wu^T), up rows N.. of w); slot e is slots[e] (SLOTS), else e - e_lo (a dequantized group's order).
+        Q8: w holds Q8_0 quants (int8, w_slot a slot) and ws their f16 scales (one per 32 along K), each weight
+        q * d in float32 (exact: 8 by 11 significant bits) rounded once to f16, as the dequantization kernel does."""
         pid = tl.program_id(0)
         nt = N // BN
         tile, pn = pid // nt, pid % nt
@@ -225,16 +236,32 @@ def _kernels() -> Any:
         cols = pn * BN + tl.arange(0, BN)
         ks = tl.arange(0, BK)
         a_p = a + grow[:, None] * K + ks[None, :]
-        w_p = w + slot * w_slot + cols[None, :].to(tl.int64) * K + ks[:, None]
+        if Q8:  # rows of the [BN, BK] tile contiguous along K (16-byte loads), the scales [BN, BK // 32]
+            w_p = w + slot * w_slot + cols[:, None].to(tl.int64) * K + ks[None, :]
+            s_p = ws + slot * (w_slot // 32) + cols[:, None].to(tl.int64) * (K // 32) + tl.arange(0, BK // 32)[None, :]
+        else:
+            w_p = w + slot * w_slot + cols[None, :].to(tl.int64) * K + ks[:, None]
         acc = tl.zeros((BM, BN), dtype=tl.float32)
         if SWIGLU:
             u_p = w_p + N.to(tl.int64) * K
+            if Q8:
+                su_p = s_p + N.to(tl.int64) * (K // 32)
             acc_u = tl.zeros((BM, BN), dtype=tl.float32)
         for _ in range(0, K, BK):
             x = tl.load(a_p, mask=live[:, None], other=0.0)
-            acc = tl.dot(x, tl.load(w_p), acc)
+            if Q8:
+                wt = tl.trans(_q8_tile(w_p, s_p, BN, BK))
+                s_p += BK // 32
+            else:
+                wt = tl.load(w_p)
+            acc = tl.dot(x, wt, acc)
             if SWIGLU:
-                acc_u = tl.dot(x, tl.load(u_p), acc_u)
+                if Q8:
+                    ut = tl.trans(_q8_tile(u_p, su_p, BN, BK))
+                    su_p += BK // 32
+                else:
+                    ut = tl.load(u_p)
+                acc_u = tl.dot(x, ut, acc_u)
                 u_p += BK
             a_p += BK
             w_p += BK
@@ -377,7 +404,7 @@ class DeviceGroupedGEMM:
         self._ep = 1 << max(0, (self.experts - 1).bit_length())
         self._streams: dict[int, Any] = {}
         self._kernel = _kernels()
-        self._f16, self._i32 = torch.float16, torch.int32
+        self._f16, self._i32, self._i8 = torch.float16, torch.int32, torch.int8
 
     @staticmethod
     def takes(hidden: int, ffn: int, gate_up: TileConfig | None = None, down: TileConfig | None = None) -> bool:
@@ -394,28 +421,34 @@ class DeviceGroupedGEMM:
         return s
 
     def _launch(self, cfg: TileConfig, a: int, w: int, c: int, tables: tuple, n: int, k: int, w_slot: int,
-                swiglu: bool, routed_rows: int, experts: tuple[int, int]) -> None:
+                swiglu: bool, routed_rows: int, experts: tuple[int, int], scales: int | None = None) -> None:
         counts, row0, slots = tables
         e_lo, e_hi = experts
         grid = (max_row_tiles(routed_rows, e_hi - e_lo, cfg.bm) * (n // cfg.bn),)
-        self._kernel[grid](_Ptr(a, self._f16), _Ptr(w, self._f16), _Ptr(c, self._f16), _Ptr(counts, self._i32),
-                           _Ptr(row0, self._i32), _Ptr(slots or counts, self._i32), n, k, w_slot, e_lo, e_hi,
-                           EP=self._ep, SWIGLU=swiglu, SLOTS=slots is not None, BM=cfg.bm, BN=cfg.bn,
-                           BK=cfg.bk, num_warps=cfg.warps, num_stages=cfg.stages, enable_fp_fusion=True)
+        q8 = scales is not None
+        self._kernel[grid](_Ptr(a, self._f16), _Ptr(w, self._i8 if q8 else self._f16), _Ptr(c, self._f16),
+                           _Ptr(counts, self._i32), _Ptr(row0, self._i32), _Ptr(slots or counts, self._i32), n, k,
+                           w_slot, e_lo, e_hi, _Ptr(scales if q8 else w, self._f16), EP=self._ep, SWIGLU=swiglu,
+                           SLOTS=slots is not None, Q8=q8, BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, num_warps=cfg.warps,
+                           num_stages=cfg.stages, enable_fp_fusion=True)
 
     def layer(self, stream_ptr: int, xs: int, act: int, ys: int, w_gate_up: int, w_down: int, counts: int,
-              row0: int, slots: int | None, routed_rows: int, experts: tuple[int, int] | None = None) -> None:
+              row0: int, slots: int | None, routed_rows: int, experts: tuple[int, int] | None = None,
+              scales: tuple[int, int] | None = None) -> None:
         """Queue gate|up with SwiGLU (xs -> act) and down (act -> ys) for the experts e_lo <= e < e_hi (default:
         all) on the stream at stream_ptr.
 
         counts, row0 and slots are int32 [E] device tables; w_gate_up / w_down the base addresses of [slots,2F,H]
-        and [slots,H,F] f16 weights; slots None: expert e's weights are number e - e_lo there."""
+        and [slots,H,F] f16 weights; slots None: expert e's weights are number e - e_lo there. scales (gate|up's,
+        down's): the weights are a 'q8_0' pool's int8 quants and these its f16 scales ([slots,2F,H/32],
+        [slots,H,F/32]), decoded in the K loop."""
         h, f = self.hidden, self.ffn
         tables = (counts, row0, slots)
         ex = experts or (0, self.experts)
+        s13, s2 = scales or (None, None)
         with self._torch.cuda.stream(self._stream(int(stream_ptr))):
-            self._launch(self.gate_up, xs, w_gate_up, act, tables, f, h, 2 * f * h, True, routed_rows, ex)
-            self._launch(self.down, act, w_down, ys, tables, h, f, h * f, False, routed_rows, ex)
+            self._launch(self.gate_up, xs, w_gate_up, act, tables, f, h, 2 * f * h, True, routed_rows, ex, s13)
+            self._launch(self.down, act, w_down, ys, tables, h, f, h * f, False, routed_rows, ex, s2)
 
 
 class DeviceQuantGEMM(DeviceGroupedGEMM):
