@@ -241,6 +241,8 @@ def test_prefill_layer_matches_the_reference_and_repeats_its_bits(cp, moes, rng,
         again = run_prefill(cp, moe, x, logits, pool, slot_of, hp, ring)
         assert sha(again) == sha(out), f"{mode} {case}: two runs gave other bits (seed {rng.seed_value})"
         assert moe.stats.device_table == (mode == "device" and case == "warm"), (mode, case)
+        # a streamed Q8_0 layer's hits: one pair of device-table launches over the stack layout (_device_hits)
+        assert moe.stats.device_hits == (mode == "device" and case == "mixed" and dtype == "q8_0"), (mode, case)
         if case != "warm":
             assert moe.stats.misses > 0 and moe.stats.bytes_streamed > 0
         if case == "cold":

@@ -131,6 +131,11 @@ DEVICE_GEMM = True
 #: once to f16 as strata_fast_dequant_q8_0 rounds it; the cuBLAS path dequantized slot runs into scratch group by
 #: group, 11.8 ms a Qwen3-30B-A3B layer on the H200: bench/results/lead_h200_s8/call2_strata_run_h200_q8_0.json).
 DEVICE_TABLE_DTYPES = ("f16", "q8_0")
+#: Pool dtypes whose cached experts in a layer with misses run as one pair of those launches too, over the host's
+#: stack layout (FastMoE._device_hits), not group by group through scratch and cuBLAS classes: Q8_0 (its class path
+#: costs the host a dequantization and class calls per group of group_experts). f16 hits stay one batched cuBLAS
+#: call per class (a streamed f16 layer is link-bound: 0.97x the floor, bench/results/strata_run_h200.json).
+HITS_DEVICE_DTYPES = ("q8_0",)
 DEFERRED_COUNTS = 4
 
 #: Copy the first ring group of a streamed layer's uncached experts before the layer routes (prefetch_misses, which
@@ -454,6 +459,8 @@ class LayerStats:
     #: the layer ran on the device-table path (triton_moe): no host sync, so the counts behind experts_used,
     #: hits and stack_rows were not on the host (they reach on_counts later)
     device_table: bool = False
+    #: the layer streamed misses and its cached experts ran as one pair of device-table launches (_device_hits)
+    device_hits: bool = False
 
 
 class _Grown:
@@ -930,7 +937,7 @@ class FastMoE:
         the largest group (hit batches of group_experts; streamed groups as miss_groups sizes them)."""
         h, f, k, e = self.hidden, self.ffn, self.top_k, self.experts
         rows = self.stack_rows_bound(tokens)
-        out = {"route": 4 * (4 * tokens * k + e), "maps": 8 * e, "xs": 2 * rows * h, "gu": 2 * rows * 2 * f,
+        out = {"route": 4 * (4 * tokens * k + e), "maps": 16 * e, "xs": 2 * rows * h, "gu": 2 * rows * 2 * f,
                "act": 2 * rows * f, "ys": 2 * rows * h, "scratch": 0}
         if pool_dtype == "q8_0":
             m = max(self.group_experts, COPY_GROUP_BYTES // slot_bytes if slot_bytes > 0 else 0, 1)
@@ -968,7 +975,7 @@ class FastMoE:
         kk, e_n = self.top_k, self.experts
         st = self._cp.cuda.get_current_stream()
         self._mark("start")
-        maps = self._ws.setdefault("maps", _Grown(cp)).ptr(8 * e_n)
+        maps = self._ws.setdefault("maps", _Grown(cp)).ptr(16 * e_n)
         slot_d, row_of_d = maps, maps + 4 * e_n
         self._upload_i32(slot_d, np.where(slot_of >= 0, 1, -1).astype(np.int32))
         ids, wts, pos, rowidx, counts = self._launch_route(logits, t)
@@ -1026,7 +1033,10 @@ class FastMoE:
         self._mark("planned")
 
         def run_hits() -> None:
-            if hits.size:
+            if hits.size and self.device_gemm is not None and pool.dtype in HITS_DEVICE_DTYPES:
+                self._device_hits(pool, slot_of, hits, counts_h, maps, bufs)
+                self._mark("hits_done")
+            elif hits.size:
                 self._run_blocks(pool, slot_of[hits], 0, lay, bufs)
                 self._mark("hits_done")
 
@@ -1052,7 +1062,7 @@ class FastMoE:
         kk, e_n = self.top_k, self.experts
         st = cp.cuda.get_current_stream()
         self._mark("start")
-        maps = self._ws.setdefault("maps", _Grown(cp)).ptr(8 * e_n)
+        maps = self._ws.setdefault("maps", _Grown(cp)).ptr(16 * e_n)
         slot_d, row_of_d = maps, maps + 4 * e_n
         i = self._rot_entry()
         self._rot[i] = slot_of.astype(np.int32)
@@ -1087,6 +1097,25 @@ class FastMoE:
                                                           np.int32(bool(accumulate))))
         self._mark("end")
         return out
+
+    def _device_hits(self, pool: ExpertPool, slot_of: np.ndarray, hits: np.ndarray, counts_h: np.ndarray, maps: int,
+                     bufs: tuple) -> None:
+        """A streamed layer's cached experts in one pair of device-table launches (HITS_DEVICE_DTYPES): their
+        counts (every other expert 0) and slots uploaded beside the layer's row offsets (maps: slots, rows, these),
+        each expert's rows where the stack layout put them, written to act and ys as the class path writes them."""
+        e_n = self.experts
+        cnt = np.zeros(e_n, dtype=np.int32)
+        cnt[hits] = counts_h[hits]
+        slots = np.where(cnt > 0, slot_of, 0).astype(np.int32)
+        hit_counts, hit_slots = maps + 8 * e_n, maps + 12 * e_n
+        # staging entries E.. and 3E..: the first E carried this layer's slot signs and 2E.. is decode's
+        # (_decode_layer_misses), whose host writes could overtake these copies; the counts sync came after every
+        # earlier layer's copies from here
+        self._upload_i32(hit_counts, cnt, e_n)
+        self._upload_i32(hit_slots, slots, 3 * e_n)
+        xs, _, act, ys = bufs
+        self._device_experts(pool, slot_of, xs, act, ys, hit_counts, maps + 4 * e_n, hit_slots, int(cnt.sum()))
+        self.stats.device_hits = True
 
     def _device_takes(self, pool: ExpertPool, tokens: int) -> bool:
         """Whether a layer of this pool, every expert cached, runs on the device-table path (f16 and Q8_0 pools

@@ -312,6 +312,8 @@ class CudaLayerOps:
         st = fast.stats
         if st.device_table:
             self.counts["prefill_device_table"] = self.counts.get("prefill_device_table", 0) + 1
+        if st.device_hits:
+            self.counts["prefill_device_hits"] = self.counts.get("prefill_device_hits", 0) + 1
         if st.prefetch:
             self.counts[f"prefetch_{st.prefetch}"] = self.counts.get(f"prefetch_{st.prefetch}", 0) + 1
         if with_ring and (st.misses or st.bytes_streamed):
