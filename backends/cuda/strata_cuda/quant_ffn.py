@@ -125,7 +125,11 @@ WARM_REST_WHOLE = True
 WARM_DEVICE = False
 #: With warm_device: the warm layer's GEMMs read the pool's own blocks and decode them inside the K loop
 #: (triton_moe.DeviceQuantGEMM, q4_k/q5_k/q6_k/q8_0 rows; the CPU tests hold its decode, triton_moe.step_weights,
-#: against the oracle bit for bit): no scratch, no dequantization pass. Off: it has not run on the H200 yet.
+#: against the oracle bit for bit): no scratch, no dequantization pass. Off: on the H200 it matched the scratch
+#: path bit for bit but the Qwen3-30B-A3B Q4_K_M warm layer took 2.78-3.25x the f16 warm time at BM 128 and 64
+#: (bench/results/lead_h200_s8/call1_quant_layer_h200.json) and 2.37x at its best BM 256 tile (call2_), against
+#: 1.58-1.71x host-synced: each program decodes its tile's blocks again per row tile, and the decode (byte loads,
+#: the scales' six-bit unpacking) runs in the warps that issue the MMAs, so nothing hides it.
 WARM_FUSED = False
 #: The side stream's priority: "high" (the device's greatest: the dequantization takes SMs as the GEMMs free them) or
 #: "default"; "high" gained nothing measurable (1.852 against 1.823 ms, call4_), so "default".

@@ -360,9 +360,10 @@ def _kernels() -> Any:
     return grouped_tn
 
 
-#: The quant launches' tiles (gate|up with SwiGLU, down): BM, BN, warps, stages; the K step is QUANT_BK. Not timed:
-#: the fused quant path has not run on the H200 (QuantMoE.warm_fused is off). Chosen from compiling for sm_90 here
-#: (bench/results/triton_compile_report.json): down at 128 columns spilled 44 bytes in q4_k, at 64 none.
+#: The quant launches' tiles (gate|up with SwiGLU, down): BM, BN, warps, stages; the K step is QUANT_BK. Chosen from
+#: compiling for sm_90 here (bench/results/triton_compile_report.json): down at 128 columns spilled 44 bytes in
+#: q4_k, at 64 none. On the H200 (QuantMoE.warm_fused, off) 256x64 was the fastest timed, 2.37x the f16 warm layer
+#: against 2.92x for these (bench/results/lead_h200_s8/call1_ and call2_quant_layer_h200.json).
 QUANT_GATE_UP_CONFIG = (128, 64, 8, 2)
 QUANT_DOWN_CONFIG = (128, 64, 8, 2)
 #: ggml type ids of the K-loop decode (quants.GGML_TYPES), and where a q4_k / q5_k block's low-nibble quants start.
