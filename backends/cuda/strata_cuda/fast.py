@@ -1033,12 +1033,13 @@ class FastMoE:
         self._mark("planned")
 
         def run_hits() -> None:
-            if hits.size and self.device_gemm is not None and pool.dtype in HITS_DEVICE_DTYPES:
+            if not hits.size:
+                return
+            if self.device_gemm is not None and pool.dtype in HITS_DEVICE_DTYPES:
                 self._device_hits(pool, slot_of, hits, counts_h, maps, bufs)
-                self._mark("hits_done")
-            elif hits.size:
+            else:
                 self._run_blocks(pool, slot_of[hits], 0, lay, bufs)
-                self._mark("hits_done")
+            self._mark("hits_done")
 
         if misses.size:
             # the first copies are queued before the hits' GEMMs, so the link starts at once
@@ -1125,14 +1126,12 @@ class FastMoE:
     def _device_experts(self, pool: ExpertPool, slot_of: np.ndarray, xs: int, act: int, ys: int, counts: int,
                         row_of: int, slot_d: int, routed_rows: int) -> None:
         """The device-table path's expert GEMMs on the current stream: xs -> act -> ys for every expert."""
-        a, st = pool.arrays, self._cp.cuda.get_current_stream().ptr
-        if pool.dtype == "q8_0":
-            self.device_gemm.layer(st, xs, act, ys, int(a["gate_up_q"].data.ptr), int(a["down_q"].data.ptr), counts,
-                                   row_of, slot_d, routed_rows,
-                                   scales=(int(a["gate_up_d"].data.ptr), int(a["down_d"].data.ptr)))
-            return
-        self.device_gemm.layer(st, xs, act, ys, int(a["w_gate_up"].data.ptr), int(a["w_down"].data.ptr), counts,
-                               row_of, slot_d, routed_rows)
+        a = pool.arrays
+        q8 = pool.dtype == "q8_0"
+        w13, w2 = (a["gate_up_q"], a["down_q"]) if q8 else (a["w_gate_up"], a["w_down"])
+        scales = (int(a["gate_up_d"].data.ptr), int(a["down_d"].data.ptr)) if q8 else None
+        self.device_gemm.layer(self._cp.cuda.get_current_stream().ptr, xs, act, ys, int(w13.data.ptr),
+                               int(w2.data.ptr), counts, row_of, slot_d, routed_rows, scales=scales)
 
     def grouped_ffn(self, x: Any, offsets: Any, slots: Any, pool: ExpertPool) -> Any:
         """The KernelSet's moe_grouped_ffn on this path: rows offsets[g]:offsets[g+1] of x [N,H] f32 run slot

@@ -211,6 +211,15 @@ def _kernels() -> Any:
         return tl.reshape(q * d[:, :, None], (BN, BK)).to(tl.float16)
 
     @triton.jit
+    def _w_tile(w_p, s_p, Q8: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+        """grouped_tn's [BK, BN] f16 weight tile of one K step: loaded, or decoded from Q8_0 quants (Q8)."""
+        if Q8:
+            t = tl.trans(_q8_tile(w_p, s_p, BN, BK))
+        else:
+            t = tl.load(w_p)
+        return t
+
+    @triton.jit
     def grouped_tn(a, w, c, counts, row0, slots, N, K, w_slot, e_lo, e_hi, ws, EP: tl.constexpr,
                    SWIGLU: tl.constexpr, SLOTS: tl.constexpr, Q8: tl.constexpr, BM: tl.constexpr,
                    BN: tl.constexpr, BK: tl.constexpr):
@@ -239,29 +248,21 @@ def _kernels() -> Any:
         if Q8:  # rows of the [BN, BK] tile contiguous along K (16-byte loads), the scales [BN, BK // 32]
             w_p = w + slot * w_slot + cols[:, None].to(tl.int64) * K + ks[None, :]
             s_p = ws + slot * (w_slot // 32) + cols[:, None].to(tl.int64) * (K // 32) + tl.arange(0, BK // 32)[None, :]
-        else:
+        else:  # no scale read (s_p unused)
             w_p = w + slot * w_slot + cols[None, :].to(tl.int64) * K + ks[:, None]
+            s_p = ws
         acc = tl.zeros((BM, BN), dtype=tl.float32)
         if SWIGLU:
             u_p = w_p + N.to(tl.int64) * K
-            if Q8:
-                su_p = s_p + N.to(tl.int64) * (K // 32)
+            su_p = s_p + N.to(tl.int64) * (K // 32)
             acc_u = tl.zeros((BM, BN), dtype=tl.float32)
         for _ in range(0, K, BK):
             x = tl.load(a_p, mask=live[:, None], other=0.0)
-            if Q8:
-                wt = tl.trans(_q8_tile(w_p, s_p, BN, BK))
-                s_p += BK // 32
-            else:
-                wt = tl.load(w_p)
-            acc = tl.dot(x, wt, acc)
+            acc = tl.dot(x, _w_tile(w_p, s_p, Q8, BN, BK), acc)
+            s_p += BK // 32
             if SWIGLU:
-                if Q8:
-                    ut = tl.trans(_q8_tile(u_p, su_p, BN, BK))
-                    su_p += BK // 32
-                else:
-                    ut = tl.load(u_p)
-                acc_u = tl.dot(x, ut, acc_u)
+                acc_u = tl.dot(x, _w_tile(u_p, su_p, Q8, BN, BK), acc_u)
+                su_p += BK // 32
                 u_p += BK
             a_p += BK
             w_p += BK
