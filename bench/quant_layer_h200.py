@@ -113,7 +113,7 @@ def run(args, res: dict) -> None:
     from strata_core.testing import reference64 as r64
     from strata_cuda.fast import FastMoE
     from strata_cuda.kernels import CupyKernels
-    from strata_cuda.quant_ffn import QuantGroupedFFN, QuantMoE, scratch_bytes
+    from strata_cuda.quant_ffn import DEQUANT_KERNELS, QuantGroupedFFN, QuantMoE, scratch_bytes
 
     fmt, blob, w13, w2 = build(args)
     layer_bytes = int(blob.nbytes)
@@ -173,6 +173,23 @@ def run(args, res: dict) -> None:
     f16_pool = f16 = None  # 1.5 GB back before the quant runs
     cp.get_default_memory_pool().free_all_blocks()
 
+    # HBM's ceilings for the dequantization: writing the layer's f16 bytes (a memset), and a device-to-device copy
+    # of them (read + write bytes over the time)
+    f16_bytes = res["f16_layer_expert_bytes"]
+    big = cp.cuda.alloc(2 * f16_bytes)
+    side = cp.cuda.Stream(non_blocking=True)
+    res["hbm_write_f16_layer"] = t = time_ms(
+        cp, lambda: cp.cuda.runtime.memsetAsync(big.ptr, 0, f16_bytes, side.ptr), side, args.reps)
+    t["GB_per_s"] = f16_bytes / t["median_ms"] / 1e6
+    res["hbm_copy_f16_layer"] = t = time_ms(
+        cp, lambda: cp.cuda.runtime.memcpyAsync(big.ptr + f16_bytes, big.ptr, f16_bytes,
+                                                cp.cuda.runtime.memcpyDeviceToDevice, side.ptr), side, args.reps)
+    t["GB_per_s"] = 2 * f16_bytes / t["median_ms"] / 1e6
+    big = None
+    log(f"HBM: memset of the f16 layer {res['hbm_write_f16_layer']['median_ms']:.3f} ms "
+        f"({res['hbm_write_f16_layer']['GB_per_s']:.0f} GB/s); copy {res['hbm_copy_f16_layer']['median_ms']:.3f} ms "
+        f"({res['hbm_copy_f16_layer']['GB_per_s']:.0f} GB/s read + write)")
+
     res["variants"] = {}
     for spec in args.variants:
         # flags: "device" / "host" / "fused" warm layers on the device-table path with scratch / the host-synced
@@ -194,6 +211,9 @@ def run(args, res: dict) -> None:
                 if tok.startswith("q") and moe.warm_fused and moe._fused_gemm(fmt) is not None:
                     moe._fused_gemm(fmt).set_configs(tok[1:])
                     v["fused_tiles"] = tok[1:]
+            for tok in flags:  # chunk / sb / st: the whole experts' dequantization kernel (quant_ffn.DEQUANT_KERNEL)
+                if tok in DEQUANT_KERNELS:
+                    moe.dequant_kernel = tok
             if "highprio" in flags or "lowprio" in flags:
                 moe.set_dequant_priority("high" if "highprio" in flags else "default")
             v["dequant_priority"] = moe.dequant_priority
@@ -245,11 +265,15 @@ def run(args, res: dict) -> None:
                     for s0 in range(0, E, g):
                         moe._dequant(pool, tab + 4 * s0, min(g, E - s0), 0)
             v["dequant_layer"] = time_ms(cp, dq_all, moe.compute_stream, args.reps)
-            # the other dequantization kernel (quant_ffn.DEQUANT_KERNEL: "chunk" or "sb"), for the record
+            # the other dequantization kernels (quant_ffn.DEQUANT_KERNELS), for the record
             kern = moe.dequant_kernel
             other = v["dequant_other_kernel"] = "sb" if kern == "chunk" else "chunk"
-            moe.dequant_kernel = other
-            v["dequant_layer_other_kernel"] = time_ms(cp, dq_all, moe.compute_stream, args.reps)
+            v["dequant_layer_by_kernel"] = {}
+            for k_name in DEQUANT_KERNELS:
+                moe.dequant_kernel = k_name
+                v["dequant_layer_by_kernel"][k_name] = t = time_ms(cp, dq_all, moe.compute_stream, args.reps)
+                t["GB_per_s"] = (layer_bytes + res["f16_layer_expert_bytes"]) / t["median_ms"] / 1e6
+            v["dequant_layer_other_kernel"] = v["dequant_layer_by_kernel"][other]
             moe.dequant_kernel = kern
             v["dequant_kernel"] = kern
             # bytes through HBM: the quant bytes read, the f16 written

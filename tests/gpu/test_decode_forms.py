@@ -158,15 +158,46 @@ def f64_layer(x, logits, w13, w2, k):
 THIRD_SHAPES = [(128, 8, 2048, 768), (60, 6, 288, 160), (E, K, H, F)]
 
 
+_Q8: dict = {}
+
+
+def shaped_q8_experts(cp, e: int, h: int, f: int):
+    """shaped_experts' experts as a page-locked Q8_0 host pool, and their exact weights (q x d in float64, what the
+    Q8_0 decode kernels compute from), made once per module."""
+    if (e, h, f) not in _Q8:
+        w13, w2, _, seed = shaped_experts(cp, e, h, f)
+        hq = host_pool(cp, "q8_0", np.asarray(w13), np.asarray(w2))
+        _Q8[(e, h, f)] = (_ExactQ8(hq, 0), _ExactQ8(hq, 1), hq, seed)
+    return _Q8[(e, h, f)]
+
+
+class _ExactQ8:
+    """Expert i's gate|up (which 0) or down (1) matrix of a Q8_0 pool as q x d in float64, made when indexed (the
+    layer reads K experts; all of Qwen3-30B-A3B's in float64 would be 4.8 GB)."""
+
+    def __init__(self, hq, which: int):
+        self.hq, self.which = hq, which
+        q = hq.arrays["gate_up_q" if which == 0 else "down_q"]
+        self.shape = q.shape
+
+    def __getitem__(self, i):
+        from .test_fast_paths import dense_f64
+        return dense_f64(self.hq, int(i), exact=True)[self.which]
+
+
+@pytest.mark.parametrize("dtype", ["f16", "q8_0"])
 @pytest.mark.parametrize("form", THIRD_FORMS)
 @pytest.mark.parametrize("shape", THIRD_SHAPES, ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("misses", [0, 2])
-def test_the_third_forms_match_float64_with_mapped_misses_and_repeat_their_bits(cp, rng, form, shape, misses):
+def test_the_third_forms_match_float64_with_mapped_misses_and_repeat_their_bits(cp, rng, form, shape, misses, dtype):
+    """f16 pools (strata_fast_decode_gate_up3 and the form's down kernel) and Q8_0 pools (the third-form Q8_0 pair,
+    against q x d exactly): float64's layer within the f32 bound, warp_topk's ids and weights, the routed slots
+    published, misses read from mapped host memory, and the same bits with programmatic launches."""
     e, k, h, f = shape
     moe = shaped_moe(e, k, h, f)
     x = rng.standard_normal((1, h)).astype(np.float32)
     logits = rng.standard_normal((1, e)).astype(np.float32)
-    w13, w2, hp, wseed = shaped_experts(cp, e, h, f)
+    w13, w2, hp, wseed = (shaped_experts if dtype == "f16" else shaped_q8_experts)(cp, e, h, f)
     ids, w = ref.route_topk(logits, k)
     slot_of = rng.permutation(e).astype(np.int32)
     slot_of[ids[0, :misses]] = -1
@@ -184,7 +215,8 @@ def test_the_third_forms_match_float64_with_mapped_misses_and_repeat_their_bits(
         moe.decode_layer(cp.asarray(x), cp.asarray(logits), pool, cp.asarray(slot_of), out=out, host_pool=hp)
         moe.compute_stream.synchronize()
         err = rel(out.get(), want)
-        assert err < FP32, f"form {form} pdl {pdl} {shape} misses {misses}: {err:.2e} (seeds {rng.seed_value}, {wseed})"
+        assert err < FP32, (f"{dtype} form {form} pdl {pdl} {shape} misses {misses}: {err:.2e} "
+                            f"(seeds {rng.seed_value}, {wseed})")
         assert np.array_equal(b["ids"].get(), ids[0]), f"ids (seed {rng.seed_value})"
         assert np.abs(b["w"].get() - w[0]).max() < 1e-6, f"weights (seed {rng.seed_value})"
         assert np.array_equal(b["slots"].get(), slot_of[ids[0]]), f"published slots (seed {rng.seed_value})"
@@ -194,13 +226,14 @@ def test_the_third_forms_match_float64_with_mapped_misses_and_repeat_their_bits(
     assert np.array_equal(outs[0].view(np.uint32), outs[1].view(np.uint32)), f"pdl changed bits (seed {rng.seed_value})"
 
 
+@pytest.mark.parametrize("dtype", ["f16", "q8_0"])
 @pytest.mark.parametrize("form", THIRD_FORMS)
-def test_a_third_form_writes_nan_for_a_miss_it_cannot_read(cp, moe, rng, form):
+def test_a_third_form_writes_nan_for_a_miss_it_cannot_read(cp, moe, rng, form, dtype):
     """No host pool and a routed expert not cached: every output is NaN (a check catches it), none left unwritten
-    or computed from slot -1's address."""
+    or computed from slot -1's address; f16 and Q8_0 pools."""
     x = rng.standard_normal((1, H)).astype(np.float32)
     logits = rng.standard_normal((1, E)).astype(np.float32)
-    hp = host_pool(cp, "f16", *experts_f16(rng, E))
+    hp = host_pool(cp, dtype, *experts_f16(rng, E))
     ids, _ = ref.route_topk(logits, K)
     slot_of = np.arange(E, dtype=np.int32)
     slot_of[ids[0, 1]] = -1

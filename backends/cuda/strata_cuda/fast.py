@@ -47,7 +47,7 @@ KERNEL_NAMES = ("strata_fast_route", "strata_fast_positions", "strata_fast_offse
                 "strata_fast_decode_down_q8", "strata_fast_decode_norm_route2", "strata_fast_decode_down2",
                 "strata_fast_gemv_f16w", "strata_fast_decode_gate_up3", "strata_fast_decode_down3_s1",
                 "strata_fast_decode_down3_s2", "strata_fast_decode_down3_s4", "strata_fast_pull_words",
-                "strata_fast_pull_u4")
+                "strata_fast_pull_u4", "strata_fast_decode_gate_up3_q8", "strata_fast_decode_down3_q8")
 #: The expert formats the fused decode kernels read, and the pool arrays whose host addresses a layer's missed
 #: experts are read at (in the kernels' order).
 DECODE_HOST_ARRAYS = {"f16": ("w_gate_up", "w_down"), "q8_0": ("gate_up_q", "gate_up_d", "down_q", "down_d")}
@@ -65,7 +65,8 @@ DECODE_ROWS_PER_WARP = 2
 #: The decode stack's kernels (FastMoE.decode_form): 1 the first forms of moe_fast.cu; 2 the second norm/router (router
 #: rows loaded before the wait for x) and down (loads in batches of 8) kernels; 3, 4 and 5 the second norm/router
 #: with the third gate/up (routing once a block by rank, one trip to memory a lane, routed slots published) and the
-#: third down kernel, as DECODE_THIRD[form] sets them. f16 pools; Q8_0 layers keep their own pair in every form.
+#: third down kernel, as DECODE_THIRD[form] sets them. f16 pools; Q8_0 layers take the first Q8_0 pair in forms 1
+#: and 2 and the third-form Q8_0 pair in the rest (THIRD_FORM_DTYPES).
 #: H200, 48-layer graph (bench/results/k1_h200/call2_decode_kernels_h200.json): 1.995 ms with 2, 2.226 ms with 1;
 #: bench/results/d_h200/call1_decode_kernels_h200.json: form 2 1.987 ms, 3 1.790, 4 1.756, 5 1.794 plain, and
 #: 1.986, 1.731, 1.671, 1.696 as programmatic launches; call2_decode_kernels_h200.json (programmatic): 4 1.662 ms,
@@ -73,6 +74,11 @@ DECODE_ROWS_PER_WARP = 2
 #: 8 1.826 (the L2 hint of the down matrices slowed gate/up more than it sped down). 6 the fastest; end to end
 #: (call2_strata_run_h200.json) the all-cached run decoded 504.5 tok/s with 4, 444.7 with form 2 plain in that call.
 DECODE_FORM = 6
+#: Pool dtypes of the third forms: f16 (strata_fast_decode_gate_up3 and the DECODE_THIRD down kernel) and Q8_0
+#: (strata_fast_decode_gate_up3_q8 and strata_fast_decode_down3_q8 in every third form: the form's gate/up row pairs
+#: a warp, its own down kernel, no L2 hint). Before them a Q8_0 layer took the first Q8_0 kernels (routing in every
+#: warp), 48.8 us a Qwen3-30B-A3B layer on the H200 against 36 in F16 (bench/results/strata_run_h200_q8_0.json).
+THIRD_FORM_DTYPES = ("f16", "q8_0")
 #: The third forms: (down kernel, its warps a hidden row, gate/up row pairs a warp, gate/up hints the routed down
 #: matrices into L2 for the down kernel).
 DECODE_THIRD = {3: ("strata_fast_decode_down3_s2", 2, 1, False), 4: ("strata_fast_decode_down3_s1", 1, 1, False),
@@ -1467,6 +1473,16 @@ class FastMoE:
         if ids_out is not None:
             b["ids"], b["w"] = ids_out, w_out
         h, f, kk = self.hidden, self.ffn, self.top_k
+        if self._third_form(pool, refill_from, skip_missing) and pool.dtype == "q8_0":
+            pairs = DECODE_THIRD[self.decode_form][2]
+            rows = WARPS * pairs
+            hq, hd = host_w13 if host_w13 else (0, 0)
+            a = pool.arrays
+            self._dlaunch("strata_fast_decode_gate_up3_q8", ((f + rows - 1) // rows, kk), (THREADS,),
+                          (x, logits, np.int32(self.experts), np.int32(kk), slot_map, a["gate_up_q"], a["gate_up_d"],
+                           np.uint64(hq), np.uint64(hd), np.int32(h), np.int32(f), b["act"], b["ids"], b["w"],
+                           b["slots"] if slots_out is None else slots_out))
+            return
         if self._third_form(pool, refill_from, skip_missing):
             _, _, pairs, prefetch = DECODE_THIRD[self.decode_form]
             rows = WARPS * pairs
@@ -1501,6 +1517,14 @@ class FastMoE:
             b["ids"], b["w"] = ids, w
         h, f, kk = self.hidden, self.ffn, self.top_k
         warps = THREADS // WARP_LANES
+        if self._third_form(pool, only_missing_in, skip_missing) and pool.dtype == "q8_0":
+            hq, hd = host_w2 if host_w2 else (0, 0)
+            a = pool.arrays
+            self._dlaunch("strata_fast_decode_down3_q8", ((h + WARPS - 1) // WARPS,), (THREADS,),
+                          (b["act"], b["ids"], b["w"], b["slots"] if slots is None else slots, a["down_q"], a["down_d"],
+                           np.uint64(hq), np.uint64(hd), np.int32(h), np.int32(f), np.int32(kk), out,
+                           np.int32(accumulate)))
+            return
         if self._third_form(pool, only_missing_in, skip_missing):
             # reads the routed slots the third gate/up kernel published (not slot_map: no look-up chained on ids)
             name, split, _, _ = DECODE_THIRD[self.decode_form]
@@ -1557,9 +1581,11 @@ class FastMoE:
         g.launch(self.compute_stream)
 
     def _third_form(self, pool: ExpertPool, partial_map: Any, skip_missing: int) -> bool:
-        """Whether a decode launch takes the third-form kernels: decode_form in DECODE_THIRD, an f16 pool, and
+        """Whether a decode launch takes the third-form kernels: decode_form in DECODE_THIRD, an f16 or Q8_0 pool
+        (THIRD_FORM_DTYPES), at most a block's threads of experts (block_rank_topk ranks one logit a thread), and
         neither of the first form's partial launches (decode_layer_misses' refill / skip: not in the third forms)."""
-        return self.decode_form in DECODE_THIRD and pool.dtype == "f16" and partial_map is None and not skip_missing
+        return (self.decode_form in DECODE_THIRD and pool.dtype in THIRD_FORM_DTYPES and self.experts <= THREADS
+                and partial_map is None and not skip_missing)
 
     def _decode_stack_body(self, x: Any, layers: Sequence["DecodeLayer"]) -> None:
         b = self.decode_buffers()  # allocated before any capture: no allocation may happen inside one

@@ -1075,3 +1075,163 @@ strata_fast_decode_down_q8(const float* __restrict__ act, const int* __restrict_
     acc = warp_sum(acc);
     if (lane == 0) out[h] = accumulate ? out[h] + acc : acc;
 }
+
+// Decode, third forms over Q8_0 pools (FastMoE.decode_form 3-8, q8_0): the f16 third forms' structure (routing
+// once a block by rank, block (0,0) publishing ids, weights and routed slots, every lane issuing a trip's loads
+// before any sum) with the Q8_0 steps' loads and sums: 16 quants (one 16-byte load) and their f16 scale a chunk,
+// x . (q * d) summed in f32 from the exact quants. The first Q8_0 kernels above route in every warp (K rounds of
+// shuffles before the first load) and issue a row's loads a few at a time.
+
+// Step 1: act[k,i] = silu(x . Wg[i]) * (x . Wu[i]), one warp a row pair at a time, each lane loading
+// STRATA_GU3Q_GROUP chunks of both rows (and their scales) before any sum (H = 2048: one group). Grid (gx, K) as
+// strata_fast_decode_gate_up3; misses from host_q13 / host_d13 (mapped), or NaN without them.
+#define STRATA_GU3Q_GROUP 4
+extern "C" __global__ void __launch_bounds__(STRATA_FAST_THREADS, 2)
+strata_fast_decode_gate_up3_q8(const float* __restrict__ x, const float* __restrict__ logits, int E, int K,
+                               const int* __restrict__ slot_map, const signed char* __restrict__ q13,
+                               const unsigned short* __restrict__ d13, const signed char* __restrict__ host_q13,
+                               const unsigned short* __restrict__ host_d13, int H, int F, float* __restrict__ act,
+                               int* __restrict__ ids_out, float* __restrict__ w_out, int* __restrict__ slots_out) {
+    __shared__ float s_l[STRATA_FAST_THREADS];
+    __shared__ int s_part[STRATA_FAST_THREADS];
+    __shared__ int s_sel[STRATA_FAST_MAXK];
+    __shared__ float s_lg[STRATA_FAST_MAXK];
+    const int warp = threadIdx.x / STRATA_WARP, lane = threadIdx.x % STRATA_WARP;
+    const int k = blockIdx.y;
+    STRATA_GRID_LAUNCH_DEPENDENTS();
+    STRATA_GRID_WAIT();  // logits and x are the previous kernel's
+    block_rank_topk(logits, E, K, s_l, s_part, s_sel, s_lg);
+    const int e = s_sel[k];
+    const long long slot = slot_map[e];
+    if (blockIdx.x == 0 && k == 0 && threadIdx.x < K) {
+        const int r = threadIdx.x;
+        const float top0 = s_lg[0];
+        float s = 0.0f;
+        for (int q = 0; q < K; ++q) s += expf(s_lg[q] - top0);
+        ids_out[r] = s_sel[r];
+        w_out[r] = expf(s_lg[r] - top0) / s;
+        slots_out[r] = slot_map[s_sel[r]];
+    }
+    const long long nq = 2LL * F * H, nd = nq / 32;  // one expert's quants and scales
+    const signed char* qb = q13;
+    const unsigned short* db = d13;
+    const bool unread = slot < 0 && host_q13 == 0;
+    if (slot >= 0) {
+        qb = q13 + slot * nq;
+        db = d13 + slot * nd;
+    } else if (host_q13 != 0) {
+        qb = host_q13 + (long long)e * nq;
+        db = host_d13 + (long long)e * nd;
+    }
+    const float4* x4 = (const float4*)x;
+    const int h16 = H / 16, nd_row = H / 32;
+    for (int row = blockIdx.x * STRATA_FAST_WARPS + warp; row < F; row += gridDim.x * STRATA_FAST_WARPS) {
+        if (unread) {
+            if (lane == 0) act[(long long)k * F + row] = __int_as_float(0x7fc00000);
+            continue;
+        }
+        const int4* g = (const int4*)(qb + (long long)row * H);
+        const int4* u = (const int4*)(qb + (long long)(F + row) * H);
+        const unsigned short* dg_row = db + (long long)row * nd_row;
+        const unsigned short* du_row = db + (long long)(F + row) * nd_row;
+        float ag = 0.f, au = 0.f;
+        // chunks past H re-read the last one and count zero (selects, not branches, as strata_fast_decode_gate_up3)
+        for (int c0 = 0; c0 < h16; c0 += STRATA_GU3Q_GROUP * STRATA_WARP) {
+            int4 vg[STRATA_GU3Q_GROUP], vu[STRATA_GU3Q_GROUP];
+            unsigned short sg[STRATA_GU3Q_GROUP], su[STRATA_GU3Q_GROUP];
+#pragma unroll
+            for (int j = 0; j < STRATA_GU3Q_GROUP; ++j) {
+                const int c = min(c0 + j * STRATA_WARP + lane, h16 - 1);
+                vg[j] = g[c];
+                vu[j] = u[c];
+                sg[j] = dg_row[c / 2];
+                su[j] = du_row[c / 2];
+            }
+            STRATA_ISSUE_FENCE();
+#pragma unroll
+            for (int j = 0; j < STRATA_GU3Q_GROUP; ++j) {
+                const int cj = c0 + j * STRATA_WARP + lane, c = min(cj, h16 - 1);
+                const float a = fh2f(sg[j]) * q8_dot16(vg[j], x4 + 4 * c);
+                const float b = fh2f(su[j]) * q8_dot16(vu[j], x4 + 4 * c);
+                ag += cj < h16 ? a : 0.f;
+                au += cj < h16 ? b : 0.f;
+            }
+        }
+        ag = warp_sum(ag);
+        au = warp_sum(au);
+        if (lane == 0) act[(long long)k * F + row] = silu(ag) * au;
+    }
+}
+
+// Step 2: out[h] (+)= sum_k w_k * (Wd[slot_k, h] . act[k]), one warp a hidden row, a lane taking the row's
+// (expert, 16-quant chunk) pairs 32 apart and issuing STRATA_D3Q_BATCH loads (and scales) before summing (K = 8,
+// F = 768: 384 pairs, one trip). ids, weights and slots are step 1's (slot < 0: host_q2 / host_d2, or NaN).
+// Grid ceil(H / warps).
+#define STRATA_D3Q_BATCH 12
+extern "C" __global__ void __launch_bounds__(STRATA_FAST_THREADS, 2)
+strata_fast_decode_down3_q8(const float* __restrict__ act, const int* __restrict__ ids, const float* __restrict__ wts,
+                            const int* __restrict__ slots, const signed char* __restrict__ q2,
+                            const unsigned short* __restrict__ d2, const signed char* __restrict__ host_q2,
+                            const unsigned short* __restrict__ host_d2, int H, int F, int K, float* __restrict__ out,
+                            int accumulate) {
+    __shared__ const signed char* s_q[STRATA_FAST_MAXK];
+    __shared__ const unsigned short* s_d[STRATA_FAST_MAXK];
+    __shared__ float s_w[STRATA_FAST_MAXK];
+    __shared__ int s_nan;
+    const int warp = threadIdx.x / STRATA_WARP, lane = threadIdx.x % STRATA_WARP;
+    STRATA_GRID_LAUNCH_DEPENDENTS();
+    STRATA_GRID_WAIT();  // act, ids, weights and slots are the previous kernel's
+    if (threadIdx.x == 0) s_nan = 0;
+    __syncthreads();
+    const long long nq = (long long)H * F, nd = nq / 32;
+    if (threadIdx.x < K) {
+        const int q = threadIdx.x;
+        const long long slot = slots[q];
+        const signed char* qb = q2;
+        const unsigned short* db = d2;
+        if (slot >= 0) {
+            qb = q2 + slot * nq;
+            db = d2 + slot * nd;
+        } else if (host_q2 != 0) {
+            qb = host_q2 + (long long)ids[q] * nq;
+            db = host_d2 + (long long)ids[q] * nd;
+        } else {
+            s_nan = 1;
+        }
+        s_q[q] = qb;
+        s_d[q] = db;
+        s_w[q] = wts[q];
+    }
+    __syncthreads();
+    const int h = blockIdx.x * STRATA_FAST_WARPS + warp;
+    if (h >= H) return;  // whole warps; no block barrier after this
+    if (s_nan) {
+        if (lane == 0) out[h] = __int_as_float(0x7fc00000);
+        return;
+    }
+    const int per_row = F / 16, nd_row = F / 32, n = K * per_row;
+    float acc = 0.f;
+    for (int i0 = 0; i0 < n; i0 += STRATA_D3Q_BATCH * STRATA_WARP) {  // the same trips for every lane
+        int4 v[STRATA_D3Q_BATCH];
+        unsigned short sd[STRATA_D3Q_BATCH];
+        int off[STRATA_D3Q_BATCH];
+        float wq[STRATA_D3Q_BATCH];
+#pragma unroll
+        for (int j = 0; j < STRATA_D3Q_BATCH; ++j) {
+            const int i = min(i0 + j * STRATA_WARP + lane, n - 1);
+            const int q = i / per_row, c = i - q * per_row;
+            v[j] = ((const int4*)(s_q[q] + (long long)h * F))[c];
+            sd[j] = s_d[q][(long long)h * nd_row + c / 2];
+            off[j] = q * F + 16 * c;
+            wq[j] = s_w[q];
+        }
+        STRATA_ISSUE_FENCE();
+#pragma unroll
+        for (int j = 0; j < STRATA_D3Q_BATCH; ++j) {
+            const float d = wq[j] * fh2f(sd[j]) * q8_dot16(v[j], (const float4*)(act + off[j]));
+            acc += i0 + j * STRATA_WARP + lane < n ? d : 0.f;
+        }
+    }
+    acc = warp_sum(acc);
+    if (lane == 0) out[h] = accumulate ? out[h] + acc : acc;
+}

@@ -57,6 +57,7 @@ MMA_THREADS = 128
 MMA_BY_DEFAULT = False
 FAST_SOURCE_NAME = "quant_fast.cu"
 FAST_KERNEL_NAMES = ("strata_qf_dequant_f16", "strata_qf_dequant_f16_part", "strata_qf_dequant_sb",
+                     "strata_qf_dequant_st",
                      "strata_qf_gemv_gate_up", "strata_qf_gemv_down", "strata_qf_decode_down",
                      "strata_qf_decode_down_wide")
 #: QF_THREADS, QF_WARPS of quant_fast.cu (a warp per output row)
@@ -89,6 +90,10 @@ RING_TAIL = (4, 2, 2)
 #: "sb" gave 1.056x and 1.065x (qw_h200/call2_quant_layer_h200.json, lead_h200_s5c/sb_quant_layer_h200.json), so
 #: "sb" is the default.
 DEQUANT_KERNEL = "sb"
+#: Whole experts' dequantization kernels: "st" is strata_qf_dequant_st, the sb kernel's rows, decode and stores with
+#: each warp's row segment (up to 8 super-blocks) staged in shared memory by 16-byte loads first (bit for bit the sb
+#: kernel's f16; it takes what sb_takes takes).
+DEQUANT_KERNELS = ("chunk", "sb", "st")
 #: Formats strata_qf_dequant_sb decodes (256-weight super-blocks, or eight q8_0 blocks).
 SB_TYPES = frozenset({"q4_k", "q5_k", "q6_k", "q8_0"})
 #: Most blocks of a strata_qf_dequant_sb launch per expert (a warp per row, grid-stride beyond).
@@ -550,11 +555,13 @@ class QuantMoE(FastMoE):
         slot_b = int(blob.shape[1])
         mats = ((0, fmt.gate_up_row_bytes, 2 * f, h, fmt.gate_up, s13),
                 (fmt.down_offset, fmt.down_row_bytes, h, f, fmt.down, s2))
-        if self.dequant_kernel == "sb" and sb_takes(fmt):
+        if self.dequant_kernel in ("sb", "st") and sb_takes(fmt):
             (oa, ra, rows_a, cols_a, ta, da), (ob, rb_, rows_b, cols_b, tb, db) = mats
-            # a warp per row, two rows a warp: blockIdx.y is the expert
-            self._qk["strata_qf_dequant_sb"](
-                (max(1, min(SB_MAX_BLOCKS, -(-(rows_a + rows_b) // (2 * FAST_WARPS)))), m), (FAST_THREADS,),
+            # a warp per row, two rows a warp (sb) or one (st: a row's segment is its bytes in flight): blockIdx.y is
+            # the expert
+            rows_warp = 2 if self.dequant_kernel == "sb" else 1
+            self._qk[f"strata_qf_dequant_{self.dequant_kernel}"](
+                (max(1, min(SB_MAX_BLOCKS, -(-(rows_a + rows_b) // (rows_warp * FAST_WARPS)))), m), (FAST_THREADS,),
                 (blob, np.int64(slot_b), np.uint64(table), np.int32(m), np.int64(oa), np.int64(ra), np.int32(rows_a),
                  np.int32(cols_a), np.int32(GGML_TYPES[ta]), np.uint64(da), np.int64(ob), np.int64(rb_),
                  np.int32(rows_b), np.int32(cols_b), np.int32(GGML_TYPES[tb]), np.uint64(db)))
