@@ -31,6 +31,7 @@ CONFIGS = {
     "sb-kernel-whole": dict(_HOST, dequant_kernel="sb", warm_spec_halves=0),
     "st-kernel-whole": dict(_HOST, dequant_kernel="st", warm_spec_halves=0),
     "st-kernel-device": dict(warm_device=True, dequant_kernel="st"),
+    "sbt-kernel-whole": dict(_HOST, dequant_kernel="sbt", warm_spec_halves=0),
     "sb-no-spec-halves": dict(_HOST, dequant_kernel="sb", warm_spec_halves=0, warm_rest_whole=False),
     "spec1-halves": dict(_HOST, dequant_kernel="sb", warm_spec_halves=1, warm_rest_whole=False),
     "spec2-split-halves": dict(_HOST, dequant_kernel="sb", warm_spec_halves=2, warm_merge_spec=False,
@@ -244,10 +245,11 @@ def test_a_partly_cached_streamed_layer_with_speculation_matches_the_reference(t
     assert err <= F16_BOUND, err
 
 
-@pytest.mark.parametrize("kernel", ["sb", "st"])
+@pytest.mark.parametrize("kernel", ["sb", "st", "sbt"])
 @pytest.mark.parametrize("fmt", ["q4_k", "q5_k", "q6_k", "q8_0"])
 def test_the_gpu_super_block_dequant_is_numpys_f16_of_the_oracle_bit_for_bit(fmt, kernel):
-    """strata_qf_dequant_sb and its staged form strata_qf_dequant_st on the GPU (the hardware's cvt.rn.f16x2.f32):
+    """strata_qf_dequant_sb, its staged form strata_qf_dequant_st and its fixed-format form (sbt) on the GPU (the
+    hardware's cvt.rn.f16x2.f32):
     both matrices of 3 slots out of order, the second one 2 bytes off a 16-byte boundary in each slot, rows of 9
     super-blocks (the st kernel's segment of 8, then 1), equal numpy's float16 of quants.dequantize."""
     import cupy as cp
@@ -269,10 +271,16 @@ def test_the_gpu_super_block_dequant_is_numpys_f16_of_the_oracle_bit_for_bit(fmt
     slots = cp.asarray(np.array([2, 0, 1], np.int32))
     out = cp.full((2, m, rows, cols), 0x7e00, cp.uint16)  # poisoned
     typ = np.int32(GGML_TYPES[fmt])
-    fast_kernels(cp)[f"strata_qf_dequant_{kernel}"](
-        (5, m), (FAST_THREADS,), (blob, np.int64(sb), slots, np.int32(m), np.int64(0), np.int64(rb), np.int32(rows),
-                                np.int32(cols), typ, out[0], np.int64(off_b), np.int64(rb), np.int32(rows),
-                                np.int32(cols), typ, out[1]))
+    if kernel == "sbt":  # the formats are the kernel's (strata_qf_dequant_sbt_<a>_<b>)
+        fast_kernels(cp)[f"strata_qf_dequant_sbt_{fmt}_{fmt}"](
+            (5, m), (FAST_THREADS,), (blob, np.int64(sb), slots, np.int32(m), np.int64(0), np.int64(rb),
+                                    np.int32(rows), np.int32(cols), out[0], np.int64(off_b), np.int64(rb),
+                                    np.int32(rows), np.int32(cols), out[1]))
+    else:
+        fast_kernels(cp)[f"strata_qf_dequant_{kernel}"](
+            (5, m), (FAST_THREADS,), (blob, np.int64(sb), slots, np.int32(m), np.int64(0), np.int64(rb),
+                                    np.int32(rows), np.int32(cols), typ, out[0], np.int64(off_b), np.int64(rb),
+                                    np.int32(rows), np.int32(cols), typ, out[1]))
     got = cp.asnumpy(out)
     for i in range(2):
         want = quants.dequantize(fmt, raw[i][[2, 0, 1]], cols).astype(np.float16).view(np.uint16)

@@ -7,6 +7,7 @@ oracle's weights."""
 from __future__ import annotations
 
 import ctypes
+import re
 from pathlib import Path
 
 import numpy as np
@@ -37,10 +38,24 @@ void host_dequant_st(unsigned gx, const unsigned char* blob, long long sb, const
 """
 
 
+#: quant_ffn.SBT_PAIRS (read from the source's entry points, so the test needs no cupy)
+SBT_PAIRS = sorted(set(re.findall(r"QF_SBT_KERNEL\(strata_qf_dequant_sbt_(\w+?_\w)_(\w+?_\w),",
+                                  (CUDA_DIR / "quant_fast.cu").read_text())))
+
+SBT_WRAPPERS = "".join(f"""
+extern "C" void host_dequant_sbt_{a}_{b}(unsigned gx, const unsigned char* blob, long long sb, const int* slots, int m,
+        long long off_a, long long rb_a, int rows_a, int cols_a, void* out_a, long long off_b, long long rb_b,
+        int rows_b, int cols_b, void* out_b) {{
+    qf_launch(gx, m, [&] {{ strata_qf_dequant_sbt_{a}_{b}(blob, sb, slots, m, off_a, rb_a, rows_a, cols_a, (uint4*)out_a,
+                                                   off_b, rb_b, rows_b, cols_b, (uint4*)out_b); }});
+}}
+""" for a, b in SBT_PAIRS)
+
+
 @pytest.fixture(scope="module")
 def sb_lib(tmp_path_factory):
-    """quant_fast.cu built for the host with the super-block kernel's wrapper."""
-    text = FAST_SHIM + (CUDA_DIR / "quant_fast.cu").read_text() + SB_WRAPPERS
+    """quant_fast.cu built for the host with the super-block kernels' wrappers."""
+    text = FAST_SHIM + (CUDA_DIR / "quant_fast.cu").read_text() + SB_WRAPPERS + SBT_WRAPPERS
     return build_host_library(tmp_path_factory, "quant_fast_sb_host", text, CUDA_DIR,
                               includes=[CUDA_DIR / "quants.cuh"])
 
@@ -100,3 +115,36 @@ def test_one_matrix_leaves_the_other_output_alone(sb_lib):
                            i32(GGML_TYPES["q6_k"]), pointer(other))
     assert np.array_equal(out, quants.dequantize("q4_k", q[slots], cols).astype(np.float16).view(np.uint16))
     assert np.all(other == 0x1234)
+
+
+def test_the_format_pairs_are_quant_ffns():
+    """The entry points the source compiles are the pairs quant_ffn dispatches to (a pair named in one and not the
+    other would fall back, or fail to launch)."""
+    from strata_cuda.quant_ffn import SBT_PAIRS as FFN_PAIRS
+    assert SBT_PAIRS == sorted(FFN_PAIRS) and len(SBT_PAIRS) == 6
+
+
+@pytest.mark.parametrize("pad", [0, 3], ids=["aligned", "pad3"])
+@pytest.mark.parametrize("fmt_a,fmt_b", SBT_PAIRS)
+def test_the_fixed_format_kernels_are_the_f16_of_the_oracle_bit_for_bit(sb_lib, fmt_a, fmt_b, pad):
+    """strata_qf_dequant_sbt_<a>_<b> (the formats template arguments) equal numpy's float16 of quants.dequantize bit
+    for bit: both matrices of an out-of-order table, rows of 3 and 1 super-blocks, slots off a 16-byte boundary."""
+    rng = np.random.default_rng(5)
+    m, rows_a, cols_a, rows_b, cols_b = 3, 6, 3 * 256, 5, 256
+    qa, qb = _matrix(rng, fmt_a, m, rows_a, cols_a), _matrix(rng, fmt_b, m, rows_b, cols_b)
+    rb_a, rb_b = qa.shape[-1], qb.shape[-1]
+    off_a, off_b = pad, pad + rows_a * rb_a + 7
+    sb = off_b + rows_b * rb_b + 3
+    blob = np.zeros(pad + m * sb + 64, np.uint8)[pad:][:m * sb].reshape(m, sb)
+    blob[:, off_a:off_a + rows_a * rb_a] = qa.reshape(m, -1)
+    blob[:, off_b:off_b + rows_b * rb_b] = qb.reshape(m, -1)
+    slots = np.array([1, 2, 0], np.int32)
+    out_a = np.full((m, rows_a, cols_a), 0x7e00, np.uint16)
+    out_b = np.full((m, rows_b, cols_b), 0x7e00, np.uint16)
+    ll, i32 = ctypes.c_longlong, ctypes.c_int
+    getattr(sb_lib, f"host_dequant_sbt_{fmt_a}_{fmt_b}")(
+        ctypes.c_uint(2), pointer(blob), ll(sb), pointer(slots), i32(m), ll(off_a), ll(rb_a), i32(rows_a), i32(cols_a),
+        pointer(out_a), ll(off_b), ll(rb_b), i32(rows_b), i32(cols_b), pointer(out_b))
+    for fmt, q, out, cols in ((fmt_a, qa, out_a, cols_a), (fmt_b, qb, out_b, cols_b)):
+        want = quants.dequantize(fmt, q[slots], cols).astype(np.float16).view(np.uint16)
+        assert int(np.count_nonzero(out != want)) == 0, fmt

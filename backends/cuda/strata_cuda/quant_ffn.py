@@ -56,8 +56,11 @@ MMA_THREADS = 128
 #: for it on a GPU (its fragment layout is checked here only by an emulation of the instruction on the host).
 MMA_BY_DEFAULT = False
 FAST_SOURCE_NAME = "quant_fast.cu"
+#: (gate|up, down) format pairs with a strata_qf_dequant_sbt_<a>_<b> kernel (QF_SBT_KERNEL in quant_fast.cu)
+SBT_PAIRS = (("q4_k", "q6_k"), ("q5_k", "q6_k"), ("q6_k", "q6_k"), ("q4_k", "q4_k"), ("q5_k", "q5_k"),
+             ("q8_0", "q8_0"))
 FAST_KERNEL_NAMES = ("strata_qf_dequant_f16", "strata_qf_dequant_f16_part", "strata_qf_dequant_sb",
-                     "strata_qf_dequant_st",
+                     "strata_qf_dequant_st", *(f"strata_qf_dequant_sbt_{a}_{b}" for a, b in SBT_PAIRS),
                      "strata_qf_gemv_gate_up", "strata_qf_gemv_down", "strata_qf_decode_down",
                      "strata_qf_decode_down_wide")
 #: QF_THREADS, QF_WARPS of quant_fast.cu (a warp per output row)
@@ -93,7 +96,7 @@ DEQUANT_KERNEL = "sb"
 #: Whole experts' dequantization kernels: "st" is strata_qf_dequant_st, the sb kernel's rows, decode and stores with
 #: each warp's row segment (up to 8 super-blocks) staged in shared memory by 16-byte loads first (bit for bit the sb
 #: kernel's f16; it takes what sb_takes takes).
-DEQUANT_KERNELS = ("chunk", "sb", "st")
+DEQUANT_KERNELS = ("chunk", "sb", "st", "sbt")
 #: Formats strata_qf_dequant_sb decodes (256-weight super-blocks, or eight q8_0 blocks).
 SB_TYPES = frozenset({"q4_k", "q5_k", "q6_k", "q8_0"})
 #: Most blocks of a strata_qf_dequant_sb launch per expert (a warp per row, grid-stride beyond).
@@ -555,12 +558,19 @@ class QuantMoE(FastMoE):
         slot_b = int(blob.shape[1])
         mats = ((0, fmt.gate_up_row_bytes, 2 * f, h, fmt.gate_up, s13),
                 (fmt.down_offset, fmt.down_row_bytes, h, f, fmt.down, s2))
-        if self.dequant_kernel in ("sb", "st") and sb_takes(fmt):
+        if self.dequant_kernel == "sbt" and sb_takes(fmt) and (fmt.gate_up, fmt.down) in SBT_PAIRS:
+            (oa, ra, rows_a, cols_a, _, da), (ob, rb_, rows_b, cols_b, _, db) = mats
+            self._qk[f"strata_qf_dequant_sbt_{fmt.gate_up}_{fmt.down}"](
+                (max(1, min(SB_MAX_BLOCKS, -(-(rows_a + rows_b) // (2 * FAST_WARPS)))), m), (FAST_THREADS,),
+                (blob, np.int64(slot_b), np.uint64(table), np.int32(m), np.int64(oa), np.int64(ra), np.int32(rows_a),
+                 np.int32(cols_a), np.uint64(da), np.int64(ob), np.int64(rb_), np.int32(rows_b), np.int32(cols_b),
+                 np.uint64(db)))
+        elif self.dequant_kernel in ("sb", "st", "sbt") and sb_takes(fmt):
             (oa, ra, rows_a, cols_a, ta, da), (ob, rb_, rows_b, cols_b, tb, db) = mats
             # a warp per row, two rows a warp (sb) or one (st: a row's segment is its bytes in flight): blockIdx.y is
             # the expert
-            rows_warp = 2 if self.dequant_kernel == "sb" else 1
-            self._qk[f"strata_qf_dequant_{self.dequant_kernel}"](
+            rows_warp = 1 if self.dequant_kernel == "st" else 2
+            self._qk[f"strata_qf_dequant_{'st' if self.dequant_kernel == 'st' else 'sb'}"](
                 (max(1, min(SB_MAX_BLOCKS, -(-(rows_a + rows_b) // (rows_warp * FAST_WARPS)))), m), (FAST_THREADS,),
                 (blob, np.int64(slot_b), np.uint64(table), np.int32(m), np.int64(oa), np.int64(ra), np.int32(rows_a),
                  np.int32(cols_a), np.int32(GGML_TYPES[ta]), np.uint64(da), np.int64(ob), np.int64(rb_),
