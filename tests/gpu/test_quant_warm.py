@@ -32,6 +32,10 @@ CONFIGS = {
     "st-kernel-whole": dict(_HOST, dequant_kernel="st", warm_spec_halves=0),
     "st-kernel-device": dict(warm_device=True, dequant_kernel="st"),
     "sbt-kernel-whole": dict(_HOST, dequant_kernel="sbt", warm_spec_halves=0),
+    "sbt-u4-whole": dict(_HOST, dequant_kernel="sbt_u4", warm_spec_halves=0),
+    "sbt-o8-whole": dict(_HOST, dequant_kernel="sbt_o8", warm_spec_halves=0),
+    "sbt-u4o6-whole": dict(_HOST, dequant_kernel="sbt_u4o6", warm_spec_halves=0),
+    "sbt-device": dict(warm_device=True, dequant_kernel="sbt"),
     "sb-no-spec-halves": dict(_HOST, dequant_kernel="sb", warm_spec_halves=0, warm_rest_whole=False),
     "spec1-halves": dict(_HOST, dequant_kernel="sb", warm_spec_halves=1, warm_rest_whole=False),
     "spec2-split-halves": dict(_HOST, dequant_kernel="sb", warm_spec_halves=2, warm_merge_spec=False,
@@ -285,3 +289,34 @@ def test_the_gpu_super_block_dequant_is_numpys_f16_of_the_oracle_bit_for_bit(fmt
     for i in range(2):
         want = quants.dequantize(fmt, raw[i][[2, 0, 1]], cols).astype(np.float16).view(np.uint16)
         assert int(np.count_nonzero(got[i] != want)) == 0, (fmt, i)
+
+
+@pytest.mark.parametrize("kernel", ["sbt", "sbt_u4", "sbt_o8", "sbt_u4o6"])
+def test_the_gpu_q4_k_m_dequant_forms_are_numpys_f16_of_the_oracle_bit_for_bit(kernel):
+    """The Q4_K_M pair's fixed-format kernel and its trial forms (quant_ffn.SBT_TRIALS) on the GPU: gate|up Q4_K rows
+    of 9 super-blocks and down Q6_K rows of 3 (210-byte blocks: unaligned rows) of 3 slots out of order equal numpy's
+    float16 of quants.dequantize."""
+    import cupy as cp
+    from strata_core.reference import quants
+    from strata_cuda.quant_ffn import FAST_THREADS, SBT_TRIALS, fast_kernels
+    assert kernel == "sbt" or kernel in SBT_TRIALS
+    rng = np.random.default_rng(17)
+    m, rows_a, cols_a, rows_b, cols_b = 3, 40, 9 * 256, 72, 3 * 256
+    qa = quants.quantize("q4_k", rng.standard_normal((m, rows_a, cols_a)).astype(np.float32) * np.float32(0.05))
+    qb = quants.quantize("q6_k", rng.standard_normal((m, rows_b, cols_b)).astype(np.float32) * np.float32(0.05))
+    rb_a, rb_b = qa.shape[-1], qb.shape[-1]
+    off_b = rows_a * rb_a + 6
+    sb = off_b + rows_b * rb_b + 10
+    blob_h = np.zeros((m, sb), np.uint8)
+    blob_h[:, :rows_a * rb_a] = qa.reshape(m, -1)
+    blob_h[:, off_b:off_b + rows_b * rb_b] = qb.reshape(m, -1)
+    order = np.array([2, 0, 1], np.int32)
+    out_a = cp.full((m, rows_a, cols_a), 0x7e00, cp.uint16)
+    out_b = cp.full((m, rows_b, cols_b), 0x7e00, cp.uint16)
+    fast_kernels(cp)[f"strata_qf_dequant_{kernel}_q4_k_q6_k"](
+        (4, m), (FAST_THREADS,), (cp.asarray(blob_h), np.int64(sb), cp.asarray(order), np.int32(m), np.int64(0),
+                                np.int64(rb_a), np.int32(rows_a), np.int32(cols_a), out_a, np.int64(off_b),
+                                np.int64(rb_b), np.int32(rows_b), np.int32(cols_b), out_b))
+    for fmt, q, out, cols in (("q4_k", qa, out_a, cols_a), ("q6_k", qb, out_b, cols_b)):
+        want = quants.dequantize(fmt, q[order], cols).astype(np.float16).view(np.uint16)
+        assert int(np.count_nonzero(cp.asnumpy(out) != want)) == 0, (kernel, fmt)

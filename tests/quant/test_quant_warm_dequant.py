@@ -39,17 +39,20 @@ void host_dequant_st(unsigned gx, const unsigned char* blob, long long sb, const
 
 
 #: quant_ffn.SBT_PAIRS (read from the source's entry points, so the test needs no cupy)
-SBT_PAIRS = sorted(set(re.findall(r"QF_SBT_KERNEL\(strata_qf_dequant_sbt_(\w+?_\w)_(\w+?_\w),",
+SBT_PAIRS = sorted(set(re.findall(r"QF_SBT_KERNEL\(strata_qf_dequant_sbt_(q\d_[k0])_(q\d_[k0]),",
                                   (CUDA_DIR / "quant_fast.cu").read_text())))
+#: the Q4_K_M pair's trial forms (quant_ffn.SBT_TRIALS), read from the source likewise
+SBT_TRIALS = sorted(set(re.findall(r"QF_SBT_KERNEL\(strata_qf_dequant_(sbt_\w+?)_q4_k_q6_k,",
+                                   (CUDA_DIR / "quant_fast.cu").read_text())))
 
 SBT_WRAPPERS = "".join(f"""
-extern "C" void host_dequant_sbt_{a}_{b}(unsigned gx, const unsigned char* blob, long long sb, const int* slots, int m,
+extern "C" void host_dequant_{v}_{a}_{b}(unsigned gx, const unsigned char* blob, long long sb, const int* slots, int m,
         long long off_a, long long rb_a, int rows_a, int cols_a, void* out_a, long long off_b, long long rb_b,
         int rows_b, int cols_b, void* out_b) {{
-    qf_launch(gx, m, [&] {{ strata_qf_dequant_sbt_{a}_{b}(blob, sb, slots, m, off_a, rb_a, rows_a, cols_a, (uint4*)out_a,
+    qf_launch(gx, m, [&] {{ strata_qf_dequant_{v}_{a}_{b}(blob, sb, slots, m, off_a, rb_a, rows_a, cols_a, (uint4*)out_a,
                                                    off_b, rb_b, rows_b, cols_b, (uint4*)out_b); }});
 }}
-""" for a, b in SBT_PAIRS)
+""" for v, a, b in [("sbt", a, b) for a, b in SBT_PAIRS] + [(t, "q4_k", "q6_k") for t in SBT_TRIALS])
 
 
 @pytest.fixture(scope="module")
@@ -120,17 +123,20 @@ def test_one_matrix_leaves_the_other_output_alone(sb_lib):
 def test_the_format_pairs_are_quant_ffns():
     """The entry points the source compiles are the pairs quant_ffn dispatches to (a pair named in one and not the
     other would fall back, or fail to launch)."""
-    from strata_cuda.quant_ffn import SBT_PAIRS as FFN_PAIRS
+    from strata_cuda.quant_ffn import SBT_PAIRS as FFN_PAIRS, SBT_TRIALS as FFN_TRIALS
     assert SBT_PAIRS == sorted(FFN_PAIRS) and len(SBT_PAIRS) == 6
+    assert SBT_TRIALS == sorted(FFN_TRIALS)
 
 
 @pytest.mark.parametrize("pad", [0, 3], ids=["aligned", "pad3"])
-@pytest.mark.parametrize("fmt_a,fmt_b", SBT_PAIRS)
-def test_the_fixed_format_kernels_are_the_f16_of_the_oracle_bit_for_bit(sb_lib, fmt_a, fmt_b, pad):
-    """strata_qf_dequant_sbt_<a>_<b> (the formats template arguments) equal numpy's float16 of quants.dequantize bit
-    for bit: both matrices of an out-of-order table, rows of 3 and 1 super-blocks, slots off a 16-byte boundary."""
+@pytest.mark.parametrize("kernel,fmt_a,fmt_b", [("sbt", a, b) for a, b in SBT_PAIRS]
+                         + [(t, "q4_k", "q6_k") for t in SBT_TRIALS])
+def test_the_fixed_format_kernels_are_the_f16_of_the_oracle_bit_for_bit(sb_lib, kernel, fmt_a, fmt_b, pad):
+    """strata_qf_dequant_sbt_<a>_<b> (the formats template arguments) and the Q4_K_M pair's trial forms equal numpy's
+    float16 of quants.dequantize bit for bit: both matrices of an out-of-order table, rows of 9 and 1 super-blocks
+    (passes of 2 or 4 with the last one short), slots off a 16-byte boundary."""
     rng = np.random.default_rng(5)
-    m, rows_a, cols_a, rows_b, cols_b = 3, 6, 3 * 256, 5, 256
+    m, rows_a, cols_a, rows_b, cols_b = 3, 6, 9 * 256, 5, 256
     qa, qb = _matrix(rng, fmt_a, m, rows_a, cols_a), _matrix(rng, fmt_b, m, rows_b, cols_b)
     rb_a, rb_b = qa.shape[-1], qb.shape[-1]
     off_a, off_b = pad, pad + rows_a * rb_a + 7
@@ -142,7 +148,7 @@ def test_the_fixed_format_kernels_are_the_f16_of_the_oracle_bit_for_bit(sb_lib, 
     out_a = np.full((m, rows_a, cols_a), 0x7e00, np.uint16)
     out_b = np.full((m, rows_b, cols_b), 0x7e00, np.uint16)
     ll, i32 = ctypes.c_longlong, ctypes.c_int
-    getattr(sb_lib, f"host_dequant_sbt_{fmt_a}_{fmt_b}")(
+    getattr(sb_lib, f"host_dequant_{kernel}_{fmt_a}_{fmt_b}")(
         ctypes.c_uint(2), pointer(blob), ll(sb), pointer(slots), i32(m), ll(off_a), ll(rb_a), i32(rows_a), i32(cols_a),
         pointer(out_a), ll(off_b), ll(rb_b), i32(rows_b), i32(cols_b), pointer(out_b))
     for fmt, q, out, cols in ((fmt_a, qa, out_a, cols_a), (fmt_b, qb, out_b, cols_b)):

@@ -57,10 +57,13 @@ MMA_THREADS = 128
 MMA_BY_DEFAULT = False
 FAST_SOURCE_NAME = "quant_fast.cu"
 #: (gate|up, down) format pairs with a strata_qf_dequant_sbt_<a>_<b> kernel (QF_SBT_KERNEL in quant_fast.cu)
+#: the Q4_K_M pair's trial forms of that kernel (more loads in flight, more warps an SM), dequant_kernel names
+SBT_TRIALS = ("sbt_u4", "sbt_o8", "sbt_u4o6")
 SBT_PAIRS = (("q4_k", "q6_k"), ("q5_k", "q6_k"), ("q6_k", "q6_k"), ("q4_k", "q4_k"), ("q5_k", "q5_k"),
              ("q8_0", "q8_0"))
 FAST_KERNEL_NAMES = ("strata_qf_dequant_f16", "strata_qf_dequant_f16_part", "strata_qf_dequant_sb",
                      "strata_qf_dequant_st", *(f"strata_qf_dequant_sbt_{a}_{b}" for a, b in SBT_PAIRS),
+                     *(f"strata_qf_dequant_{v}_q4_k_q6_k" for v in SBT_TRIALS),
                      "strata_qf_gemv_gate_up", "strata_qf_gemv_down", "strata_qf_decode_down",
                      "strata_qf_decode_down_wide")
 #: QF_THREADS, QF_WARPS of quant_fast.cu (a warp per output row)
@@ -91,12 +94,17 @@ RING_TAIL = (4, 2, 2)
 #: and the sb kernel 0.737 (a warm layer 1.669 against 1.774 ms: bench/results/qw_h200/call2_qw_diag.json), but in
 #: the product's bench "chunk" streamed a cold layer at 1.270x the link floor (bench/results/lead_h200_s5b/) where
 #: "sb" gave 1.056x and 1.065x (qw_h200/call2_quant_layer_h200.json, lead_h200_s5c/sb_quant_layer_h200.json), so
-#: "sb" is the default.
-DEQUANT_KERNEL = "sb"
+#: "sb" was the default. "sbt" is the sb kernel with the format pair fixed at compile time (strata_qf_dequant_sbt_*,
+#: SBT_PAIRS; other pairs take "sb"): 0.578 ms against sb's 0.719 and chunk's 0.639 for that layer, the warm layer
+#: 1.499 ms (1.60x f16) against 1.658, cold 1.074x the floor against 1.091 (bench/results/lead_h200_s9/
+#: call2_quant_layer_h200.json; Nsight Compute, call2_ncu_dequant.txt: 48 registers against 64, 54% occupancy, the
+#: warps stalled on their loads 46% of the time), so it is the default.
+DEQUANT_KERNEL = "sbt"
 #: Whole experts' dequantization kernels: "st" is strata_qf_dequant_st, the sb kernel's rows, decode and stores with
 #: each warp's row segment (up to 8 super-blocks) staged in shared memory by 16-byte loads first (bit for bit the sb
-#: kernel's f16; it takes what sb_takes takes).
-DEQUANT_KERNELS = ("chunk", "sb", "st", "sbt")
+#: kernel's f16; it takes what sb_takes takes): no faster, 0.743 ms against sb's 0.719 (lead_h200_s9/call1_); the
+#: SBT_TRIALS are "sbt" with more loads in flight or more warps an SM, for the Q4_K_M pair.
+DEQUANT_KERNELS = ("chunk", "sb", "st", "sbt", *SBT_TRIALS)
 #: Formats strata_qf_dequant_sb decodes (256-weight super-blocks, or eight q8_0 blocks).
 SB_TYPES = frozenset({"q4_k", "q5_k", "q6_k", "q8_0"})
 #: Most blocks of a strata_qf_dequant_sb launch per expert (a warp per row, grid-stride beyond).
@@ -558,14 +566,17 @@ class QuantMoE(FastMoE):
         slot_b = int(blob.shape[1])
         mats = ((0, fmt.gate_up_row_bytes, 2 * f, h, fmt.gate_up, s13),
                 (fmt.down_offset, fmt.down_row_bytes, h, f, fmt.down, s2))
-        if self.dequant_kernel == "sbt" and sb_takes(fmt) and (fmt.gate_up, fmt.down) in SBT_PAIRS:
+        pair = (fmt.gate_up, fmt.down)
+        kern = self.dequant_kernel
+        if kern.startswith("sbt") and sb_takes(fmt) and (pair in SBT_PAIRS if kern == "sbt"
+                                                         else pair == ("q4_k", "q6_k")):
             (oa, ra, rows_a, cols_a, _, da), (ob, rb_, rows_b, cols_b, _, db) = mats
-            self._qk[f"strata_qf_dequant_sbt_{fmt.gate_up}_{fmt.down}"](
+            self._qk[f"strata_qf_dequant_{kern}_{fmt.gate_up}_{fmt.down}"](
                 (max(1, min(SB_MAX_BLOCKS, -(-(rows_a + rows_b) // (2 * FAST_WARPS)))), m), (FAST_THREADS,),
                 (blob, np.int64(slot_b), np.uint64(table), np.int32(m), np.int64(oa), np.int64(ra), np.int32(rows_a),
                  np.int32(cols_a), np.uint64(da), np.int64(ob), np.int64(rb_), np.int32(rows_b), np.int32(cols_b),
                  np.uint64(db)))
-        elif self.dequant_kernel in ("sb", "st", "sbt") and sb_takes(fmt):
+        elif kern in DEQUANT_KERNELS and kern != "chunk" and sb_takes(fmt):
             (oa, ra, rows_a, cols_a, ta, da), (ob, rb_, rows_b, cols_b, tb, db) = mats
             # a warp per row, two rows a warp (sb) or one (st: a row's segment is its bytes in flight): blockIdx.y is
             # the expert
