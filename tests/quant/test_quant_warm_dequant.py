@@ -41,9 +41,6 @@ void host_dequant_st(unsigned gx, const unsigned char* blob, long long sb, const
 #: quant_ffn.SBT_PAIRS (read from the source's entry points, so the test needs no cupy)
 SBT_PAIRS = sorted(set(re.findall(r"QF_SBT_KERNEL\(strata_qf_dequant_sbt_(q\d_[k0])_(q\d_[k0]),",
                                   (CUDA_DIR / "quant_fast.cu").read_text())))
-#: the Q4_K_M pair's trial forms (quant_ffn.SBT_TRIALS), read from the source likewise
-SBT_TRIALS = sorted(set(re.findall(r"QF_SBT_KERNEL\(strata_qf_dequant_(sbt_\w+?)_q4_k_q6_k,",
-                                   (CUDA_DIR / "quant_fast.cu").read_text())))
 
 SBT_WRAPPERS = "".join(f"""
 extern "C" void host_dequant_{v}_{a}_{b}(unsigned gx, const unsigned char* blob, long long sb, const int* slots, int m,
@@ -52,7 +49,7 @@ extern "C" void host_dequant_{v}_{a}_{b}(unsigned gx, const unsigned char* blob,
     qf_launch(gx, m, [&] {{ strata_qf_dequant_{v}_{a}_{b}(blob, sb, slots, m, off_a, rb_a, rows_a, cols_a, (uint4*)out_a,
                                                    off_b, rb_b, rows_b, cols_b, (uint4*)out_b); }});
 }}
-""" for v, a, b in [("sbt", a, b) for a, b in SBT_PAIRS] + [(t, "q4_k", "q6_k") for t in SBT_TRIALS])
+""" for v, a, b in [("sbt", a, b) for a, b in SBT_PAIRS])
 
 
 @pytest.fixture(scope="module")
@@ -123,18 +120,16 @@ def test_one_matrix_leaves_the_other_output_alone(sb_lib):
 def test_the_format_pairs_are_quant_ffns():
     """The entry points the source compiles are the pairs quant_ffn dispatches to (a pair named in one and not the
     other would fall back, or fail to launch)."""
-    from strata_cuda.quant_ffn import SBT_PAIRS as FFN_PAIRS, SBT_TRIALS as FFN_TRIALS
+    from strata_cuda.quant_ffn import SBT_PAIRS as FFN_PAIRS
     assert SBT_PAIRS == sorted(FFN_PAIRS) and len(SBT_PAIRS) == 6
-    assert SBT_TRIALS == sorted(FFN_TRIALS)
 
 
 @pytest.mark.parametrize("pad", [0, 3], ids=["aligned", "pad3"])
-@pytest.mark.parametrize("kernel,fmt_a,fmt_b", [("sbt", a, b) for a, b in SBT_PAIRS]
-                         + [(t, "q4_k", "q6_k") for t in SBT_TRIALS])
+@pytest.mark.parametrize("kernel,fmt_a,fmt_b", [("sbt", a, b) for a, b in SBT_PAIRS])
 def test_the_fixed_format_kernels_are_the_f16_of_the_oracle_bit_for_bit(sb_lib, kernel, fmt_a, fmt_b, pad):
-    """strata_qf_dequant_sbt_<a>_<b> (the formats template arguments) and the Q4_K_M pair's trial forms equal numpy's
-    float16 of quants.dequantize bit for bit: both matrices of an out-of-order table, rows of 9 and 1 super-blocks
-    (passes of 2 or 4 with the last one short), slots off a 16-byte boundary."""
+    """strata_qf_dequant_sbt_<a>_<b> (the formats template arguments) equal numpy's float16 of quants.dequantize bit
+    for bit: both matrices of an out-of-order table, rows of 9 and 1 super-blocks (a last pass of one), slots off a
+    16-byte boundary."""
     rng = np.random.default_rng(5)
     m, rows_a, cols_a, rows_b, cols_b = 3, 6, 9 * 256, 5, 256
     qa, qb = _matrix(rng, fmt_a, m, rows_a, cols_a), _matrix(rng, fmt_b, m, rows_b, cols_b)

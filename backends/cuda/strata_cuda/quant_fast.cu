@@ -414,23 +414,21 @@ strata_qf_dequant_sb(const unsigned char* __restrict__ blob, long long slot_byte
 // argument, so every format test of qf_sb_load / qf_sb_decode folds away and the loop holds only its format's
 // instructions; one entry point per (gate|up, down) format pair of the K-quant files (QF_SBT_PAIRS), the rest
 // take strata_qf_dequant_sb.
-template <int FMT, int U>
+template <int FMT>
 __device__ __forceinline__ void qf_sbt_row(const unsigned char* src, uint4* dst, int spr, int lane) {
     constexpr int bsz = FMT == DQ_TYPE_Q4_K ? DQ_Q4_K_BYTES : FMT == DQ_TYPE_Q5_K ? DQ_Q5_K_BYTES
                       : FMT == DQ_TYPE_Q6_K ? DQ_Q6_K_BYTES : 8 * DQ_Q8_0_BYTES;
-    for (int k = 0; k < spr; k += U) {
-        // U super-blocks' loads first, then their decodes and stores
-        qf_sb_raw r[U];
-#pragma unroll
-        for (int i = 0; i < U; ++i)
-            if (k + i < spr) qf_sb_load(src + (k + i) * bsz, FMT, lane, &r[i]);
-#pragma unroll
-        for (int i = 0; i < U; ++i)
-            if (k + i < spr) dst[32 * (k + i)] = qf_sb_decode(r[i], FMT, lane);
+    for (int k = 0; k < spr; k += 2) {
+        qf_sb_raw r0, r1;
+        const bool two = k + 1 < spr;
+        qf_sb_load(src + k * bsz, FMT, lane, &r0);
+        if (two) qf_sb_load(src + (k + 1) * bsz, FMT, lane, &r1);
+        dst[32 * k] = qf_sb_decode(r0, FMT, lane);
+        if (two) dst[32 * (k + 1)] = qf_sb_decode(r1, FMT, lane);
     }
 }
 
-template <int FA, int FB, int U>
+template <int FA, int FB>
 __device__ __forceinline__ void qf_dequant_sbt(const unsigned char* __restrict__ blob, long long slot_bytes,
                                                const int* __restrict__ slots, long long off_a, long long rb_a,
                                                int rows_a, int cols_a, uint4* __restrict__ out_a, long long off_b,
@@ -440,37 +438,30 @@ __device__ __forceinline__ void qf_dequant_sbt(const unsigned char* __restrict__
     for (int r = blockIdx.x * QF_WARPS + threadIdx.x / QF_WARP; r < rows_a + rows_b; r += gridDim.x * QF_WARPS) {
         if (r < rows_a) {
             const int spr = cols_a / 256;
-            qf_sbt_row<FA, U>(slot + off_a + r * rb_a, out_a + ((long long)e * rows_a + r) * (32 * spr) + lane, spr,
-                              lane);
+            qf_sbt_row<FA>(slot + off_a + r * rb_a, out_a + ((long long)e * rows_a + r) * (32 * spr) + lane, spr, lane);
         } else {
             const int rr = r - rows_a, spr = cols_b / 256;
-            qf_sbt_row<FB, U>(slot + off_b + rr * rb_b, out_b + ((long long)e * rows_b + rr) * (32 * spr) + lane,
-                              spr, lane);
+            qf_sbt_row<FB>(slot + off_b + rr * rb_b, out_b + ((long long)e * rows_b + rr) * (32 * spr) + lane, spr,
+                           lane);
         }
     }
 }
 
-// strata_qf_dequant_sbt_<a>_<b>: strata_qf_dequant_sb's arguments less the two formats; U super-blocks' loads in
-// flight a warp, at least MINB blocks an SM (the registers a thread may take).
-#define QF_SBT_KERNEL(NAME, FA, FB, U, MINB)                                                                   \
-    extern "C" __global__ void __launch_bounds__(QF_THREADS, MINB)                                             \
+// strata_qf_dequant_sbt_<a>_<b>: strata_qf_dequant_sb's arguments less the two formats.
+#define QF_SBT_KERNEL(NAME, FA, FB)                                                                            \
+    extern "C" __global__ void __launch_bounds__(QF_THREADS)                                                   \
     NAME(const unsigned char* __restrict__ blob, long long slot_bytes, const int* __restrict__ slots, int m,    \
          long long off_a, long long rb_a, int rows_a, int cols_a, uint4* __restrict__ out_a, long long off_b,   \
          long long rb_b, int rows_b, int cols_b, uint4* __restrict__ out_b) {                                 \
-        qf_dequant_sbt<FA, FB, U>(blob, slot_bytes, slots, off_a, rb_a, rows_a, cols_a, out_a, off_b, rb_b,    \
-                                  rows_b, cols_b, out_b);                                                      \
+        qf_dequant_sbt<FA, FB>(blob, slot_bytes, slots, off_a, rb_a, rows_a, cols_a, out_a, off_b, rb_b, rows_b, \
+                               cols_b, out_b);                                                                 \
     }
-QF_SBT_KERNEL(strata_qf_dequant_sbt_q4_k_q6_k, DQ_TYPE_Q4_K, DQ_TYPE_Q6_K, 2, 1)
-QF_SBT_KERNEL(strata_qf_dequant_sbt_q5_k_q6_k, DQ_TYPE_Q5_K, DQ_TYPE_Q6_K, 2, 1)
-QF_SBT_KERNEL(strata_qf_dequant_sbt_q6_k_q6_k, DQ_TYPE_Q6_K, DQ_TYPE_Q6_K, 2, 1)
-QF_SBT_KERNEL(strata_qf_dequant_sbt_q4_k_q4_k, DQ_TYPE_Q4_K, DQ_TYPE_Q4_K, 2, 1)
-QF_SBT_KERNEL(strata_qf_dequant_sbt_q5_k_q5_k, DQ_TYPE_Q5_K, DQ_TYPE_Q5_K, 2, 1)
-QF_SBT_KERNEL(strata_qf_dequant_sbt_q8_0_q8_0, DQ_TYPE_Q8_0, DQ_TYPE_Q8_0, 2, 1)
-// the Q4_K_M pair with more loads in flight (U 4) and more warps an SM (MINB 6: 40 registers; 8: 32), for
-// bench/quant_layer_h200.py to choose between (QuantMoE.dequant_kernel "sbt_u4", "sbt_o8", "sbt_u4o6")
-QF_SBT_KERNEL(strata_qf_dequant_sbt_u4_q4_k_q6_k, DQ_TYPE_Q4_K, DQ_TYPE_Q6_K, 4, 1)
-QF_SBT_KERNEL(strata_qf_dequant_sbt_o8_q4_k_q6_k, DQ_TYPE_Q4_K, DQ_TYPE_Q6_K, 2, 8)
-QF_SBT_KERNEL(strata_qf_dequant_sbt_u4o6_q4_k_q6_k, DQ_TYPE_Q4_K, DQ_TYPE_Q6_K, 4, 6)
+QF_SBT_KERNEL(strata_qf_dequant_sbt_q4_k_q6_k, DQ_TYPE_Q4_K, DQ_TYPE_Q6_K)
+QF_SBT_KERNEL(strata_qf_dequant_sbt_q5_k_q6_k, DQ_TYPE_Q5_K, DQ_TYPE_Q6_K)
+QF_SBT_KERNEL(strata_qf_dequant_sbt_q6_k_q6_k, DQ_TYPE_Q6_K, DQ_TYPE_Q6_K)
+QF_SBT_KERNEL(strata_qf_dequant_sbt_q4_k_q4_k, DQ_TYPE_Q4_K, DQ_TYPE_Q4_K)
+QF_SBT_KERNEL(strata_qf_dequant_sbt_q5_k_q5_k, DQ_TYPE_Q5_K, DQ_TYPE_Q5_K)
+QF_SBT_KERNEL(strata_qf_dequant_sbt_q8_0_q8_0, DQ_TYPE_Q8_0, DQ_TYPE_Q8_0)
 
 // ---- staged super-block dequantization (DEQUANT_KERNEL "st") --------------------------------------------------
 // strata_qf_dequant_sb's rows, decode and stores, but each warp first copies up to QF_SEG super-blocks of its row
