@@ -33,7 +33,6 @@ CONFIGS = {
     "st-kernel-device": dict(warm_device=True, dequant_kernel="st"),
     "sbt-kernel-whole": dict(_HOST, dequant_kernel="sbt", warm_spec_halves=0),
     "sbt-device": dict(warm_device=True, dequant_kernel="sbt"),
-    "sbt-o8-whole": dict(_HOST, dequant_kernel="sbt_o8", warm_spec_halves=0),
     "sb-no-spec-halves": dict(_HOST, dequant_kernel="sb", warm_spec_halves=0, warm_rest_whole=False),
     "spec1-halves": dict(_HOST, dequant_kernel="sb", warm_spec_halves=1, warm_rest_whole=False),
     "spec2-split-halves": dict(_HOST, dequant_kernel="sb", warm_spec_halves=2, warm_merge_spec=False,
@@ -289,14 +288,14 @@ def test_the_gpu_super_block_dequant_is_numpys_f16_of_the_oracle_bit_for_bit(fmt
         assert int(np.count_nonzero(got[i] != want)) == 0, (fmt, i)
 
 
-@pytest.mark.parametrize("kernel", ["sbt", "sbt_o8"])
-def test_the_gpu_q4_k_m_dequant_is_numpys_f16_of_the_oracle_bit_for_bit(kernel):
-    """The Q4_K_M pair's fixed-format kernels (strata_qf_dequant_sbt_q4_k_q6_k, and its 32-register trial) on the GPU: gate|up Q4_K rows of 9
+def test_the_gpu_q4_k_m_dequant_is_numpys_f16_of_the_oracle_bit_for_bit():
+    """The Q4_K_M pair's fixed-format kernel (strata_qf_dequant_sbt_q4_k_q6_k) on the GPU: gate|up Q4_K rows of 9
     super-blocks and down Q6_K rows of 3 (210-byte blocks: unaligned rows) of 3 slots out of order equal numpy's
     float16 of quants.dequantize."""
     import cupy as cp
     from strata_core.reference import quants
     from strata_cuda.quant_ffn import FAST_THREADS, fast_kernels
+    kernel = "sbt"
     rng = np.random.default_rng(17)
     m, rows_a, cols_a, rows_b, cols_b = 3, 40, 9 * 256, 72, 3 * 256
     qa = quants.quantize("q4_k", rng.standard_normal((m, rows_a, cols_a)).astype(np.float32) * np.float32(0.05))

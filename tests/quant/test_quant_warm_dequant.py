@@ -49,7 +49,7 @@ extern "C" void host_dequant_{v}_{a}_{b}(unsigned gx, const unsigned char* blob,
     qf_launch(gx, m, [&] {{ strata_qf_dequant_{v}_{a}_{b}(blob, sb, slots, m, off_a, rb_a, rows_a, cols_a, (uint4*)out_a,
                                                    off_b, rb_b, rows_b, cols_b, (uint4*)out_b); }});
 }}
-""" for v, a, b in [("sbt", a, b) for a, b in SBT_PAIRS] + [("sbt_o8", "q4_k", "q6_k")])
+""" for v, a, b in [("sbt", a, b) for a, b in SBT_PAIRS])
 
 
 @pytest.fixture(scope="module")
@@ -125,8 +125,7 @@ def test_the_format_pairs_are_quant_ffns():
 
 
 @pytest.mark.parametrize("pad", [0, 3], ids=["aligned", "pad3"])
-@pytest.mark.parametrize("kernel,fmt_a,fmt_b",
-                         [("sbt", a, b) for a, b in SBT_PAIRS] + [("sbt_o8", "q4_k", "q6_k")])
+@pytest.mark.parametrize("kernel,fmt_a,fmt_b", [("sbt", a, b) for a, b in SBT_PAIRS])
 def test_the_fixed_format_kernels_are_the_f16_of_the_oracle_bit_for_bit(sb_lib, kernel, fmt_a, fmt_b, pad):
     """strata_qf_dequant_sbt_<a>_<b> (the formats template arguments) equal numpy's float16 of quants.dequantize bit
     for bit: both matrices of an out-of-order table, rows of 9 and 1 super-blocks (a last pass of one), slots off a

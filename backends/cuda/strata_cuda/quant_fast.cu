@@ -462,16 +462,6 @@ QF_SBT_KERNEL(strata_qf_dequant_sbt_q6_k_q6_k, DQ_TYPE_Q6_K, DQ_TYPE_Q6_K)
 QF_SBT_KERNEL(strata_qf_dequant_sbt_q4_k_q4_k, DQ_TYPE_Q4_K, DQ_TYPE_Q4_K)
 QF_SBT_KERNEL(strata_qf_dequant_sbt_q5_k_q5_k, DQ_TYPE_Q5_K, DQ_TYPE_Q5_K)
 QF_SBT_KERNEL(strata_qf_dequant_sbt_q8_0_q8_0, DQ_TYPE_Q8_0, DQ_TYPE_Q8_0)
-// The Q4_K_M pair's kernel with at least 8 blocks an SM (32 registers a thread, 64 warps), a trial
-// (QuantMoE.dequant_kernel "sbt_o8"): ncu found sbt stalled on its loads at 54% occupancy (48 registers).
-extern "C" __global__ void __launch_bounds__(QF_THREADS, 8)
-strata_qf_dequant_sbt_o8_q4_k_q6_k(const unsigned char* __restrict__ blob, long long slot_bytes,
-                                   const int* __restrict__ slots, int m, long long off_a, long long rb_a, int rows_a,
-                                   int cols_a, uint4* __restrict__ out_a, long long off_b, long long rb_b, int rows_b,
-                                   int cols_b, uint4* __restrict__ out_b) {
-    qf_dequant_sbt<DQ_TYPE_Q4_K, DQ_TYPE_Q6_K>(blob, slot_bytes, slots, off_a, rb_a, rows_a, cols_a, out_a, off_b,
-                                               rb_b, rows_b, cols_b, out_b);
-}
 
 // ---- staged super-block dequantization (DEQUANT_KERNEL "st") --------------------------------------------------
 // strata_qf_dequant_sb's rows, decode and stores, but each warp first copies up to QF_SEG super-blocks of its row

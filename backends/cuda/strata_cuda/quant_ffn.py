@@ -61,7 +61,6 @@ SBT_PAIRS = (("q4_k", "q6_k"), ("q5_k", "q6_k"), ("q6_k", "q6_k"), ("q4_k", "q4_
              ("q8_0", "q8_0"))
 FAST_KERNEL_NAMES = ("strata_qf_dequant_f16", "strata_qf_dequant_f16_part", "strata_qf_dequant_sb",
                      "strata_qf_dequant_st", *(f"strata_qf_dequant_sbt_{a}_{b}" for a, b in SBT_PAIRS),
-                     "strata_qf_dequant_sbt_o8_q4_k_q6_k",
                      "strata_qf_gemv_gate_up", "strata_qf_gemv_down", "strata_qf_decode_down",
                      "strata_qf_decode_down_wide")
 #: QF_THREADS, QF_WARPS of quant_fast.cu (a warp per output row)
@@ -104,9 +103,9 @@ DEQUANT_KERNEL = "sbt"
 #: trial forms of "sbt" for the Q4_K_M pair (a pass of 4 super-blocks; at least 8 blocks an SM; both at 6) and a
 #: rewrite of its pass of 2 as a loop over an array ran in call 3 on a slower host (f16 warm 1.235 ms against
 #: 0.935): the rewrite took 0.770 ms (sb 0.772 there), the pass of 4 0.834, 8 blocks 0.712, both 0.736
-#: (lead_h200_s9/call3_quant_layer_h200.json); none is kept, and "sbt" is the source call 2 timed. "sbt_o8": that
-#: source's Q4_K_M kernel held to 32 registers (8 blocks an SM), a trial.
-DEQUANT_KERNELS = ("chunk", "sb", "st", "sbt", "sbt_o8")
+#: (lead_h200_s9/call3_quant_layer_h200.json); none is kept, and "sbt" is the source call 2 timed. That source's
+#: Q4_K_M kernel held to 32 registers (8 blocks an SM) took 0.590 ms against its 0.582 in call 4 (call4_), not kept.
+DEQUANT_KERNELS = ("chunk", "sb", "st", "sbt")
 #: Formats strata_qf_dequant_sb decodes (256-weight super-blocks, or eight q8_0 blocks).
 SB_TYPES = frozenset({"q4_k", "q5_k", "q6_k", "q8_0"})
 #: Most blocks of a strata_qf_dequant_sb launch per expert (a warp per row, grid-stride beyond).
@@ -570,8 +569,7 @@ class QuantMoE(FastMoE):
                 (fmt.down_offset, fmt.down_row_bytes, h, f, fmt.down, s2))
         pair = (fmt.gate_up, fmt.down)
         kern = self.dequant_kernel
-        if sb_takes(fmt) and ((kern == "sbt" and pair in SBT_PAIRS)
-                              or (kern == "sbt_o8" and pair == ("q4_k", "q6_k"))):
+        if kern == "sbt" and sb_takes(fmt) and pair in SBT_PAIRS:
             (oa, ra, rows_a, cols_a, _, da), (ob, rb_, rows_b, cols_b, _, db) = mats
             self._qk[f"strata_qf_dequant_{kern}_{fmt.gate_up}_{fmt.down}"](
                 (max(1, min(SB_MAX_BLOCKS, -(-(rows_a + rows_b) // (2 * FAST_WARPS)))), m), (FAST_THREADS,),
