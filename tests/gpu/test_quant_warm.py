@@ -29,8 +29,6 @@ CONFIGS = {
     "fused": dict(warm_device=True, warm_fused=True),
     "chunk-kernel-halves": dict(_HOST, dequant_kernel="chunk", warm_spec_halves=0, warm_rest_whole=False),
     "sb-kernel-whole": dict(_HOST, dequant_kernel="sb", warm_spec_halves=0),
-    "st-kernel-whole": dict(_HOST, dequant_kernel="st", warm_spec_halves=0),
-    "st-kernel-device": dict(warm_device=True, dequant_kernel="st"),
     "sbt-kernel-whole": dict(_HOST, dequant_kernel="sbt", warm_spec_halves=0),
     "sbt-device": dict(warm_device=True, dequant_kernel="sbt"),
     "sb-no-spec-halves": dict(_HOST, dequant_kernel="sb", warm_spec_halves=0, warm_rest_whole=False),
@@ -246,13 +244,12 @@ def test_a_partly_cached_streamed_layer_with_speculation_matches_the_reference(t
     assert err <= F16_BOUND, err
 
 
-@pytest.mark.parametrize("kernel", ["sb", "st", "sbt"])
+@pytest.mark.parametrize("kernel", ["sb", "sbt"])
 @pytest.mark.parametrize("fmt", ["q4_k", "q5_k", "q6_k", "q8_0"])
 def test_the_gpu_super_block_dequant_is_numpys_f16_of_the_oracle_bit_for_bit(fmt, kernel):
-    """strata_qf_dequant_sb, its staged form strata_qf_dequant_st and its fixed-format form (sbt) on the GPU (the
-    hardware's cvt.rn.f16x2.f32):
+    """strata_qf_dequant_sb and its fixed-format form (sbt) on the GPU (the hardware's cvt.rn.f16x2.f32):
     both matrices of 3 slots out of order, the second one 2 bytes off a 16-byte boundary in each slot, rows of 9
-    super-blocks (the st kernel's segment of 8, then 1), equal numpy's float16 of quants.dequantize."""
+    super-blocks, equal numpy's float16 of quants.dequantize."""
     import cupy as cp
     from strata_core.reference import quants
     from strata_core.reference.quants import GGML_TYPES

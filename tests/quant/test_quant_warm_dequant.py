@@ -1,8 +1,7 @@
 """quant_fast.cu's super-block dequantization (strata_qf_dequant_sb: a warp per 256 weights, both matrices of a group
-of experts in one launch; QuantMoE's warm prefill, issue 14 item 5) and its staged form (strata_qf_dequant_st: each
-warp's row segment copied to shared memory first) built for the host by g++ (the fiber shim of
-test_quant_cuda_host.py, whose warps meet at __syncwarp) and checked bit for bit against numpy's float16 of the
-oracle's weights."""
+of experts in one launch; QuantMoE's warm prefill, issue 14 item 5) and its fixed-format forms
+(strata_qf_dequant_sbt_<a>_<b>) built for the host by g++ (the fiber shim of test_quant_cuda_host.py) and checked bit
+for bit against numpy's float16 of the oracle's weights."""
 
 from __future__ import annotations
 
@@ -26,12 +25,6 @@ void host_dequant_sb(unsigned gx, const unsigned char* blob, long long sb, const
                      long long rb_a, int rows_a, int cols_a, int fmt_a, void* out_a, long long off_b, long long rb_b,
                      int rows_b, int cols_b, int fmt_b, void* out_b) {
     qf_launch(gx, m, [&] { strata_qf_dequant_sb(blob, sb, slots, m, off_a, rb_a, rows_a, cols_a, fmt_a,
-                                                (uint4*)out_a, off_b, rb_b, rows_b, cols_b, fmt_b, (uint4*)out_b); });
-}
-void host_dequant_st(unsigned gx, const unsigned char* blob, long long sb, const int* slots, int m, long long off_a,
-                     long long rb_a, int rows_a, int cols_a, int fmt_a, void* out_a, long long off_b, long long rb_b,
-                     int rows_b, int cols_b, int fmt_b, void* out_b) {
-    qf_launch(gx, m, [&] { strata_qf_dequant_st(blob, sb, slots, m, off_a, rb_a, rows_a, cols_a, fmt_a,
                                                 (uint4*)out_a, off_b, rb_b, rows_b, cols_b, fmt_b, (uint4*)out_b); });
 }
 }
@@ -67,15 +60,14 @@ def _matrix(rng, fmt: str, m: int, rows: int, cols: int) -> np.ndarray:
     return quants.quantize(fmt, w)
 
 
-@pytest.mark.parametrize("kernel", ["sb", "st"])
 @pytest.mark.parametrize("gx", [1, 3], ids=["one_block", "three_blocks"])
 @pytest.mark.parametrize("pad", [0, 2, 3], ids=["aligned", "pad2", "pad3"])
 @pytest.mark.parametrize("fmt_a,fmt_b", [("q4_k", "q6_k"), ("q5_k", "q8_0"), ("q6_k", "q4_k"), ("q8_0", "q5_k")])
-def test_super_block_dequantization_is_the_f16_of_the_oracle_bit_for_bit(sb_lib, fmt_a, fmt_b, pad, gx, kernel):
+def test_super_block_dequantization_is_the_f16_of_the_oracle_bit_for_bit(sb_lib, fmt_a, fmt_b, pad, gx):
     """Both matrices of every slot of an out-of-order table, in one launch, equal numpy's float16 of
     quants.dequantize bit for bit: 16-aligned slots and slots 2 and 3 bytes off (the funnel-shifted loads), one block
     (each warp takes many rows) and three (grid-stride past the last row); rows of 9 and 1 super-blocks (a pass's
-    second super-block past the row's end; the st kernel's full segment of 8, then one of 1)."""
+    second super-block past the row's end)."""
     rng = np.random.default_rng(11)
     m, rows_a, cols_a, rows_b, cols_b = 3, 5, 9 * 256, 7, 256
     qa, qb = _matrix(rng, fmt_a, m, rows_a, cols_a), _matrix(rng, fmt_b, m, rows_b, cols_b)
@@ -89,7 +81,7 @@ def test_super_block_dequantization_is_the_f16_of_the_oracle_bit_for_bit(sb_lib,
     out_a = np.full((m, rows_a, cols_a), 0x7e00, np.uint16)  # poisoned: every element must be written
     out_b = np.full((m, rows_b, cols_b), 0x7e00, np.uint16)
     ll, i32 = ctypes.c_longlong, ctypes.c_int
-    getattr(sb_lib, f"host_dequant_{kernel}")(
+    sb_lib.host_dequant_sb(
         ctypes.c_uint(gx), pointer(blob), ll(sb), pointer(slots), i32(m), ll(off_a), ll(rb_a), i32(rows_a), i32(cols_a),
         i32(GGML_TYPES[fmt_a]), pointer(out_a), ll(off_b), ll(rb_b), i32(rows_b), i32(cols_b), i32(GGML_TYPES[fmt_b]),
         pointer(out_b))

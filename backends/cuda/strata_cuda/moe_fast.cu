@@ -692,6 +692,21 @@ __device__ void block_rank_topk(const float* __restrict__ logits, int E, int K, 
     __syncthreads();
 }
 
+// Block (0,0)'s threads r < K write the routed ids, softmax weights (warp_topk's arithmetic, the same bits) and
+// slots slot_map[id] of block_rank_topk's result for step 2.
+__device__ __forceinline__ void publish_route(const int* s_sel, const float* s_lg, int K,
+                                              const int* __restrict__ slot_map, int* __restrict__ ids_out,
+                                              float* __restrict__ w_out, int* __restrict__ slots_out) {
+    if (threadIdx.x >= K) return;
+    const int r = threadIdx.x;
+    const float top0 = s_lg[0];
+    float s = 0.0f;
+    for (int q = 0; q < K; ++q) s += expf(s_lg[q] - top0);
+    ids_out[r] = s_sel[r];
+    w_out[r] = expf(s_lg[r] - top0) / s;
+    slots_out[r] = slot_map[s_sel[r]];
+}
+
 // Step 1, third form: act[k,i] = silu(x . Wg[i]) * (x . Wu[i]), one warp a row pair (gate row i and up row i of
 // expert k) at a time, each lane loading STRATA_GU3_GROUP 16-byte chunks of both rows before any sum (16 loads in
 // flight a lane; H = 2048 is one group). Sums in the LM-head GEMV's tree shape. Grid (gx, K): the warps stride over
@@ -719,15 +734,7 @@ strata_fast_decode_gate_up3(const float* __restrict__ x, const float* __restrict
     block_rank_topk(logits, E, K, s_l, s_part, s_sel, s_lg);
     const int e = s_sel[k];
     const long long slot = slot_map[e];
-    if (blockIdx.x == 0 && k == 0 && threadIdx.x < K) {
-        const int r = threadIdx.x;
-        const float top0 = s_lg[0];
-        float s = 0.0f;
-        for (int q = 0; q < K; ++q) s += expf(s_lg[q] - top0);
-        ids_out[r] = s_sel[r];
-        w_out[r] = expf(s_lg[r] - top0) / s;
-        slots_out[r] = slot_map[s_sel[r]];
-    }
+    if (blockIdx.x == 0 && k == 0) publish_route(s_sel, s_lg, K, slot_map, ids_out, w_out, slots_out);
     if (w2_prefetch != 0 && slot >= 0) {
         const char* p = (const char*)(w2_prefetch + slot * w2_stride);
         const long long bytes = 2 * w2_stride;
@@ -1103,15 +1110,7 @@ strata_fast_decode_gate_up3_q8(const float* __restrict__ x, const float* __restr
     block_rank_topk(logits, E, K, s_l, s_part, s_sel, s_lg);
     const int e = s_sel[k];
     const long long slot = slot_map[e];
-    if (blockIdx.x == 0 && k == 0 && threadIdx.x < K) {
-        const int r = threadIdx.x;
-        const float top0 = s_lg[0];
-        float s = 0.0f;
-        for (int q = 0; q < K; ++q) s += expf(s_lg[q] - top0);
-        ids_out[r] = s_sel[r];
-        w_out[r] = expf(s_lg[r] - top0) / s;
-        slots_out[r] = slot_map[s_sel[r]];
-    }
+    if (blockIdx.x == 0 && k == 0) publish_route(s_sel, s_lg, K, slot_map, ids_out, w_out, slots_out);
     const long long nq = 2LL * F * H, nd = nq / 32;  // one expert's quants and scales
     const signed char* qb = q13;
     const unsigned short* db = d13;

@@ -250,35 +250,27 @@ strata_qf_dequant_f16_part(const unsigned char* __restrict__ blob, long long slo
 // before either is decoded, keep more bytes in flight. Both matrices of m experts in one launch.
 // The f16 of every weight is the chunk kernel's (the same f32 steps, then round to nearest even).
 
-// A load through the read-only path (global memory), or a plain one (S: shared memory, where __ldg does not apply).
-template <bool S, typename T>
-__device__ __forceinline__ T qf_ld(const T* p) {
-    if (S) return *p;
-    return QF_LDG(p);
-}
-
 // n bytes (n = 8 or 16) at p of any alignment as n/4 little-endian words: one vector load where p is n-aligned,
-// else n/4 + 1 aligned words funnel-shifted into place (every word loaded holds a byte of [p, p + n)); S: p is in
-// shared memory.
-template <int N, bool S = false>
+// else n/4 + 1 aligned words funnel-shifted into place (every word loaded holds a byte of [p, p + n)).
+template <int N>
 __device__ __forceinline__ void qf_loadw(const unsigned char* p, unsigned int w[N]) {
     const unsigned long long a = (unsigned long long)p;
     if (N == 4 && (a & 15ull) == 0ull) {
-        const uint4 x = qf_ld<S>((const uint4*)p);
+        const uint4 x = QF_LDG((const uint4*)p);
         w[0] = x.x; w[1] = x.y; w[2 % N] = x.z; w[3 % N] = x.w;
         return;
     }
     if (N == 2 && (a & 7ull) == 0ull) {
-        const unsigned long long x = qf_ld<S>((const unsigned long long*)p);
+        const unsigned long long x = QF_LDG((const unsigned long long*)p);
         w[0] = (unsigned int)x; w[1 % N] = (unsigned int)(x >> 32);
         return;
     }
     const unsigned int* q = (const unsigned int*)(a & ~3ull);
     const unsigned int sh = 8u * (unsigned int)(a & 3ull);
-    unsigned int lo = qf_ld<S>(q);
+    unsigned int lo = QF_LDG(q);
 #pragma unroll
     for (int i = 0; i < N; ++i) {
-        const unsigned int hi = (sh == 0u && i == N - 1) ? 0u : qf_ld<S>(q + i + 1);
+        const unsigned int hi = (sh == 0u && i == N - 1) ? 0u : QF_LDG(q + i + 1);
         w[i] = sh == 0u ? lo : (unsigned int)((((unsigned long long)hi << 32) | lo) >> sh);
         lo = hi;
     }
@@ -311,26 +303,24 @@ __device__ __forceinline__ int qf_sb_bytes(int fmt) {
          : fmt == DQ_TYPE_Q6_K ? DQ_Q6_K_BYTES : fmt == DQ_TYPE_Q8_0 ? 8 * DQ_Q8_0_BYTES : 0;
 }
 
-// S: b is in shared memory (strata_qf_dequant_st's staged copy), else global memory.
-template <bool S = false>
 __device__ __forceinline__ void qf_sb_load(const unsigned char* b, int fmt, int lane, qf_sb_raw* r) {
     const int j = lane >> 2, q4 = lane & 3;  // the lane's 32-weight sub-block and its quarter of it
     if (fmt == DQ_TYPE_Q4_K || fmt == DQ_TYPE_Q5_K) {
-        qf_loadw<4, S>(b, r->h);  // d, dmin, scales[12]
-        qf_loadw<2, S>(b + (fmt == DQ_TYPE_Q5_K ? 48 : 16) + 32 * (j >> 1) + 8 * q4, r->a);  // qs
-        if (fmt == DQ_TYPE_Q5_K) qf_loadw<2, S>(b + 16 + 8 * q4, r->b);  // qh
+        qf_loadw<4>(b, r->h);  // d, dmin, scales[12]
+        qf_loadw<2>(b + (fmt == DQ_TYPE_Q5_K ? 48 : 16) + 32 * (j >> 1) + 8 * q4, r->a);  // qs
+        if (fmt == DQ_TYPE_Q5_K) qf_loadw<2>(b + 16 + 8 * q4, r->b);  // qh
     } else if (fmt == DQ_TYPE_Q6_K) {
         const int hh = j >> 2, g = j & 3;
-        qf_loadw<2, S>(b + 64 * hh + 32 * (g & 1) + 8 * q4, r->a);  // ql
-        qf_loadw<2, S>(b + 128 + 32 * hh + 8 * q4, r->b);  // qh
+        qf_loadw<2>(b + 64 * hh + 32 * (g & 1) + 8 * q4, r->a);  // ql
+        qf_loadw<2>(b + 128 + 32 * hh + 8 * q4, r->b);  // qh
         // the scale of the lane's 8 weights, and d: two bytes each, read as such (210-byte blocks: any alignment)
         const unsigned char* s = b + 192 + 2 * j + (q4 >> 1);
-        r->h[0] = qf_ld<S>(s);
-        r->h[1] = (unsigned int)qf_ld<S>(b + 208) | ((unsigned int)qf_ld<S>(b + 209) << 8);
+        r->h[0] = QF_LDG(s);
+        r->h[1] = (unsigned int)QF_LDG(b + 208) | ((unsigned int)QF_LDG(b + 209) << 8);
     } else {  // q8_0: the lane's block j of eight, its d and 8 quants
         const unsigned char* blk = b + DQ_Q8_0_BYTES * j;
-        r->h[0] = (unsigned int)qf_ld<S>(blk) | ((unsigned int)qf_ld<S>(blk + 1) << 8);
-        qf_loadw<2, S>(blk + 2 + 8 * q4, r->a);
+        r->h[0] = (unsigned int)QF_LDG(blk) | ((unsigned int)QF_LDG(blk + 1) << 8);
+        qf_loadw<2>(blk + 2 + 8 * q4, r->a);
     }
 }
 
@@ -462,57 +452,6 @@ QF_SBT_KERNEL(strata_qf_dequant_sbt_q6_k_q6_k, DQ_TYPE_Q6_K, DQ_TYPE_Q6_K)
 QF_SBT_KERNEL(strata_qf_dequant_sbt_q4_k_q4_k, DQ_TYPE_Q4_K, DQ_TYPE_Q4_K)
 QF_SBT_KERNEL(strata_qf_dequant_sbt_q5_k_q5_k, DQ_TYPE_Q5_K, DQ_TYPE_Q5_K)
 QF_SBT_KERNEL(strata_qf_dequant_sbt_q8_0_q8_0, DQ_TYPE_Q8_0, DQ_TYPE_Q8_0)
-
-// ---- staged super-block dequantization (DEQUANT_KERNEL "st") --------------------------------------------------
-// strata_qf_dequant_sb's rows, decode and stores, but each warp first copies up to QF_SEG super-blocks of its row
-// (2048 weights) into its own shared memory with 16-byte loads, all issued before any is used, and decodes from
-// there: a warp keeps a whole segment's bytes in flight (1152 of a q4_k row, against the sb kernel's two
-// super-blocks, 288), and the unaligned q6_k fields are funnel-shifted out of shared memory, not out of several
-// global loads each. Every 16-byte word loaded holds a byte of the segment, so no load leaves the pages it touches.
-#define QF_SEG 8
-// 16-byte words of the largest segment (eight q8_0 super-blocks of 272 bytes) and of the alignment before it
-#define QF_SEG_WORDS ((QF_SEG * 8 * DQ_Q8_0_BYTES + 15) / 16 + 1)
-// ceil(QF_SEG_WORDS / QF_WARP): the staging loads a lane issues
-#define QF_SEG_LOADS ((QF_SEG_WORDS + QF_WARP - 1) / QF_WARP)
-
-extern "C" __global__ void __launch_bounds__(QF_THREADS)
-strata_qf_dequant_st(const unsigned char* __restrict__ blob, long long slot_bytes, const int* __restrict__ slots,
-                     int m, long long off_a, long long rb_a, int rows_a, int cols_a, int fmt_a,
-                     uint4* __restrict__ out_a, long long off_b, long long rb_b, int rows_b, int cols_b, int fmt_b,
-                     uint4* __restrict__ out_b) {
-    __shared__ uint4 s_seg[QF_WARPS][QF_SEG_WORDS];
-    const int lane = threadIdx.x % QF_WARP, warp = threadIdx.x / QF_WARP, e = blockIdx.y;
-    const unsigned char* slot = blob + (long long)slots[e] * slot_bytes;
-    const unsigned char* stage = (const unsigned char*)s_seg[warp];
-    for (int r = blockIdx.x * QF_WARPS + warp; r < rows_a + rows_b; r += gridDim.x * QF_WARPS) {
-        const bool b = r >= rows_a;
-        const int rr = b ? r - rows_a : r, fmt = b ? fmt_b : fmt_a, spr = (b ? cols_b : cols_a) / 256;
-        const int bsz = qf_sb_bytes(fmt);
-        const unsigned char* src = slot + (b ? off_b + rr * rb_b : off_a + rr * rb_a);
-        uint4* dst = (b ? out_b + ((long long)e * rows_b + rr) * (32 * spr)
-                        : out_a + ((long long)e * rows_a + rr) * (32 * spr)) + lane;
-        for (int k0 = 0; k0 < spr; k0 += QF_SEG) {
-            const int n = min(QF_SEG, spr - k0);
-            const unsigned long long p = (unsigned long long)(src + (long long)k0 * bsz);
-            const int lead = (int)(p & 15ull), words = (lead + n * bsz + 15) >> 4;
-            const uint4* g = (const uint4*)(p - (unsigned long long)lead);
-            uint4 w[QF_SEG_LOADS];
-#pragma unroll
-            for (int i = 0; i < QF_SEG_LOADS; ++i)
-                if (lane + QF_WARP * i < words) w[i] = QF_LDG(g + lane + QF_WARP * i);
-#pragma unroll
-            for (int i = 0; i < QF_SEG_LOADS; ++i)
-                if (lane + QF_WARP * i < words) s_seg[warp][lane + QF_WARP * i] = w[i];
-            __syncwarp();
-            for (int k = 0; k < n; ++k) {
-                qf_sb_raw raw;
-                qf_sb_load<true>(stage + lead + k * bsz, fmt, lane, &raw);
-                dst[32 * (k0 + k)] = qf_sb_decode(raw, fmt, lane);
-            }
-            __syncwarp();  // every lane's reads of this segment before the next one overwrites it
-        }
-    }
-}
 
 // The group of blockIdx.y: its rows [r0, r1) and slot. offsets null: group g is row g alone (decode: act row k);
 // ids not null: the slot is slot_map[ids[g]], else slots[g].

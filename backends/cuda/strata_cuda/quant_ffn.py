@@ -60,7 +60,7 @@ FAST_SOURCE_NAME = "quant_fast.cu"
 SBT_PAIRS = (("q4_k", "q6_k"), ("q5_k", "q6_k"), ("q6_k", "q6_k"), ("q4_k", "q4_k"), ("q5_k", "q5_k"),
              ("q8_0", "q8_0"))
 FAST_KERNEL_NAMES = ("strata_qf_dequant_f16", "strata_qf_dequant_f16_part", "strata_qf_dequant_sb",
-                     "strata_qf_dequant_st", *(f"strata_qf_dequant_sbt_{a}_{b}" for a, b in SBT_PAIRS),
+                     *(f"strata_qf_dequant_sbt_{a}_{b}" for a, b in SBT_PAIRS),
                      "strata_qf_gemv_gate_up", "strata_qf_gemv_down", "strata_qf_decode_down",
                      "strata_qf_decode_down_wide")
 #: QF_THREADS, QF_WARPS of quant_fast.cu (a warp per output row)
@@ -97,15 +97,15 @@ RING_TAIL = (4, 2, 2)
 #: call2_quant_layer_h200.json; Nsight Compute, call2_ncu_dequant.txt: 48 registers against 64, 54% occupancy, the
 #: warps stalled on their loads 46% of the time), so it is the default.
 DEQUANT_KERNEL = "sbt"
-#: Whole experts' dequantization kernels: "st" is strata_qf_dequant_st, the sb kernel's rows, decode and stores with
-#: each warp's row segment (up to 8 super-blocks) staged in shared memory by 16-byte loads first (bit for bit the sb
-#: kernel's f16; it takes what sb_takes takes): no faster, 0.743 ms against sb's 0.719 (lead_h200_s9/call1_). Three
+#: Whole experts' dequantization kernels. Tried and removed: the sb kernel with each warp's row segment (up to 8
+#: super-blocks) staged in shared memory by 16-byte loads first, bit for bit the same f16 but no faster, 0.743 ms
+#: against sb's 0.719 (lead_h200_s9/call1_, kernel strata_qf_dequant_st of commit 0fb6be0). Three
 #: trial forms of "sbt" for the Q4_K_M pair (a pass of 4 super-blocks; at least 8 blocks an SM; both at 6) and a
 #: rewrite of its pass of 2 as a loop over an array ran in call 3 on a slower host (f16 warm 1.235 ms against
 #: 0.935): the rewrite took 0.770 ms (sb 0.772 there), the pass of 4 0.834, 8 blocks 0.712, both 0.736
 #: (lead_h200_s9/call3_quant_layer_h200.json); none is kept, and "sbt" is the source call 2 timed. That source's
 #: Q4_K_M kernel held to 32 registers (8 blocks an SM) took 0.590 ms against its 0.582 in call 4 (call4_), not kept.
-DEQUANT_KERNELS = ("chunk", "sb", "st", "sbt")
+DEQUANT_KERNELS = ("chunk", "sb", "sbt")
 #: Formats strata_qf_dequant_sb decodes (256-weight super-blocks, or eight q8_0 blocks).
 SB_TYPES = frozenset({"q4_k", "q5_k", "q6_k", "q8_0"})
 #: Most blocks of a strata_qf_dequant_sb launch per expert (a warp per row, grid-stride beyond).
@@ -576,13 +576,11 @@ class QuantMoE(FastMoE):
                 (blob, np.int64(slot_b), np.uint64(table), np.int32(m), np.int64(oa), np.int64(ra), np.int32(rows_a),
                  np.int32(cols_a), np.uint64(da), np.int64(ob), np.int64(rb_), np.int32(rows_b), np.int32(cols_b),
                  np.uint64(db)))
-        elif kern in DEQUANT_KERNELS and kern != "chunk" and sb_takes(fmt):
+        elif kern in ("sb", "sbt") and sb_takes(fmt):
             (oa, ra, rows_a, cols_a, ta, da), (ob, rb_, rows_b, cols_b, tb, db) = mats
-            # a warp per row, two rows a warp (sb) or one (st: a row's segment is its bytes in flight): blockIdx.y is
-            # the expert
-            rows_warp = 1 if self.dequant_kernel == "st" else 2
-            self._qk[f"strata_qf_dequant_{'st' if self.dequant_kernel == 'st' else 'sb'}"](
-                (max(1, min(SB_MAX_BLOCKS, -(-(rows_a + rows_b) // (rows_warp * FAST_WARPS)))), m), (FAST_THREADS,),
+            # a warp per row, two rows a warp: blockIdx.y is the expert
+            self._qk["strata_qf_dequant_sb"](
+                (max(1, min(SB_MAX_BLOCKS, -(-(rows_a + rows_b) // (2 * FAST_WARPS)))), m), (FAST_THREADS,),
                 (blob, np.int64(slot_b), np.uint64(table), np.int32(m), np.int64(oa), np.int64(ra), np.int32(rows_a),
                  np.int32(cols_a), np.int32(GGML_TYPES[ta]), np.uint64(da), np.int64(ob), np.int64(rb_),
                  np.int32(rows_b), np.int32(cols_b), np.int32(GGML_TYPES[tb]), np.uint64(db)))
