@@ -183,11 +183,22 @@ def compile_to_ptx(arch: str = "compute_90") -> bytes:
         nvrtc.destroyProgram(prog)
 
 
+#: The third-form gate/up kernels compute a layer's uncached experts first (STRATA_MISSES_FIRST in moe_fast.cu):
+#: their link-bound blocks start in the first wave, beside the cached experts' blocks, not after them.
+DECODE_MISSES_FIRST = True
+
+
+def module_options(decode_rows_per_warp: int = DECODE_ROWS_PER_WARP) -> tuple[str, ...]:
+    """NVRTC options of moe_fast.cu for these compiled-in choices (DECODE_MISSES_FIRST read now)."""
+    return COMPILE_OPTIONS + (f"-DSTRATA_DEC_ROWS={int(decode_rows_per_warp)}",
+                              f"-DSTRATA_MISSES_FIRST={int(bool(DECODE_MISSES_FIRST))}")
+
+
 def precompile(decode_rows_per_warp: int = DECODE_ROWS_PER_WARP) -> None:
     """Compile moe_fast.cu now (cupy keeps the module by source and options), so a FastMoE built later, inside a
     timed region, does not pay for NVRTC."""
     import cupy
-    mod = cupy.RawModule(code=kernel_source(), options=COMPILE_OPTIONS + (f"-DSTRATA_DEC_ROWS={decode_rows_per_warp}",))
+    mod = cupy.RawModule(code=kernel_source(), options=module_options(decode_rows_per_warp))
     for n in KERNEL_NAMES:
         mod.get_function(n)
 
@@ -554,8 +565,7 @@ class FastMoE:
         self.trace: list | None = None
         #: FFN rows each warp of the decode gate/up kernel computes (compiled in)
         self.decode_rows_per_warp = int(decode_rows_per_warp)
-        self._module = cupy.RawModule(code=kernel_source(),
-                                      options=COMPILE_OPTIONS + (f"-DSTRATA_DEC_ROWS={self.decode_rows_per_warp}",))
+        self._module = cupy.RawModule(code=kernel_source(), options=module_options(self.decode_rows_per_warp))
         self._k = {n: self._module.get_function(n) for n in KERNEL_NAMES}
         #: decode kernels launched as programmatic dependent launches (pdl.py) where the driver allows
         self.decode_pdl = DECODE_PDL

@@ -693,10 +693,10 @@ __device__ void block_rank_topk(const float* __restrict__ logits, int E, int K, 
 }
 
 // Block (0,0)'s threads r < K write the routed ids, softmax weights (warp_topk's arithmetic, the same bits) and
-// slots slot_map[id] of block_rank_topk's result for step 2.
-__device__ __forceinline__ void publish_route(const int* s_sel, const float* s_lg, int K,
-                                              const int* __restrict__ slot_map, int* __restrict__ ids_out,
-                                              float* __restrict__ w_out, int* __restrict__ slots_out) {
+// slots (s_slot[r] = slot_map[id]) of block_rank_topk's result for step 2.
+__device__ __forceinline__ void publish_route(const int* s_sel, const float* s_lg, int K, const int* s_slot,
+                                              int* __restrict__ ids_out, float* __restrict__ w_out,
+                                              int* __restrict__ slots_out) {
     if (threadIdx.x >= K) return;
     const int r = threadIdx.x;
     const float top0 = s_lg[0];
@@ -704,7 +704,55 @@ __device__ __forceinline__ void publish_route(const int* s_sel, const float* s_l
     for (int q = 0; q < K; ++q) s += expf(s_lg[q] - top0);
     ids_out[r] = s_sel[r];
     w_out[r] = expf(s_lg[r] - top0) / s;
-    slots_out[r] = slot_map[s_sel[r]];
+    slots_out[r] = s_slot[r];
+}
+
+// Which of the K routed experts a third-form gate/up block computes. With STRATA_MISSES_FIRST (the default) the
+// grid's expert index blockIdx.y walks the uncached ranks before the cached ones (each in rank order): a block
+// is dispatched in index order, so a missed expert's link-bound blocks start in the first wave and the cached
+// experts' blocks fill the SMs beside them, instead of the miss starting after every hit ahead of it in rank.
+// The block still writes act at its expert's rank, so results are the same bits in either order.
+#ifndef STRATA_MISSES_FIRST
+#define STRATA_MISSES_FIRST 1
+#endif
+struct RoutedBlock {
+    int rank;        // the expert's rank in the top k (act's row)
+    int e;           // its id
+    long long slot;  // its cache slot, -1 if not cached
+};
+
+// The opening of a third-form gate/up block: wait for logits and x (the previous kernel's), rank the top k once a
+// block, block (0,0) publishes ids, weights and slots for step 2, and this block's expert is chosen (above).
+__device__ RoutedBlock route_block(const float* __restrict__ logits, int E, int K, const int* __restrict__ slot_map,
+                                   int* __restrict__ ids_out, float* __restrict__ w_out, int* __restrict__ slots_out) {
+    __shared__ float s_l[STRATA_FAST_THREADS];
+    __shared__ int s_part[STRATA_FAST_THREADS];
+    __shared__ int s_sel[STRATA_FAST_MAXK];
+    __shared__ float s_lg[STRATA_FAST_MAXK];
+    __shared__ int s_slot[STRATA_FAST_MAXK];
+    __shared__ int s_rank;
+    STRATA_GRID_LAUNCH_DEPENDENTS();
+    STRATA_GRID_WAIT();
+    block_rank_topk(logits, E, K, s_l, s_part, s_sel, s_lg);
+    if (threadIdx.x < K) s_slot[threadIdx.x] = slot_map[s_sel[threadIdx.x]];
+    __syncthreads();
+    if (blockIdx.x == 0 && blockIdx.y == 0) publish_route(s_sel, s_lg, K, s_slot, ids_out, w_out, slots_out);
+    if (threadIdx.x == 0) {
+        int rank = blockIdx.y;
+#if STRATA_MISSES_FIRST
+        int n = 0;
+        for (int pass = 0; pass < 2; ++pass)  // pass 0 the misses, pass 1 the hits
+            for (int r = 0; r < K; ++r)
+                if ((s_slot[r] >= 0) == (pass == 1) && n++ == (int)blockIdx.y) rank = r;
+#endif
+        s_rank = rank;
+    }
+    __syncthreads();
+    RoutedBlock b;
+    b.rank = s_rank;
+    b.e = s_sel[b.rank];
+    b.slot = s_slot[b.rank];
+    return b;
 }
 
 // Step 1, third form: act[k,i] = silu(x . Wg[i]) * (x . Wu[i]), one warp a row pair (gate row i and up row i of
@@ -723,18 +771,10 @@ strata_fast_decode_gate_up3(const float* __restrict__ x, const float* __restrict
                             float* __restrict__ act, int* __restrict__ ids_out, float* __restrict__ w_out,
                             int* __restrict__ slots_out, const unsigned short* __restrict__ w2_prefetch,
                             long long w2_stride) {
-    __shared__ float s_l[STRATA_FAST_THREADS];
-    __shared__ int s_part[STRATA_FAST_THREADS];
-    __shared__ int s_sel[STRATA_FAST_MAXK];
-    __shared__ float s_lg[STRATA_FAST_MAXK];
     const int warp = threadIdx.x / STRATA_WARP, lane = threadIdx.x % STRATA_WARP;
-    const int k = blockIdx.y;
-    STRATA_GRID_LAUNCH_DEPENDENTS();
-    STRATA_GRID_WAIT();  // logits and x are the previous kernel's
-    block_rank_topk(logits, E, K, s_l, s_part, s_sel, s_lg);
-    const int e = s_sel[k];
-    const long long slot = slot_map[e];
-    if (blockIdx.x == 0 && k == 0) publish_route(s_sel, s_lg, K, slot_map, ids_out, w_out, slots_out);
+    const RoutedBlock rb = route_block(logits, E, K, slot_map, ids_out, w_out, slots_out);
+    const int k = rb.rank, e = rb.e;
+    const long long slot = rb.slot;
     if (w2_prefetch != 0 && slot >= 0) {
         const char* p = (const char*)(w2_prefetch + slot * w2_stride);
         const long long bytes = 2 * w2_stride;
@@ -1099,18 +1139,10 @@ strata_fast_decode_gate_up3_q8(const float* __restrict__ x, const float* __restr
                                const unsigned short* __restrict__ d13, const signed char* __restrict__ host_q13,
                                const unsigned short* __restrict__ host_d13, int H, int F, float* __restrict__ act,
                                int* __restrict__ ids_out, float* __restrict__ w_out, int* __restrict__ slots_out) {
-    __shared__ float s_l[STRATA_FAST_THREADS];
-    __shared__ int s_part[STRATA_FAST_THREADS];
-    __shared__ int s_sel[STRATA_FAST_MAXK];
-    __shared__ float s_lg[STRATA_FAST_MAXK];
     const int warp = threadIdx.x / STRATA_WARP, lane = threadIdx.x % STRATA_WARP;
-    const int k = blockIdx.y;
-    STRATA_GRID_LAUNCH_DEPENDENTS();
-    STRATA_GRID_WAIT();  // logits and x are the previous kernel's
-    block_rank_topk(logits, E, K, s_l, s_part, s_sel, s_lg);
-    const int e = s_sel[k];
-    const long long slot = slot_map[e];
-    if (blockIdx.x == 0 && k == 0) publish_route(s_sel, s_lg, K, slot_map, ids_out, w_out, slots_out);
+    const RoutedBlock rb = route_block(logits, E, K, slot_map, ids_out, w_out, slots_out);
+    const int k = rb.rank, e = rb.e;
+    const long long slot = rb.slot;
     const long long nq = 2LL * F * H, nd = nq / 32;  // one expert's quants and scales
     const signed char* qb = q13;
     const unsigned short* db = d13;
