@@ -260,6 +260,40 @@ class ExpertCache:
         base = layer * self.experts_per_layer
         return [self._take_coldest(heat, base + e) for e in experts]
 
+    def reserve(self, layer: int, experts: np.ndarray, keep: np.ndarray | None = None) -> np.ndarray:
+        """Slots set aside for experts of `layer` that are not resident, to be filled later (`fill`): each takes the
+        coldest usable slot outside `keep`, evicting what it held, and is held as on loan (no lookup finds it and no
+        admission or loan takes it) until filled or given back; EMPTY where no slot is left. Decode reserves the
+        slots its misses are written into as they are read from host memory."""
+        rows = self.row(layer, np.asarray(experts, dtype=np.int64)).reshape(-1)
+        out = np.full(rows.shape, EMPTY, dtype=np.int64)
+        heat, left = self._heat_blocked(None if keep is None else np.asarray(keep, dtype=np.int64))
+        for i, r in enumerate(rows.tolist()):
+            if left <= 0:
+                break
+            if self.slot_of[r] != EMPTY or r in rows[:i]:
+                continue  # resident, or reserved already by this call
+            s = int(heat.argmin())
+            old = int(self.expert_in[s])
+            if old != EMPTY:
+                self.slot_of[old] = EMPTY
+                self.evictions += 1
+            self.expert_in[s] = EMPTY
+            self.on_loan[s] = True
+            heat[s] = np.inf
+            left -= 1
+            out[i] = s
+        return out
+
+    def fill(self, row: int, slot: int) -> None:
+        """Put store row `row` into `slot`, reserved for it by `reserve` (its bytes are on the device now)."""
+        row, slot = int(row), int(slot)
+        if not (self.on_loan[slot] and self.expert_in[slot] == EMPTY and self.slot_of[row] == EMPTY):
+            raise ValueError(f"fill: slot {slot} is not a reserved empty slot, or row {row} is resident")
+        self.on_loan[slot] = False
+        self.expert_in[slot] = row
+        self.slot_of[row] = slot
+
     # --- loans ---------------------------------------------------------------------------------------------
 
     @property

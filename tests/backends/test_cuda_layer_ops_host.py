@@ -124,7 +124,7 @@ def test_steps_are_counted_at_decode_done_from_the_copied_ids_and_layers_are_reu
         assert np.array_equal(op._ids_host, want)
         assert cache.hits - hits == L * K
         # the device maps the step's layers read are the cache's table now
-        assert np.array_equal(op._maps_dev.a, cache.slot_of[op._rows].reshape(L, E))
+        assert np.array_equal(op._maps_dev.a[:, :E], cache.slot_of[op._rows].reshape(L, E))
     assert fast.replays == 4 and op.counts["decode_graph_steps"] == 4
     assert op.counts["decode_layers_reused"] == 2, op.counts  # steps 1 and 3
     # the freshest step's experts are the warmest: the lookups landed on the routed rows
@@ -178,3 +178,123 @@ def test_the_routed_ids_buffer_comes_from_the_sessions_pinned_allocator(op, refu
         assert op.counts.get("ids_pageable") == 1 and op._ids_buf is None
     else:
         assert "ids_pageable" not in op.counts and np.shares_memory(op._ids_host, op._ids_buf.array)
+
+
+class LandingFast(FakeFast):
+    """FakeFast whose kernels land misses (the third forms): each replay routes `route[i]` in layer i and, as the
+    kernels do, writes a miss whose landing entry is a slot into that slot (recorded in `writes`)."""
+
+    def __init__(self, route: np.ndarray, lands: bool = True):
+        super().__init__()
+        self.route, self.lands, self.writes = route, lands, []
+
+    def lands_misses(self, pool) -> bool:
+        """Whether these 'kernels' land misses."""
+        return self.lands
+
+    def decode_stack(self, x, layers, graph=True, key=None):
+        """Write the routed ids; land each routed miss that has a landing slot."""
+        for i, lay in enumerate(layers):
+            lay.ids.a[...] = self.route[i]
+            for e in self.route[i].tolist():
+                if lay.slot_map.a[e] < 0 and lay.land is not None and lay.land.a[e] >= 0:
+                    self.writes.append((i, e, int(lay.land.a[e])))
+        self.replays += 1
+
+
+def landing_works(cache: ExpertCache, uploads: list, budget_rows: int) -> list[LayerWork]:
+    """step_works with a host store whose rows the copy admission would upload (recorded in `uploads`)."""
+    works = step_works(cache, Dev(np.zeros((1, H), np.float32)))
+    store = SimpleNamespace(row_bytes=(64 << 20) // budget_rows, pinned_rows=None, pool=None)
+    src = SimpleNamespace(store=store, upload=lambda row, slot, stream: uploads.append((row, slot)))
+    for w in works:
+        w.source = src
+        w.copy_stream = SimpleNamespace(wait_event=lambda e: None)
+        w.stats = {"experts_admitted": 0}
+    return works
+
+
+@pytest.fixture
+def lop(op, monkeypatch):
+    """`op` whose layers read their misses from (fake) mapped host addresses."""
+    from strata_cuda import layer_ops
+    monkeypatch.setattr(layer_ops.CudaLayerOps, "_hosts", lambda self, works, fast, rows, missing: [(1, 2)] * len(works))
+    return op
+
+
+def half_cache() -> ExpertCache:
+    """L x E experts, half of each layer cached (experts 0..E/2-1)."""
+    cache = ExpertCache(L * E // 2, L, E)
+    cache.place(np.concatenate([np.arange(E // 2) + i * E for i in range(L)]))
+    return cache
+
+
+def test_decode_admits_its_misses_by_landing_them_with_no_copy_and_counts_them_as_misses_until_landed(lop):
+    op = lop
+    """Every step routes experts 0 and 7 of each layer (7 is not cached): the first step reserves slots for the
+    hottest misses (two, the budget), the second step's kernels land them (the step counts them as misses), and
+    from the third step on they are hits in their slots; no copy crosses the link for them."""
+    cache, uploads = half_cache(), []
+    route = np.tile(np.array([0, 7]), (L, 1))
+    fast = op._test_fast = LandingFast(route)
+    works = landing_works(cache, uploads, budget_rows=2)
+    rows7 = np.arange(L) * E + 7
+    op.decode_step(works)  # step 0: L misses; two reserved
+    assert len(op._landing) == 2 and int(cache.on_loan.sum()) == 2, op._landing
+    reserved = {r: v[0] for r, v in op._landing.items()}
+    assert all(cache.slot_of[r] == -1 for r in reserved), "a reserved expert is not resident"
+    assert fast.writes == [], "nothing had a landing slot in step 0"
+    misses = cache.misses
+    op.decode_step(works)  # step 1: the reserved ones land; the third is reserved now
+    landed = {(int(i) * E + e): s for i, e, s in fast.writes}
+    assert landed == reserved, (landed, reserved)
+    assert cache.misses - misses == L, "a landing step reads its experts from host memory: misses"
+    for r, s in reserved.items():
+        assert cache.slot_of[r] == s and not cache.on_loan[s]
+    assert op.counts["decode_landed"] == 2 and works[0].stats["experts_admitted"] == 2
+    op.decode_step(works)  # step 2: the third lands
+    op.decode_step(works)  # step 3: every routed expert is a hit
+    hits, lookups = cache.hits, cache.lookups
+    op.decode_step(works)
+    assert cache.hits - hits == cache.lookups - lookups == L * K
+    assert (cache.slot_of[rows7] >= 0).all() and op.counts["decode_landed"] == L
+    # the device maps of the last step name the landed slots; no landing table entry is left
+    assert np.array_equal(op._maps_dev.a[:, :E], cache.slot_of[op._rows].reshape(L, E))
+    assert (op._maps_dev.a[:, E:] == -1).all() and not op._landing
+    assert uploads == [], "landing copies nothing"
+    cache.check()
+
+
+def test_without_landing_kernels_decode_admits_by_copy(lop):
+    op = lop
+    cache, uploads = half_cache(), []
+    op._test_fast = LandingFast(np.tile(np.array([0, 7]), (L, 1)), lands=False)
+    works = landing_works(cache, uploads, budget_rows=2)
+    op.decode_step(works)
+    assert len(uploads) == 2 and not op._landing and "decode_reserved" not in op.counts
+
+
+def test_a_reservation_not_landed_expires_and_a_prompt_gives_every_reservation_back(lop, monkeypatch):
+    op = lop
+    from strata_cuda import layer_ops
+    cache, uploads = half_cache(), []
+    fast = op._test_fast = LandingFast(np.tile(np.array([0, 7]), (L, 1)))
+    works = landing_works(cache, uploads, budget_rows=1)
+    op.decode_step(works)  # reserves one slot for one of the expert 7s
+    (row, (slot, _)), = op._landing.items()
+    fast.route = np.tile(np.array([0, 1]), (L, 1))  # from now on every routed expert is cached
+    for _ in range(layer_ops.LANDING_EXPIRE_STEPS - 1):
+        op.decode_step(works)
+    assert row in op._landing and cache.on_loan[slot]
+    op.decode_step(works)
+    assert not op._landing and not cache.on_loan.any() and op.counts["decode_land_expired"] == 1
+    assert cache.slot_of[row] == -1 and cache.expert_in[slot] == -1
+    # a new reservation, then a prompt: the prompt gets every slot back
+    fast.route = np.tile(np.array([0, 6]), (L, 1))
+    op.decode_step(works)
+    assert op._landing and cache.on_loan.any()
+    monkeypatch.setattr(layer_ops.CudaLayerOps, "_fast_for", lambda self, w: None)
+    monkeypatch.setattr(layer_ops.CudaLayerOps, "_fallback", lambda self, w: SimpleNamespace(prefill_layer=lambda w: None))
+    op.prefill_layer(works[0])
+    assert not op._landing and not cache.on_loan.any()
+    cache.check()

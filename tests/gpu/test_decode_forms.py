@@ -230,6 +230,53 @@ def test_the_third_forms_match_float64_with_mapped_misses_and_repeat_their_bits(
 
 @pytest.mark.parametrize("dtype", ["f16", "q8_0"])
 @pytest.mark.parametrize("form", THIRD_FORMS)
+@pytest.mark.parametrize("shape", THIRD_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_a_third_form_writes_each_landing_miss_into_its_reserved_slot_and_keeps_its_bits(cp, rng, form, shape, dtype):
+    """Two misses with landing slots (land[e] >= 0) and one without: after one decode every array of each landing
+    slot holds its expert's host bytes exactly, the slot of the miss without one and every other spare slot keep
+    their poison, the cached slots are unchanged, and the output is the same bits as a decode without landing."""
+    e, k, h, f = shape
+    moe = shaped_moe(e, k, h, f)
+    x = rng.standard_normal((1, h)).astype(np.float32)
+    logits = rng.standard_normal((1, e)).astype(np.float32)
+    hp = (shaped_experts if dtype == "f16" else shaped_q8_experts)(cp, e, h, f)[2]
+    ids, _ = ref.route_topk(logits, k)
+    missed = ids[0, [0, k - 2, k - 1]]
+    slot_of = rng.permutation(e).astype(np.int32)
+    slot_of[missed] = -1
+    spare = [e, e + 1, e + 2]  # slots past the experts: landing targets and a control that must stay poisoned
+    pool = device_pool(cp, hp, e + 3)
+    cached = np.flatnonzero(slot_of >= 0)
+    place(cp, pool, hp, cached, slot_of[cached])
+    before = {n: a[cp.asarray(slot_of[cached])].get() for n, a in pool.arrays.items()}
+    land = np.full(e, -1, np.int32)
+    land[missed[:2]] = spare[:2]  # the third miss has no landing slot
+    land[cached[:3]] = spare[2]  # a cached expert's entry is never used
+    moe.decode_form, moe.decode_pdl = form, True
+    outs = []
+    for table in (None, land):
+        moe._graphs.clear()
+        out = poisoned(cp, (1, h))
+        moe.decode_layer(cp.asarray(x), cp.asarray(logits), pool, cp.asarray(slot_of), out=out, host_pool=hp,
+                         land=None if table is None else cp.asarray(table))
+        moe.compute_stream.synchronize()
+        outs.append(out.get())
+    from strata_cuda import fast
+    moe.decode_form, moe.decode_pdl = fast.DECODE_FORM, fast.DECODE_PDL
+    assert np.isfinite(outs[1]).all(), f"seed {rng.seed_value}"
+    assert np.array_equal(outs[0].view(np.uint32), outs[1].view(np.uint32)), f"landing changed bits ({rng.seed_value})"
+    for name, a in pool.arrays.items():
+        for ex, slot in zip(missed[:2], spare[:2]):
+            got, want = a[slot].get(), np.asarray(hp.arrays[name][ex])
+            bad = np.flatnonzero(got.view(np.uint8).ravel() != want.view(np.uint8).ravel())
+            assert bad.size == 0, (f"{dtype} form {form} {shape}: {name} of expert {ex} in slot {slot}: {bad.size} "
+                                   f"bytes differ, first at {bad[:4]} (seed {rng.seed_value})")
+        assert (a[spare[2]].get().view(np.uint8) == 0xFF).all(), f"{name}: the unreserved spare slot was written"
+        assert np.array_equal(a[cp.asarray(slot_of[cached])].get(), before[name]), f"{name}: a cached slot changed"
+
+
+@pytest.mark.parametrize("dtype", ["f16", "q8_0"])
+@pytest.mark.parametrize("form", THIRD_FORMS)
 def test_a_third_form_writes_nan_for_a_miss_it_cannot_read(cp, moe, rng, form, dtype):
     """No host pool and a routed expert not cached: every output is NaN (a check catches it), none left unwritten
     or computed from slot -1's address; f16 and Q8_0 pools."""

@@ -178,6 +178,13 @@ def test_decode_steps_replay_one_graph_with_mapped_misses(cp, rng, dtype):
     assert op.counts["decode_graph_steps"] == 3, op.counts
     assert len([k for k in op._fast.values()][0]._graphs) == 1, "one graph for the whole stack, replayed"
     assert m.cache.misses > 0, "half the experts are not cached: some decode reads came from host memory"
+    # step 0 reserved slots for its misses, step 1's kernels wrote them there as they read them (landing), step 2
+    # read them from those slots (its output checked above); every expert the cache holds is the host's bytes
+    assert op.counts.get("decode_landed", 0) > 0 and "decode_admitted" not in op.counts, op.counts
+    rows = np.flatnonzero(m.cache.slot_of >= 0)
+    for name, a in m.host.arrays.items():
+        held = m.dev.arrays[name][cp.asarray(m.cache.slot_of[rows])].get()
+        assert np.array_equal(held, a[rows]), f"{name}: a cached slot does not hold its expert (seed {rng.seed_value})"
 
 
 def test_decode_over_reused_works_reuses_its_layers_until_the_cache_changes(cp, rng):

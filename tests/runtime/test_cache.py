@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from hypothesis import given, settings as hyp_settings, strategies as st
 
 from strata_core.runtime.cache import EMPTY, ExpertCache
@@ -140,3 +141,35 @@ def test_a_loans_buffer_run_takes_empty_slots_before_evicting_experts():
     assert run.tolist() == [8, 9, 10], run
     assert (c.slot_of[np.arange(8)] != -1).all(), "no expert was evicted"
     c.check()
+
+
+def test_a_reserved_slot_is_the_coldest_held_empty_and_out_of_every_lookup_and_admission_until_filled():
+    c = ExpertCache(slots=6, layers=1, experts_per_layer=10)
+    c.place(np.arange(6))
+    c.freq[:6] = [5, 1, 7, 0.5, 9, 3]
+    got = c.reserve(0, np.array([8, 9, 8, 2]))  # 8 twice (one slot), 2 resident (none)
+    assert got.tolist() == [3, 1, -1, -1], got  # the two coldest slots, coldest first
+    assert c.slot_of[[3, 1]].tolist() == [-1, -1] and c.evictions == 2, "their experts were evicted"
+    assert c.slot_of[[8, 9]].tolist() == [-1, -1], "a reserved expert is not resident until filled"
+    assert c.on_loan[[3, 1]].all() and (c.expert_in[[3, 1]] == -1).all()
+    assert (c.lookup(0, np.array([8, 9])) == -1).all() and c.misses == 2
+    # an admission evicts a held expert, never a reserved slot
+    c.freq[8] = 100
+    slot = c.admit(0, np.array([7]))
+    assert int(slot[0]) not in (1, 3), slot
+    c.check()
+    c.fill(c.row(0, 8), 3)
+    assert c.slot_of[8] == 3 and c.expert_in[3] == 8 and not c.on_loan[3]
+    c.check()
+    with pytest.raises(ValueError):
+        c.fill(c.row(0, 9), 3)  # slot 3 is filled now
+    c.give_back(np.array([1]))  # the other reservation goes back empty
+    assert not c.on_loan.any() and c.expert_in[1] == -1
+    c.check()
+
+
+def test_reserve_stops_when_no_usable_slot_is_left():
+    c = ExpertCache(slots=2, layers=1, experts_per_layer=4)
+    c.place(np.arange(2))
+    assert c.reserve(0, np.array([2, 3]), keep=np.array([0])).tolist() == [1, -1]
+    assert c.slot_of[0] == 0, "a kept slot is not taken"

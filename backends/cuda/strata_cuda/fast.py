@@ -446,12 +446,16 @@ class DecodeLayer:
     w: Any
     host: tuple[int, ...] | None = None
     eps: float = 1e-6
+    #: the landing table [E] int32 on the device (a miss e with land[e] >= 0 is written into slot land[e] as the
+    #: third-form kernels read it), or None
+    land: Any = None
 
     def key(self) -> tuple:
         """The buffers a captured graph of this layer reads and writes (every array of its pool, any format)."""
         a = self.pool.arrays
         return (self.norm_w.data.ptr, self.router_w.data.ptr, *(a[n].data.ptr for n in sorted(a)),
-                self.slot_map.data.ptr, self.ids.data.ptr, self.w.data.ptr, self.host)
+                self.slot_map.data.ptr, self.ids.data.ptr, self.w.data.ptr, self.host,
+                None if self.land is None else self.land.data.ptr)
 
 
 @dataclass
@@ -1478,8 +1482,10 @@ class FastMoE:
         return out
 
     def _gate_up(self, x: Any, logits: Any, pool: ExpertPool, slot_map: Any, refill_from: Any, skip_missing: int,
-                 host_w13: int = 0, ids_out: Any = None, w_out: Any = None, slots_out: Any = None) -> None:
+                 host_w13: int = 0, ids_out: Any = None, w_out: Any = None, slots_out: Any = None,
+                 land: Any = None) -> None:
         b = dict(self.decode_buffers())
+        land_arg = land if land is not None else np.uint64(0)
         if ids_out is not None:
             b["ids"], b["w"] = ids_out, w_out
         h, f, kk = self.hidden, self.ffn, self.top_k
@@ -1491,7 +1497,7 @@ class FastMoE:
             self._dlaunch("strata_fast_decode_gate_up3_q8", ((f + rows - 1) // rows, kk), (THREADS,),
                           (x, logits, np.int32(self.experts), np.int32(kk), slot_map, a["gate_up_q"], a["gate_up_d"],
                            np.uint64(hq), np.uint64(hd), np.int32(h), np.int32(f), b["act"], b["ids"], b["w"],
-                           b["slots"] if slots_out is None else slots_out))
+                           b["slots"] if slots_out is None else slots_out, land_arg))
             return
         if self._third_form(pool, refill_from, skip_missing):
             _, _, pairs, prefetch = DECODE_THIRD[self.decode_form]
@@ -1500,7 +1506,7 @@ class FastMoE:
                           (x, logits, np.int32(self.experts), np.int32(kk), slot_map, pool.arrays["w_gate_up"],
                            np.uint64(host_w13), np.int64(2 * f * h), np.int32(h), np.int32(f), b["act"], b["ids"],
                            b["w"], b["slots"] if slots_out is None else slots_out,
-                           pool.arrays["w_down"] if prefetch else np.uint64(0), np.int64(h * f)))
+                           pool.arrays["w_down"] if prefetch else np.uint64(0), np.int64(h * f), land_arg))
             return
         rows_per_block = (THREADS // WARP_LANES) * self.decode_rows_per_warp
         if pool.dtype == "q8_0":
@@ -1521,8 +1527,10 @@ class FastMoE:
                                                b["w"]))
 
     def _down(self, pool: ExpertPool, slot_map: Any, only_missing_in: Any, skip_missing: int, out: Any,
-              host_w2: int = 0, accumulate: int = 0, ids: Any = None, w: Any = None, slots: Any = None) -> None:
+              host_w2: int = 0, accumulate: int = 0, ids: Any = None, w: Any = None, slots: Any = None,
+              land: Any = None) -> None:
         b = dict(self.decode_buffers())
+        land_arg = land if land is not None else np.uint64(0)
         if ids is not None:
             b["ids"], b["w"] = ids, w
         h, f, kk = self.hidden, self.ffn, self.top_k
@@ -1533,7 +1541,7 @@ class FastMoE:
             self._dlaunch("strata_fast_decode_down3_q8", ((h + WARPS - 1) // WARPS,), (THREADS,),
                           (b["act"], b["ids"], b["w"], b["slots"] if slots is None else slots, a["down_q"], a["down_d"],
                            np.uint64(hq), np.uint64(hd), np.int32(h), np.int32(f), np.int32(kk), out,
-                           np.int32(accumulate)))
+                           np.int32(accumulate), land_arg))
             return
         if self._third_form(pool, only_missing_in, skip_missing):
             # reads the routed slots the third gate/up kernel published (not slot_map: no look-up chained on ids)
@@ -1542,7 +1550,7 @@ class FastMoE:
             self._dlaunch(name, ((h + rows - 1) // rows,), (THREADS,),
                           (b["act"], b["ids"], b["w"], b["slots"] if slots is None else slots, pool.arrays["w_down"],
                            np.uint64(host_w2), np.int64(h * f), np.int32(h), np.int32(f), np.int32(kk), out,
-                           np.int32(accumulate)))
+                           np.int32(accumulate), land_arg))
             return
         if pool.dtype == "q8_0":
             if only_missing_in is not None or skip_missing:
@@ -1590,6 +1598,11 @@ class FastMoE:
             self._graphs[key] = g
         g.launch(self.compute_stream)
 
+    def lands_misses(self, pool: ExpertPool) -> bool:
+        """Whether decode over this pool takes the third-form kernels, which write a miss with a landing slot
+        (DecodeLayer.land) into that slot as they read it."""
+        return self._third_form(pool, None, 0)
+
     def _third_form(self, pool: ExpertPool, partial_map: Any, skip_missing: int) -> bool:
         """Whether a decode launch takes the third-form kernels: decode_form in DECODE_THIRD, an f16 or Q8_0 pool
         (THIRD_FORM_DTYPES), at most a block's threads of experts (block_rank_topk ranks one logit a thread), and
@@ -1611,8 +1624,9 @@ class FastMoE:
                                                      (x, lay.norm_w, lay.router_w, np.int32(self.experts),
                                                       np.int32(self.hidden), np.float32(lay.eps), xn, logits))
             h13, h2 = _split_host(lay.pool.dtype, lay.host)
-            self._gate_up(xn, logits, lay.pool, lay.slot_map, None, 0, h13, ids_out=lay.ids, w_out=lay.w)
-            self._down(lay.pool, lay.slot_map, None, 0, x, h2, accumulate=1, ids=lay.ids, w=lay.w)
+            self._gate_up(xn, logits, lay.pool, lay.slot_map, None, 0, h13, ids_out=lay.ids, w_out=lay.w,
+                          land=lay.land)
+            self._down(lay.pool, lay.slot_map, None, 0, x, h2, accumulate=1, ids=lay.ids, w=lay.w, land=lay.land)
 
     def gemv_f16w(self, x: Any, w: Any, out: Any) -> Any:
         """out [T,O] f32 = x [T,H] f32 . w [O,H] f16 ^T (the LM head of a decode token) on the current stream, through
@@ -1641,20 +1655,21 @@ class FastMoE:
                                       f"{pool.dtype}")
 
     def _decode_pair(self, x: Any, logits: Any, pool: ExpertPool, slot_map: Any, out: Any,
-                     host: tuple[int, ...] | None) -> None:
+                     host: tuple[int, ...] | None, land: Any = None) -> None:
         h13, h2 = _split_host(pool.dtype, host)
-        self._gate_up(x, logits, pool, slot_map, None, 0, h13)
-        self._down(pool, slot_map, None, 0, out, h2)
+        self._gate_up(x, logits, pool, slot_map, None, 0, h13, land=land)
+        self._down(pool, slot_map, None, 0, out, h2, land=land)
 
     def decode_layer(self, x: Any, logits: Any, pool: ExpertPool, slot_map: Any, out: Any = None,
-                     host_pool: ExpertPool | None = None) -> Any:
+                     host_pool: ExpertPool | None = None, land: Any = None) -> Any:
         """One token: x [1,H] f32, logits [1,E] f32, slot_map [E] int32 (device, -1 = not cached) -> y [1,H] f32.
 
         Routing and slot look-up on the device, no host sync; runs on `compute_stream`. Missed experts are read
         from host_pool (page-locked, mapped) by the kernels themselves; without one every routed expert must be
         cached. With `decode_graphs` on (the default) the two launches are captured once per set of buffers and
         replayed after, since a step's launches cost more host time than the device takes for them. |x| must
-        stay in the f16 range.
+        stay in the f16 range. `land` [E] int32 (device, may be None): in the third forms a miss e with
+        land[e] >= 0 is also written into pool slot land[e] as it is read (an admission that costs no link bytes).
         """
         self._check_decode_pool(pool)
         out = self.decode_buffers()["out"] if out is None else out
@@ -1663,15 +1678,15 @@ class FastMoE:
             raise ValueError("decode_layer: host_pool is not mapped for the device; use decode_layer_misses")
         if not self.decode_graphs:
             with self.compute_stream:
-                self._decode_pair(x, logits, pool, slot_map, out, host)
+                self._decode_pair(x, logits, pool, slot_map, out, host, land)
             return out
         key = (x.data.ptr, logits.data.ptr, slot_map.data.ptr, *(pool.arrays[n].data.ptr for n in sorted(pool.arrays)),
-               out.data.ptr, host)
+               out.data.ptr, host, None if land is None else land.data.ptr)
         graph = self._graphs.get(key)
         if graph is None:
             if len(self._graphs) >= MAX_DECODE_GRAPHS:
                 self._graphs.clear()
-            graph = self._capture(lambda: self._decode_pair(x, logits, pool, slot_map, out, host))
+            graph = self._capture(lambda: self._decode_pair(x, logits, pool, slot_map, out, host, land))
             self._graphs[key] = graph
         graph.launch(self.compute_stream)
         return out

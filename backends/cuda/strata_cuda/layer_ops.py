@@ -52,6 +52,13 @@ FUSED_DTYPES = ("f16", "q8_0")
 DECODE_DTYPES = ("f16", "q8_0", "gguf")
 #: CudaLayerOps.decode_admit_hotter's default (bench/link_trace_h200.py measures both)
 DECODE_ADMIT_HOTTER = True
+#: CudaLayerOps.decode_landing's default: where a step's layers take the third-form decode kernels, decode admits
+#: a missed expert by reserving a slot for it (ExpertCache.reserve) that the kernels write the expert into the next
+#: time they read it from host memory, so an admission adds no bytes to the link (a copy admission re-sent the whole
+#: expert beside the step's own misses: bench/results/lead_h200_s10/)
+DECODE_LANDING = True
+#: a landing reservation not filled within this many counted steps is given back (its slot empty again)
+LANDING_EXPIRE_STEPS = 32
 #: The CPU share stays off on the fused path's fallback (it would need the runtime's share buffers).
 _NO_SHARE = SimpleNamespace(armed_for=lambda tokens: False, rows_capacity=0)
 
@@ -108,7 +115,7 @@ class CudaLayerOps:
             # the decode graph's small tables, made with the session (before the plan's regions are taken), so a
             # decode step allocates nothing
             import cupy as cp
-            self._maps_dev = cp.empty((int(layers), e), dtype=cp.int32)
+            self._maps_dev = cp.empty((int(layers), 2 * e), dtype=cp.int32)  # slot maps | landing tables
             self._ids_dev = cp.empty((int(layers), k), dtype=cp.int32)
             self._w_dev = cp.empty((int(layers), k), dtype=cp.float32)
         #: a prompt's streamed layers leave their hottest ring experts in the cache (device-to-device copies)
@@ -121,8 +128,15 @@ class CudaLayerOps:
         #: step's misses evicted the coldest slots whatever they held
         self.decode_admit_hotter = DECODE_ADMIT_HOTTER
         self._pending: tuple | None = None
+        #: admit decode's misses by landing (DECODE_LANDING) where the step's kernels can
+        self.decode_landing = DECODE_LANDING
+        #: landing reservations: store row -> (its reserved slot, the count of steps when it was reserved)
+        self._landing: dict[int, tuple[int, int]] = {}
+        #: the landing tables [layers, E] the last built step's layers read (None: no landing), steps counted
+        self._land_host: np.ndarray | None = None
+        self._counted_steps = 0
         #: launched steps not counted yet, oldest first (at most two: a deferred step and the one queued after it):
-        #: (works, slot maps, ids copy event, experts per layer, host buffer index, tick owed)
+        #: (works, slot maps, ids copy event, experts per layer, host buffer index, tick owed, landing tables)
         self._launched: list[tuple] = []
         #: the routed ids' two page-locked host buffers (steps alternate, so a step's copy never lands in the buffer
         #: the host is still to read), the one the last launched step's ids land in, and how many steps were launched
@@ -266,6 +280,7 @@ class CudaLayerOps:
     def prefill_layer(self, work: LayerWork) -> None:
         """Run one MoE layer of a prompt chunk in place on work.x."""
         self.decode_done()  # a decode step launched and never counted is counted before the prompt reads the cache
+        self._release_landings(work.slots)  # the prompt may lend or admit into every slot
         # (FastMoE, cache, layer, ring) of the last streamed prefill, when it was the call just before this one
         prev, self._prev_streamed = self._prev_streamed, None
         fast = self._fast_for(work)
@@ -532,9 +547,10 @@ class CudaLayerOps:
         cp.cuda.get_current_stream().wait_event(landed)
         return True
 
-    def _decode_layers(self, works: list[LayerWork], fast: Any) -> tuple | None:
+    def _decode_layers(self, works: list[LayerWork], fast: Any, lands: bool = False) -> tuple | None:
         """(DecodeLayer of every work, the graph's key) with the device slot maps refreshed from the cache, or None
-        when some layer's misses can be neither read from mapped host memory nor refilled."""
+        when some layer's misses can be neither read from mapped host memory nor refilled. With `lands` each layer
+        also reads its landing table (the reserved slots of _landing)."""
         import cupy as cp
         from .fast import DecodeLayer
         n, e_n, k = len(works), fast.experts, fast.top_k
@@ -547,10 +563,13 @@ class CudaLayerOps:
         if table is None:
             raise StrataError("cuda layer ops need the runtime's expert cache (its slot_of table)")
         maps = self._masked(table[self._rows].reshape(n, e_n).astype(np.int32))
+        land = self._land_table(n, e_n) if lands else None
         quick = self._quick
         x_ptr = int(works[0].x.data.ptr)
         if (quick is not None and quick[0] is works and quick[1] == x_ptr and self._pending is None
-                and self._layers_cache is not None and np.array_equal(self._maps_host, maps)):
+                and self._layers_cache is not None and np.array_equal(self._maps_host, maps)
+                and (land is None) == (self._land_host is None)
+                and (land is None or np.array_equal(self._land_host, land))):
             # the same works over the same residual and an unchanged cache: the host addresses, the device maps
             # and the layers are the last step's (the O(layers) Python below costs ~0.1 ms a step)
             self.counts["decode_layers_reused"] += 1
@@ -564,20 +583,23 @@ class CudaLayerOps:
             hosts = self._hosts(works, fast, self._rows, maps < 0)
             if hosts is None:
                 return None
-        if self._maps_dev is None or self._maps_dev.shape != maps.shape:
-            self._maps_dev = cp.empty(maps.shape, dtype=cp.int32)
+        if self._maps_dev is None or tuple(self._maps_dev.shape) != (n, 2 * e_n):
+            self._maps_dev = cp.empty((n, 2 * e_n), dtype=cp.int32)
             self._ids_dev = cp.empty((n, k), dtype=cp.int32)
             self._w_dev = cp.empty((n, k), dtype=cp.float32)
             self._maps_host = None
             self._layers_cache = None
-        if self._maps_host is None or not np.array_equal(self._maps_host, maps):
-            self._upload_maps(fast, maps)
-            self._maps_host = maps
-        sig = (int(works[0].x.data.ptr), tuple(hosts),
+        if (self._maps_host is None or not np.array_equal(self._maps_host, maps)
+                or (land is None) != (self._land_host is None)
+                or (land is not None and not np.array_equal(self._land_host, land))):
+            self._upload_maps(fast, np.concatenate([maps, land if land is not None else np.full_like(maps, EMPTY)], 1))
+            self._maps_host, self._land_host = maps, land
+        sig = (int(works[0].x.data.ptr), tuple(hosts), lands,
                tuple((id(w.norm_w), id(w.router_w), id(w.pool)) for w in works))
         if self._layers_cache is None or self._layers_cache[0] != sig:
-            layers = [DecodeLayer(norm_w=w.norm_w, router_w=w.router_w, pool=w.pool, slot_map=self._maps_dev[i],
-                                  ids=self._ids_dev[i], w=self._w_dev[i], host=hosts[i]) for i, w in enumerate(works)]
+            layers = [DecodeLayer(norm_w=w.norm_w, router_w=w.router_w, pool=w.pool, slot_map=self._maps_dev[i, :e_n],
+                                  ids=self._ids_dev[i], w=self._w_dev[i], host=hosts[i],
+                                  land=self._maps_dev[i, e_n:] if lands else None) for i, w in enumerate(works)]
             key = ("stack", int(works[0].x.data.ptr)) + tuple(lay.key() for lay in layers)
             self._layers_cache = (sig, layers, key)
         self._quick = (works, x_ptr)
@@ -595,7 +617,72 @@ class CudaLayerOps:
                 flat[hit] = -1
         return maps
 
-    def _admit_decode_misses(self, works: list[LayerWork], maps: np.ndarray, ids: np.ndarray) -> None:
+    def _land_table(self, n: int, e_n: int) -> np.ndarray:
+        """[n, E] int32: the slot reserved for each (layer, expert) of the step's layers (_landing), else -1."""
+        land = np.full(n * e_n, EMPTY, dtype=np.int32)
+        if self._landing:
+            rows = np.fromiter(self._landing, dtype=np.int64)
+            slots = np.fromiter((v[0] for v in self._landing.values()), dtype=np.int64)
+            pos = np.searchsorted(self._rows, rows)
+            ok = (pos < self._rows.size) & (self._rows[np.minimum(pos, self._rows.size - 1)] == rows)
+            land[pos[ok]] = slots[ok]
+        return land.reshape(n, e_n)
+
+    def _lands(self, runs: list, works: list[LayerWork]) -> bool:
+        """Whether this step admits by landing: decode_landing on, a cache that reserves, and every run's kernels
+        writing a miss into its landing slot (FastMoE.lands_misses)."""
+        ascending = all(a.layer < b.layer for a, b in zip(works, works[1:]))  # _land_table's searchsorted
+        return bool(self.decode_landing and ascending and hasattr(works[0].slots, "reserve") and all(
+            getattr(f, "lands_misses", None) is not None and f.lands_misses(works[a].pool) for f, a, _ in runs))
+
+    def _land_commit(self, works: list[LayerWork], rows: np.ndarray, land: np.ndarray | None) -> None:
+        """After a counted step: each routed row its landing table named was written into its reserved slot by
+        the step's kernels, so the slot now holds it (ExpertCache.fill); reservations older than
+        LANDING_EXPIRE_STEPS are given back empty."""
+        cache = works[0].slots
+        if land is not None and self._landing:
+            flat = land.reshape(-1)
+            at = np.searchsorted(self._rows, rows)
+            for r, a in zip(rows.tolist(), at.tolist()):
+                got = self._landing.get(r)
+                if got is None or a >= self._rows.size or self._rows[a] != r or int(flat[a]) != got[0]:
+                    continue  # not reserved when the step was launched (or since given back)
+                del self._landing[r]
+                if cache.slot_of[r] != EMPTY:  # admitted by a copy meanwhile: the reservation goes back
+                    cache.give_back(np.asarray([got[0]], dtype=np.int64))
+                    continue
+                cache.fill(r, got[0])
+                works[0].stats["experts_admitted"] += 1
+                self.counts["decode_landed"] = self.counts.get("decode_landed", 0) + 1
+        old = [r for r, (_, at) in self._landing.items() if self._counted_steps - at >= LANDING_EXPIRE_STEPS]
+        if old:
+            cache.give_back(np.asarray([self._landing.pop(r)[0] for r in old], dtype=np.int64))
+            self.counts["decode_land_expired"] = self.counts.get("decode_land_expired", 0) + len(old)
+
+    def _release_landings(self, cache: Any) -> None:
+        """Give every landing reservation back empty (before a prompt, which may lend or admit into any slot)."""
+        if self._landing:
+            cache.give_back(np.asarray([v[0] for v in self._landing.values()], dtype=np.int64))
+            self._landing.clear()
+
+    def _reserve_landings(self, works: list[LayerWork], rows: np.ndarray) -> None:
+        """Reserve slots for these store rows (hottest first) to land in; at most 2 x the step's admission budget
+        reserved at once (a reservation holds its slot empty until the expert is read again)."""
+        cache, e_n = works[0].slots, works[0].slots.experts_per_layer
+        store = getattr(works[0].source, "store", None)
+        budget = max(1, self.decode_admit_bytes // max(1, int(getattr(store, "row_bytes", 0) or 1)))
+        rows = np.asarray([r for r in rows.tolist() if r not in self._landing], dtype=np.int64)
+        rows = rows[: max(0, min(budget, 2 * budget - len(self._landing)))]
+        for layer in np.unique(rows // e_n).tolist():
+            r_l = rows[rows // e_n == layer]
+            got = cache.reserve(int(layer), r_l - int(layer) * e_n)
+            for r, slot in zip(r_l.tolist(), got.tolist()):
+                if slot >= 0:
+                    self._landing[int(r)] = (int(slot), self._counted_steps)
+                    self.counts["decode_reserved"] = self.counts.get("decode_reserved", 0) + 1
+
+    def _admit_decode_misses(self, works: list[LayerWork], maps: np.ndarray, ids: np.ndarray,
+                             lands: bool = False) -> None:
         """Admit the hottest experts this step read from host memory, at most `decode_admit_bytes` a step, copied
         on the copy stream while the next steps run: until the copy lands their maps say -1 (host reads), so no
         graph reads a slot being written, and the evicted expert's slot is written only after this step's graph,
@@ -606,7 +693,7 @@ class CudaLayerOps:
         one is in flight), and a deferred step's maps predate the previous step's admission, which they would
         repeat."""
         cache = works[0].slots
-        if self._pending is not None or self.decode_admit_bytes <= 0 or not hasattr(cache, "admit"):
+        if self.decode_admit_bytes <= 0 or not hasattr(cache, "admit"):
             return
         store = getattr(works[0].source, "store", None)
         row_bytes = int(getattr(store, "row_bytes", 0) or 0)
@@ -619,10 +706,14 @@ class CudaLayerOps:
         li, ki = np.nonzero(routed_missing)
         if li.size == 0:
             return
-        room = int(getattr(cache, "slots", 0)) - int(getattr(cache, "slots_on_loan", 0))
-        if room >= len(works) * e_n:
+        room = int(getattr(cache, "slots", 0)) - int(getattr(cache, "slots_on_loan", 0)) + len(self._landing)
+        whole = room >= len(works) * e_n
+        if self._pending is not None and (whole or not lands):
+            return  # one copy admission in flight at a time
+        if whole:
             # the cache holds the whole model (a prompt's loan emptied some slots): every missing expert comes
-            # back in one batch, into empty slots, evicting none
+            # back in one batch of copies, into empty slots, evicting none
+            self._release_landings(cache)
             rows = self._rows[maps.reshape(-1) < 0]
         else:
             rows = np.unique(layer_of[li] * e_n + ids[li, ki].astype(np.int64))
@@ -632,6 +723,9 @@ class CudaLayerOps:
                 rows = cache.worth_admitting(rows)
                 if rows.size == 0:
                     return
+        if lands and not whole:
+            self._reserve_landings(works, rows)
+            return
         import cupy as cp
         cs = works[0].copy_stream
         fence = cp.cuda.Event(disable_timing=True)
@@ -736,8 +830,9 @@ class CudaLayerOps:
         observer = works[0].extras.get("observer")
         runs = self._decode_runs(works)
         got = None
+        lands = runs is not None and self._lands(runs, works)
         if runs is not None:
-            got = self._decode_layers(works, runs[0][0])
+            got = self._decode_layers(works, runs[0][0], lands)
         if got is None:
             self.counts["decode_composed_steps"] += 1
             if defer:
@@ -772,7 +867,8 @@ class CudaLayerOps:
         if defer:
             self.counts["decode_deferred_steps"] = self.counts.get("decode_deferred_steps", 0) + 1
         landed, which = self._download_ids(stream)
-        self._launched.append((works, self._maps_host, landed, fast.experts, which, defer))
+        self._launched.append((works, self._maps_host, landed, fast.experts, which, defer,
+                               self._land_host if lands else None))
         seen = set()
         for w in works:  # the works share one arena: reset each once
             if id(w.workspace) not in seen:
@@ -828,7 +924,7 @@ class CudaLayerOps:
 
     def _count(self, launched: tuple) -> None:
         """Count one launched step (see decode_done)."""
-        works, maps, landed, e_n, which, tick = launched
+        works, maps, landed, e_n, which, tick, land = launched
         landed.synchronize()
         ids = self._ids_pair[which].copy()  # a later step's copy reuses the page-locked buffer
         if tick:
@@ -844,9 +940,12 @@ class CudaLayerOps:
         cnt = np.bincount(rows, minlength=offs[2])
         used = np.flatnonzero(cnt)
         works[0].slots.lookup(0, used, cnt[used])
+        self._counted_steps += 1
+        # after the lookup (the step read its landing experts from host memory: misses), before any admission
+        self._land_commit(works, used, land)
         if maps is not None and ((maps < 0).any() or (tick and (works[0].slots.slot_of[self._rows] < 0).any())):
             # after the lookup: this step's experts are warm (a deferred step's maps may predate an eviction)
-            self._admit_decode_misses(works, maps, ids)
+            self._admit_decode_misses(works, maps, ids, lands=land is not None)
 
     # --- greedy decode on the device (the executor's pipelined loop) ----------------------------------------
 

@@ -719,12 +719,19 @@ struct RoutedBlock {
     int rank;        // the expert's rank in the top k (act's row)
     int e;           // its id
     long long slot;  // its cache slot, -1 if not cached
+    long long land;  // for a miss: the slot its bytes are written into as they are read (land[e]), else -1
 };
 
 // The opening of a third-form gate/up block: wait for logits and x (the previous kernel's), rank the top k once a
-// block, block (0,0) publishes ids, weights and slots for step 2, and this block's expert is chosen (above).
+// block, block (0,0) publishes ids, weights and slots for step 2, and this block's expert is chosen (above). `land`
+// (may be null) is the layer's landing table [E]: a missed expert e with land[e] >= 0 is admitted in passing, its
+// bytes written into slot land[e] as the kernels read them from host memory (the host reserved that slot and reads
+// none of it until the step is counted), so an admission costs the link nothing beyond the miss itself.
+// The pools stay `const __restrict__` in the kernels (their hits take the read-only load path) and a landing is
+// written through const_cast: the reserved slot is one no map of the step names, so no load of the kernel reads it.
 __device__ RoutedBlock route_block(const float* __restrict__ logits, int E, int K, const int* __restrict__ slot_map,
-                                   int* __restrict__ ids_out, float* __restrict__ w_out, int* __restrict__ slots_out) {
+                                   const int* __restrict__ land, int* __restrict__ ids_out, float* __restrict__ w_out,
+                                   int* __restrict__ slots_out) {
     __shared__ float s_l[STRATA_FAST_THREADS];
     __shared__ int s_part[STRATA_FAST_THREADS];
     __shared__ int s_sel[STRATA_FAST_MAXK];
@@ -752,6 +759,7 @@ __device__ RoutedBlock route_block(const float* __restrict__ logits, int E, int 
     b.rank = s_rank;
     b.e = s_sel[b.rank];
     b.slot = s_slot[b.rank];
+    b.land = (b.slot < 0 && land != 0) ? (long long)land[b.e] : -1;
     return b;
 }
 
@@ -770,9 +778,9 @@ strata_fast_decode_gate_up3(const float* __restrict__ x, const float* __restrict
                             const unsigned short* __restrict__ host_w13, long long slot_stride, int H, int F,
                             float* __restrict__ act, int* __restrict__ ids_out, float* __restrict__ w_out,
                             int* __restrict__ slots_out, const unsigned short* __restrict__ w2_prefetch,
-                            long long w2_stride) {
+                            long long w2_stride, const int* __restrict__ land) {
     const int warp = threadIdx.x / STRATA_WARP, lane = threadIdx.x % STRATA_WARP;
-    const RoutedBlock rb = route_block(logits, E, K, slot_map, ids_out, w_out, slots_out);
+    const RoutedBlock rb = route_block(logits, E, K, slot_map, land, ids_out, w_out, slots_out);
     const int k = rb.rank, e = rb.e;
     const long long slot = rb.slot;
     if (w2_prefetch != 0 && slot >= 0) {
@@ -785,10 +793,12 @@ strata_fast_decode_gate_up3(const float* __restrict__ x, const float* __restrict
     }
     const unsigned short* base = w13;
     const bool unread = slot < 0 && host_w13 == 0;
+    uint4* landing = 0;  // the reserved slot this miss is written into as it is read (block-uniform)
     if (slot >= 0) {
         base = w13 + slot * slot_stride;
     } else if (host_w13 != 0) {
         base = host_w13 + (long long)e * slot_stride;
+        if (rb.land >= 0) landing = (uint4*)(const_cast<unsigned short*>(w13) + rb.land * slot_stride);
     }
     const float4* x4 = (const float4*)x;
     const int h8 = H / 8;
@@ -811,6 +821,16 @@ strata_fast_decode_gate_up3(const float* __restrict__ x, const float* __restrict
                 vu[j] = u[c];
             }
             STRATA_ISSUE_FENCE();
+            if (landing != 0) {  // after the fence: a store waits for its load, which must not hold back the others
+#pragma unroll
+                for (int j = 0; j < STRATA_GU3_GROUP; ++j) {
+                    const int cj = c0 + j * STRATA_WARP + lane;
+                    if (cj < h8) {
+                        landing[(long long)row * h8 + cj] = vg[j];
+                        landing[(long long)(F + row) * h8 + cj] = vu[j];
+                    }
+                }
+            }
             float dg[STRATA_GU3_GROUP], du[STRATA_GU3_GROUP];
 #pragma unroll
             for (int j = 0; j < STRATA_GU3_GROUP; ++j) {
@@ -841,9 +861,11 @@ __device__ __forceinline__ void decode_down3(const float* __restrict__ act, cons
                                              const float* __restrict__ wts, const int* __restrict__ slots,
                                              const unsigned short* __restrict__ w2,
                                              const unsigned short* __restrict__ host_w2, long long slot_stride, int H,
-                                             int F, int K, float* __restrict__ out, int accumulate) {
+                                             int F, int K, float* __restrict__ out, int accumulate,
+                                             const int* __restrict__ land) {
     constexpr int RPB = STRATA_FAST_WARPS / SPLIT;  // hidden rows a block
     __shared__ const unsigned short* s_base[STRATA_FAST_MAXK];
+    __shared__ uint4* s_land[STRATA_FAST_MAXK];  // a missed expert's reserved slot (route_block), else null
     __shared__ float s_w[STRATA_FAST_MAXK];
     __shared__ float s_part[STRATA_FAST_WARPS];
     __shared__ int s_nan;
@@ -856,14 +878,18 @@ __device__ __forceinline__ void decode_down3(const float* __restrict__ act, cons
         const int q = threadIdx.x;
         const long long slot = slots[q];
         const unsigned short* base = w2;
+        uint4* dst = 0;
         if (slot >= 0) {
             base = w2 + slot * slot_stride;
         } else if (host_w2 != 0) {
             base = host_w2 + (long long)ids[q] * slot_stride;
+            const long long ls = land != 0 ? (long long)land[ids[q]] : -1;
+            if (ls >= 0) dst = (uint4*)(const_cast<unsigned short*>(w2) + ls * slot_stride);
         } else {
             s_nan = 1;
         }
         s_base[q] = base;
+        s_land[q] = dst;
         s_w[q] = wts[q];
     }
     __syncthreads();
@@ -891,6 +917,15 @@ __device__ __forceinline__ void decode_down3(const float* __restrict__ act, cons
             STRATA_ISSUE_FENCE();
 #pragma unroll
             for (int j = 0; j < BATCH; ++j) {
+                const int i = i0 + j * STRATA_WARP + lane;
+                if (i < n) {
+                    const int q = k0 + i / per_row, c = i % per_row;
+                    uint4* dst = s_land[q];
+                    if (dst != 0) dst[(long long)h * per_row + c] = v[j];
+                }
+            }
+#pragma unroll
+            for (int j = 0; j < BATCH; ++j) {
                 const float4* a4 = (const float4*)(act + off[j]);
                 const float4 xa = a4[0], xb = a4[1];
                 const float xv[8] = {xa.x, xa.y, xa.z, xa.w, xb.x, xb.y, xb.z, xb.w};
@@ -915,8 +950,8 @@ __device__ __forceinline__ void decode_down3(const float* __restrict__ act, cons
     NAME(const float* __restrict__ act, const int* __restrict__ ids, const float* __restrict__ wts,               \
          const int* __restrict__ slots, const unsigned short* __restrict__ w2,                                    \
          const unsigned short* __restrict__ host_w2, long long slot_stride, int H, int F, int K,                  \
-         float* __restrict__ out, int accumulate) {                                                                \
-        decode_down3<SPLIT, BATCH>(act, ids, wts, slots, w2, host_w2, slot_stride, H, F, K, out, accumulate);     \
+         float* __restrict__ out, int accumulate, const int* __restrict__ land) {                                  \
+        decode_down3<SPLIT, BATCH>(act, ids, wts, slots, w2, host_w2, slot_stride, H, F, K, out, accumulate, land); \
     }
 STRATA_DOWN3_KERNEL(strata_fast_decode_down3_s1, 1, 12, 2)
 STRATA_DOWN3_KERNEL(strata_fast_decode_down3_s2, 2, 12, 2)
@@ -1138,21 +1173,28 @@ strata_fast_decode_gate_up3_q8(const float* __restrict__ x, const float* __restr
                                const int* __restrict__ slot_map, const signed char* __restrict__ q13,
                                const unsigned short* __restrict__ d13, const signed char* __restrict__ host_q13,
                                const unsigned short* __restrict__ host_d13, int H, int F, float* __restrict__ act,
-                               int* __restrict__ ids_out, float* __restrict__ w_out, int* __restrict__ slots_out) {
+                               int* __restrict__ ids_out, float* __restrict__ w_out, int* __restrict__ slots_out,
+                               const int* __restrict__ land) {
     const int warp = threadIdx.x / STRATA_WARP, lane = threadIdx.x % STRATA_WARP;
-    const RoutedBlock rb = route_block(logits, E, K, slot_map, ids_out, w_out, slots_out);
+    const RoutedBlock rb = route_block(logits, E, K, slot_map, land, ids_out, w_out, slots_out);
     const int k = rb.rank, e = rb.e;
     const long long slot = rb.slot;
     const long long nq = 2LL * F * H, nd = nq / 32;  // one expert's quants and scales
     const signed char* qb = q13;
     const unsigned short* db = d13;
     const bool unread = slot < 0 && host_q13 == 0;
+    int4* land_q = 0;  // the reserved slot this miss is written into as it is read (block-uniform)
+    unsigned short* land_d = 0;
     if (slot >= 0) {
         qb = q13 + slot * nq;
         db = d13 + slot * nd;
     } else if (host_q13 != 0) {
         qb = host_q13 + (long long)e * nq;
         db = host_d13 + (long long)e * nd;
+        if (rb.land >= 0) {
+            land_q = (int4*)(const_cast<signed char*>(q13) + rb.land * nq);
+            land_d = const_cast<unsigned short*>(d13) + rb.land * nd;
+        }
     }
     const float4* x4 = (const float4*)x;
     const int h16 = H / 16, nd_row = H / 32;
@@ -1179,6 +1221,20 @@ strata_fast_decode_gate_up3_q8(const float* __restrict__ x, const float* __restr
                 su[j] = du_row[c / 2];
             }
             STRATA_ISSUE_FENCE();
+            if (land_q != 0) {  // after the fence: a store waits for its load, which must not hold back the others
+#pragma unroll
+                for (int j = 0; j < STRATA_GU3Q_GROUP; ++j) {
+                    const int cj = c0 + j * STRATA_WARP + lane;
+                    if (cj < h16) {
+                        land_q[(long long)row * h16 + cj] = vg[j];
+                        land_q[(long long)(F + row) * h16 + cj] = vu[j];
+                        if ((cj & 1) == 0) {  // two chunks share a scale: the even one writes it
+                            land_d[(long long)row * nd_row + cj / 2] = sg[j];
+                            land_d[(long long)(F + row) * nd_row + cj / 2] = su[j];
+                        }
+                    }
+                }
+            }
 #pragma unroll
             for (int j = 0; j < STRATA_GU3Q_GROUP; ++j) {
                 const int cj = c0 + j * STRATA_WARP + lane, c = min(cj, h16 - 1);
@@ -1204,9 +1260,10 @@ strata_fast_decode_down3_q8(const float* __restrict__ act, const int* __restrict
                             const int* __restrict__ slots, const signed char* __restrict__ q2,
                             const unsigned short* __restrict__ d2, const signed char* __restrict__ host_q2,
                             const unsigned short* __restrict__ host_d2, int H, int F, int K, float* __restrict__ out,
-                            int accumulate) {
+                            int accumulate, const int* __restrict__ land) {
     __shared__ const signed char* s_q[STRATA_FAST_MAXK];
     __shared__ const unsigned short* s_d[STRATA_FAST_MAXK];
+    __shared__ long long s_land[STRATA_FAST_MAXK];  // a missed expert's reserved slot (route_block), else -1
     __shared__ float s_w[STRATA_FAST_MAXK];
     __shared__ int s_nan;
     const int warp = threadIdx.x / STRATA_WARP, lane = threadIdx.x % STRATA_WARP;
@@ -1220,17 +1277,20 @@ strata_fast_decode_down3_q8(const float* __restrict__ act, const int* __restrict
         const long long slot = slots[q];
         const signed char* qb = q2;
         const unsigned short* db = d2;
+        long long ls = -1;
         if (slot >= 0) {
             qb = q2 + slot * nq;
             db = d2 + slot * nd;
         } else if (host_q2 != 0) {
             qb = host_q2 + (long long)ids[q] * nq;
             db = host_d2 + (long long)ids[q] * nd;
+            ls = land != 0 ? (long long)land[ids[q]] : -1;
         } else {
             s_nan = 1;
         }
         s_q[q] = qb;
         s_d[q] = db;
+        s_land[q] = ls;
         s_w[q] = wts[q];
     }
     __syncthreads();
@@ -1257,6 +1317,18 @@ strata_fast_decode_down3_q8(const float* __restrict__ act, const int* __restrict
             wq[j] = s_w[q];
         }
         STRATA_ISSUE_FENCE();
+#pragma unroll
+        for (int j = 0; j < STRATA_D3Q_BATCH; ++j) {
+            const int i = i0 + j * STRATA_WARP + lane;
+            if (i < n) {
+                const int q = i / per_row, c = i - q * per_row;
+                const long long ls = s_land[q];
+                if (ls >= 0) {
+                    ((int4*)(const_cast<signed char*>(q2) + ls * nq + (long long)h * F))[c] = v[j];
+                    if ((c & 1) == 0) const_cast<unsigned short*>(d2)[ls * nd + (long long)h * nd_row + c / 2] = sd[j];
+                }
+            }
+        }
 #pragma unroll
         for (int j = 0; j < STRATA_D3Q_BATCH; ++j) {
             const float d = wq[j] * fh2f(sd[j]) * q8_dot16(v[j], (const float4*)(act + off[j]));
