@@ -5,7 +5,8 @@ generator's popularity skew 1) routes a 4096-token prompt and 128 decode tokens 
 greedy decode's tokens are a function of the last one, so they rarely repeat within 128). The runtime's ExpertCache
 (3072 slots, half the experts) is warmed as Engine._warm does, a prompt loan of 154 slots is lent and given back, the
 prompt's layers are looked up and admitted from the ring as CudaLayerOps._admit_from_ring does, and decode's misses are
-admitted as _admit_decode_misses does (at most 6 a step), with variants. Also the hit rate of the best static half
+admitted as _admit_decode_misses does (at most 6 a step), with variants: by copy (the expert admitted at once, its
+bytes re-sent over the link) or by landing (a reserved slot filled when the expert is next read from host memory). Also the hit rate of the best static half
 cache (the top half of (layer, expert) pairs by the prompt's counts) and of an oracle (by the decode's own counts).
 Writes decode_cache_replay.json under --out.
 """
@@ -73,8 +74,11 @@ def popularity(w) -> np.ndarray:
     return pop
 
 
-def replay(pr: np.ndarray, dec: np.ndarray, pop: np.ndarray, hotter_only: bool, budget: int = BUDGET) -> dict:
-    """Decode's hit rate, misses a step and admissions under the runtime's policy (hotter_only: worth_admitting)."""
+def replay(pr: np.ndarray, dec: np.ndarray, pop: np.ndarray, hotter_only: bool, budget: int = BUDGET,
+           landing: bool = False, expire: int = 32, cap: int = 2) -> dict:
+    """Decode's hit rate, misses a step and admissions under the runtime's policy (hotter_only: worth_admitting;
+    landing: CudaLayerOps' landing, a slot reserved for each admitted expert and filled only when a later step
+    misses it again, at most `cap` x budget reserved, a reservation given back after `expire` steps)."""
     slots = L * E // 2
     c = ExpertCache(slots, L, E)
     order = warm_order(pop)
@@ -104,19 +108,32 @@ def replay(pr: np.ndarray, dec: np.ndarray, pop: np.ndarray, hotter_only: bool, 
     c.tick()
     c.give_back(lent)
     h0, l0, admitted = c.hits, c.lookups, 0
+    reserved: dict[int, tuple[int, int]] = {}  # landing: row -> (slot, step reserved)
     for s in range(dec.shape[1]):
         missing = []
         for layer in range(L):
             ids = dec[layer, s].tolist()
             got = c.lookup_distinct(layer, ids)
             missing += [layer * E + e for e, g in zip(ids, got) if g == EMPTY]
+        for r in [r for r in missing if r in reserved]:  # read from host memory into its reserved slot
+            c.fill(r, reserved.pop(r)[0])
+            admitted += 1
+        for r in [r for r, (_, at) in reserved.items() if s - at >= expire]:
+            c.give_back(np.array([reserved.pop(r)[0]]))
         if missing and budget:
             rows = np.unique(missing)
             rows = rows[np.argsort(-c.freq[rows], kind="stable")][:budget]
             if hotter_only:
                 rows = c.worth_admitting(rows)
-            for r in rows.tolist():
-                admitted += int((c.admit(r // E, np.array([r % E]), keep=None) >= 0).sum())
+            if landing:
+                rows = [r for r in rows.tolist() if r not in reserved][: max(0, min(budget, cap * budget - len(reserved)))]
+                for r in rows:
+                    slot = int(c.reserve(r // E, np.array([r % E]))[0])
+                    if slot >= 0:
+                        reserved[r] = (slot, s)
+            else:
+                for r in rows.tolist():
+                    admitted += int((c.admit(r // E, np.array([r % E]), keep=None) >= 0).sum())
         c.tick()
     hit = (c.hits - h0) / (c.lookups - l0)
     return {"hit_rate": round(hit, 4), "misses_a_step": round((1 - hit) * L * K, 2), "admitted": admitted}
@@ -143,6 +160,10 @@ def main() -> int:
            "oracle_half_by_decode_counts": {"hit_rate": round(float(oracle[rows].mean()), 4)},
            "runtime_policy_any_slot": replay(pr, dec, pop, hotter_only=False),
            "runtime_policy_hotter_only": replay(pr, dec, pop, hotter_only=True),
+           "landing_hotter_only": replay(pr, dec, pop, hotter_only=True, landing=True),
+           "landing_hotter_only_budget_12": replay(pr, dec, pop, hotter_only=True, budget=12, landing=True),
+           "landing_hotter_only_never_expiring_cap_8": replay(pr, dec, pop, hotter_only=True, landing=True,
+                                                               expire=10 ** 9, cap=8),
            "no_decode_admission": replay(pr, dec, pop, hotter_only=False, budget=0)}
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "decode_cache_replay.json").write_text(json.dumps(res, indent=1))
