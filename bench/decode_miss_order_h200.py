@@ -1,13 +1,16 @@
 """A decode layer with missed experts at Qwen3-30B-A3B shape (E 128, K 8, H 2048, F 768) on the H200, f16 and Q8_0
 pools: the third-form gate/up and down kernels (FastMoE's default form) reading the misses from mapped page-locked
-memory, with the gate/up blocks in rank order (STRATA_MISSES_FIRST=0) and with the misses first (the default).
+memory, with the gate/up blocks in rank order (STRATA_MISSES_FIRST=0), with the misses first (the default), and with
+the misses first and a miss's down matrix hinted into L2 by the gate/up kernel (`miss_hint`: FastMoE.decode_miss_hint).
 
 Each timed graph is 16 layers on the same buffers, each routing its own 8 experts (16 x 8 = all 128, so L2 holds
 none of them from the layer before), the misses at the same ranks in every layer; time per layer is CUDA events
 around `reps` replays over 16. The link figure is one expert's bytes copied host to device (cudaMemcpyAsync from
 the same page-locked pool), and `serial_bound_us` is the layer without misses plus that many copies: a layer under
-it overlaps its misses' reads with the cached experts' work. Both orders must give the same bits (the blocks write
-act at their expert's rank). Writes decode_miss_order_h200.json under --out.
+it overlaps its misses' reads with the cached experts' work. Every variant must give the same bits (the blocks write
+act at their expert's rank; a hint changes no value). `mapped_read_ceiling`: how fast a plain kernel (G blocks of 256
+threads, U 16-byte loads a lane in flight) reads one expert's bytes, and 64 MiB, from the same mapped page-locked
+pool: the rate the miss reads could reach. Writes decode_miss_order_h200.json under --out.
 """
 
 from __future__ import annotations
@@ -22,6 +25,60 @@ import numpy as np
 E, K, H, F = 128, 8, 2048, 768
 LAYERS_IN_GRAPH = E // K
 PATTERNS = {"none": [], "rank0": [0], "rank7": [7], "ranks3,7": [3, 7], "ranks5,6,7": [5, 6, 7]}
+#: variant -> (DECODE_MISSES_FIRST, decode_miss_hint)
+VARIANTS = {"rank_order": (False, False), "misses_first": (True, False), "miss_hint": (True, True)}
+READ_SRC = r"""
+extern "C" __global__ void mapped_read(const uint4* __restrict__ src, long long n16, int unroll,
+                                       unsigned int* __restrict__ sink) {
+    const long long stride = (long long)gridDim.x * blockDim.x;
+    unsigned int acc = 0;
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n16; i += stride * unroll) {
+        uint4 v[8];
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            const long long k = i + j * stride;
+            v[j] = (j < unroll && k < n16) ? src[k] : make_uint4(0, 0, 0, 0);
+        }
+#pragma unroll
+        for (int j = 0; j < 8; ++j) acc ^= v[j].x ^ v[j].y ^ v[j].z ^ v[j].w;
+    }
+    if (acc == 0x9e3779b9u) sink[0] = acc;  // keeps the loads; practically never written
+}
+"""
+
+
+def read_ceiling(cp, host_ptr: int, expert_bytes: int, reps: int) -> dict:
+    """GB/s of mapped_read over one expert's bytes and over 64 MiB at host_ptr, per (blocks, loads a lane)."""
+    ker = cp.RawKernel(READ_SRC, "mapped_read")
+    sink = cp.zeros(1, cp.uint32)
+    stream = cp.cuda.Stream(non_blocking=True)
+    rows = {}
+    for nbytes in (expert_bytes, 64 << 20):
+        n16 = nbytes // 16
+        for blocks in (32, 66, 132, 264, 528):
+            for unroll in (1, 4, 8):
+                args = (np.uint64(host_ptr), np.int64(n16), np.int32(unroll), sink)
+                with stream:
+                    for _ in range(3):
+                        ker((blocks,), (256,), args)
+                    times = []
+                    for _ in range(5):
+                        s, t = cp.cuda.Event(), cp.cuda.Event()
+                        s.record(stream)
+                        for _ in range(reps):
+                            ker((blocks,), (256,), args)
+                        t.record(stream)
+                        t.synchronize()
+                        times.append(cp.cuda.get_elapsed_time(s, t) / 1e3 / reps)
+                sec = float(np.median(times))
+                rows[f"{nbytes}B_{blocks}x256_u{unroll}"] = {"bytes": nbytes, "blocks": blocks, "loads_a_lane": unroll,
+                                                              "us": sec * 1e6, "GB_per_s": nbytes / sec / 1e9}
+    best = {}
+    for r in rows.values():
+        b = best.get(r["bytes"])
+        if b is None or r["GB_per_s"] > b["GB_per_s"]:
+            best[r["bytes"]] = r
+    return {"runs": rows, "best": {str(k): v for k, v in best.items()}}
 
 
 def host_pool(cp, dtype: str, rng):
@@ -65,9 +122,10 @@ def main() -> int:
               "layers_in_graph": LAYERS_IN_GRAPH, "reps": args.reps, "decode_form": fast.DECODE_FORM,
               "device": cp.cuda.runtime.getDeviceProperties(0)["name"].decode(), "dtypes": {}}
     moes = {}
-    for mf in (False, True):
+    for name, (mf, hint) in VARIANTS.items():
         fast.DECODE_MISSES_FIRST = mf
-        moes[mf] = fast.FastMoE(E, K, H, F)
+        moes[name] = fast.FastMoE(E, K, H, F)
+        moes[name].decode_miss_hint = hint
     fast.DECODE_MISSES_FIRST = True
     x = cp.asarray(rng.standard_normal((1, H)).astype(np.float32))
     # layer j routes experts j*K .. j*K+K-1, rank r = expert j*K + r (descending logits)
@@ -109,7 +167,7 @@ def main() -> int:
             sm = cp.asarray(slot_map)
             per = {}
             outs = {}
-            for mf, moe in moes.items():
+            for vname, moe in moes.items():
                 host = moe.host_device_ptrs(hp)
                 out = cp.full((1, H), np.nan, np.float32)
 
@@ -117,19 +175,26 @@ def main() -> int:
                     for j in range(LAYERS_IN_GRAPH):
                         moe._decode_pair(x, logits[j], pool, sm, out, host)
                 sec = [graph_seconds(cp, moe.compute_stream, body, args.reps) for _ in range(3)]
-                per["misses_first" if mf else "rank_order"] = float(np.median(sec)) / LAYERS_IN_GRAPH * 1e6
+                per[vname] = float(np.median(sec)) / LAYERS_IN_GRAPH * 1e6
                 moe.compute_stream.synchronize()
-                outs[mf] = out.get()
-            same = bool(np.array_equal(outs[False].view(np.uint32), outs[True].view(np.uint32)))
-            finite = bool(np.isfinite(outs[True]).all())
+                outs[vname] = out.get()
+            ref = outs["rank_order"].view(np.uint32)
+            same = all(np.array_equal(ref, o.view(np.uint32)) for o in outs.values())
+            finite = all(bool(np.isfinite(o).all()) for o in outs.values())
             if name == "none":
                 base = per
             bound = base["rank_order"] + len(ranks) * link_us
             row["patterns"][name] = {"miss_ranks": ranks, "us_per_layer": per, "serial_bound_us": bound,
                                      "same_bits": same, "finite": finite}
-            print(f"{dtype} {name:>11}: rank order {per['rank_order']:7.1f} us, misses first "
-                  f"{per['misses_first']:7.1f} us, serial bound {bound:7.1f} us, same bits {same}", flush=True)
+            print(f"{dtype} {name:>11}: " + ", ".join(f"{v} {t:7.1f} us" for v, t in per.items())
+                  + f", serial bound {bound:7.1f} us, same bits {same}", flush=True)
         print(f"{dtype}: link {link_us:.1f} us an expert ({row['link_GB_per_s']:.1f} GB/s)", flush=True)
+        # the device's address of the first host array (the gate/up weights of every expert: over 64 MiB)
+        dev_ptr = moes["misses_first"].host_device_ptrs(hp)[0]
+        row["mapped_read_ceiling"] = read_ceiling(cp, int(dev_ptr), expert_bytes, args.reps)
+        for nb, r in row["mapped_read_ceiling"]["best"].items():
+            print(f"{dtype}: mapped read of {nb} bytes at best {r['GB_per_s']:.1f} GB/s ({r['blocks']} blocks, "
+                  f"{r['loads_a_lane']} loads a lane, {r['us']:.1f} us)", flush=True)
         result["dtypes"][dtype] = row
         del pool, hp, keep
         cp.get_default_memory_pool().free_all_blocks()

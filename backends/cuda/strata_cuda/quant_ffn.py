@@ -907,9 +907,11 @@ class QuantMoE(FastMoE):
         kern(grid, (FAST_THREADS,), args)
 
     def _gate_up(self, x: Any, logits: Any, pool: ExpertPool, slot_map: Any, refill_from: Any, skip_missing: int,
-                 host_w13: int = 0, ids_out: Any = None, w_out: Any = None) -> None:
+                 host_w13: int = 0, ids_out: Any = None, w_out: Any = None, **third: Any) -> None:
+        # third: FastMoE's third-form arguments (land, host_w2), which 'gguf' pools never take (no host reads)
         if pool.dtype != "gguf":
-            return super()._gate_up(x, logits, pool, slot_map, refill_from, skip_missing, host_w13, ids_out, w_out)
+            return super()._gate_up(x, logits, pool, slot_map, refill_from, skip_missing, host_w13, ids_out, w_out,
+                                    **third)
         if refill_from is not None or skip_missing or host_w13:
             raise NotImplementedError("QuantMoE decode: every routed expert must be cached (no host reads)")
         b = self.decode_buffers()
@@ -933,9 +935,10 @@ class QuantMoE(FastMoE):
              np.int64(fmt.bias_offset if fmt.bias else -1), np.int32(1), b["act"]))
 
     def _down(self, pool: ExpertPool, slot_map: Any, only_missing_in: Any, skip_missing: int, out: Any,
-              host_w2: int = 0, accumulate: int = 0, ids: Any = None, w: Any = None) -> None:
+              host_w2: int = 0, accumulate: int = 0, ids: Any = None, w: Any = None, **third: Any) -> None:
         if pool.dtype != "gguf":
-            return super()._down(pool, slot_map, only_missing_in, skip_missing, out, host_w2, accumulate, ids, w)
+            return super()._down(pool, slot_map, only_missing_in, skip_missing, out, host_w2, accumulate, ids, w,
+                                 **third)
         if only_missing_in is not None or skip_missing or host_w2:
             raise NotImplementedError("QuantMoE decode: every routed expert must be cached (no host reads)")
         b = self.decode_buffers()
