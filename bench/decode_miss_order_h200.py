@@ -1,14 +1,15 @@
 """A decode layer with missed experts at Qwen3-30B-A3B shape (E 128, K 8, H 2048, F 768) on the H200, f16 and Q8_0
 pools: the third-form gate/up and down kernels (FastMoE's default form) reading the misses from mapped page-locked
-memory, with the gate/up blocks in rank order (STRATA_MISSES_FIRST=0), with the misses first (the default), and with
-the misses first and a miss's down matrix hinted into L2 by the gate/up kernel (`miss_hint`: FastMoE.decode_miss_hint).
+memory, with the gate/up blocks in rank order (STRATA_MISSES_FIRST=0) and with the misses first (the default).
+(bench/results/lead_h200_s11/call1_decode_miss_order_h200.json also has `miss_hint`, a variant of commit ac292c4 that
+hinted a miss's down matrix into L2 from the gate/up kernel: no effect, removed.)
 
 Each timed graph is 16 layers on the same buffers, each routing its own 8 experts (16 x 8 = all 128, so L2 holds
 none of them from the layer before), the misses at the same ranks in every layer; time per layer is CUDA events
 around `reps` replays over 16. The link figure is one expert's bytes copied host to device (cudaMemcpyAsync from
 the same page-locked pool), and `serial_bound_us` is the layer without misses plus that many copies: a layer under
 it overlaps its misses' reads with the cached experts' work. Every variant must give the same bits (the blocks write
-act at their expert's rank; a hint changes no value). `mapped_read_ceiling`: how fast a plain kernel (G blocks of 256
+act at their expert's rank). `mapped_read_ceiling`: how fast a plain kernel (G blocks of 256
 threads, U 16-byte loads a lane in flight) reads one expert's bytes, and 64 MiB, from the same mapped page-locked
 pool: the rate the miss reads could reach. Writes decode_miss_order_h200.json under --out.
 """
@@ -25,8 +26,8 @@ import numpy as np
 E, K, H, F = 128, 8, 2048, 768
 LAYERS_IN_GRAPH = E // K
 PATTERNS = {"none": [], "rank0": [0], "rank7": [7], "ranks3,7": [3, 7], "ranks5,6,7": [5, 6, 7]}
-#: variant -> (DECODE_MISSES_FIRST, decode_miss_hint)
-VARIANTS = {"rank_order": (False, False), "misses_first": (True, False), "miss_hint": (True, True)}
+#: variant -> DECODE_MISSES_FIRST
+VARIANTS = {"rank_order": False, "misses_first": True}
 READ_SRC = r"""
 extern "C" __global__ void mapped_read(const uint4* __restrict__ src, long long n16, int unroll,
                                        unsigned int* __restrict__ sink) {
@@ -122,10 +123,9 @@ def main() -> int:
               "layers_in_graph": LAYERS_IN_GRAPH, "reps": args.reps, "decode_form": fast.DECODE_FORM,
               "device": cp.cuda.runtime.getDeviceProperties(0)["name"].decode(), "dtypes": {}}
     moes = {}
-    for name, (mf, hint) in VARIANTS.items():
+    for name, mf in VARIANTS.items():
         fast.DECODE_MISSES_FIRST = mf
         moes[name] = fast.FastMoE(E, K, H, F)
-        moes[name].decode_miss_hint = hint
     fast.DECODE_MISSES_FIRST = True
     x = cp.asarray(rng.standard_normal((1, H)).astype(np.float32))
     # layer j routes experts j*K .. j*K+K-1, rank r = expert j*K + r (descending logits)

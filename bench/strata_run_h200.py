@@ -40,20 +40,17 @@ def log(msg: str) -> None:
 
 
 def run_strata(extra: list[str], skew: bool, timeout_s: int, decode: int, decode_baseline: bool = False,
-               decode_admit_mib: int | None = None, decode_copy_admission: bool = False,
-               decode_miss_hint: bool = False) -> dict:
+               decode_admit_mib: int | None = None, decode_landing: bool = False) -> dict:
     """One `strata run` subprocess; its strata.run/1 JSON plus wall time and stderr tail (decode_baseline: the
     decode kernels' first forms, launched plainly, as before the second forms and programmatic launches;
     decode_admit_mib: CudaLayerOps.decode_admit_bytes in MiB instead of its default, 0 admitting nothing;
-    decode_copy_admission: CudaLayerOps.decode_landing off, decode admitting by copies as before landing;
-    decode_miss_hint: fast.DECODE_MISS_HINT on, a miss's down matrix hinted into L2 by the gate/up kernel)."""
+    decode_landing: CudaLayerOps.decode_landing on, decode admitting its misses by landing instead of copies)."""
     argv = [sys.executable, "-m", "strata_core.cli", "run", "--backend", "cuda", "--model", MODEL,
             "--prompt-tokens", str(PROMPT), "--decode-tokens", str(decode), "--json",
             "--set", f"prefill.chunk={PROMPT}", *(["--skew", "1"] if skew else []), *extra]
     argv = [sys.executable, __file__, "--child-run", *(["--decode-baseline"] if decode_baseline else []),
             *([f"--decode-admit-mib={decode_admit_mib}"] if decode_admit_mib is not None else []),
-            *(["--decode-copy-admission"] if decode_copy_admission else []),
-            *(["--decode-miss-hint"] if decode_miss_hint else []), "--", *argv[1:]]
+            *(["--decode-landing"] if decode_landing else []), "--", *argv[1:]]
     t0 = time.perf_counter()
     p = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s)
     wall = time.perf_counter() - t0
@@ -75,14 +72,11 @@ COUNTS_TAG = "strata-bench layer_ops: "
 
 
 def child_run(argv: list[str], decode_baseline: bool = False, decode_admit_mib: int | None = None,
-              decode_copy_admission: bool = False, decode_miss_hint: bool = False) -> int:
+              decode_landing: bool = False) -> int:
     """The run command; which paths the cuda layer ops ran (CudaLayerOps.counts) goes to stderr as one tagged line
-    at exit (decode_admit_mib: every CudaLayerOps' decode_admit_bytes; decode_copy_admission: their
-    decode_landing off; decode_miss_hint: fast.DECODE_MISS_HINT on)."""
+    at exit (decode_admit_mib: every CudaLayerOps' decode_admit_bytes; decode_landing: their
+    decode_landing on)."""
     import atexit
-    if decode_miss_hint:
-        from strata_cuda import fast as fast_hint
-        fast_hint.DECODE_MISS_HINT = True
     if decode_baseline:  # the decode kernels' first forms, plain launches, the KernelSet's LM head (as before)
         from strata_cuda import fast
         from strata_cuda import layer_ops as lo_base
@@ -97,8 +91,8 @@ def child_run(argv: list[str], decode_baseline: bool = False, decode_admit_mib: 
             init0(self, *a, **kw)
             if decode_admit_mib is not None:
                 self.decode_admit_bytes = int(decode_admit_mib) << 20
-            if decode_copy_admission:
-                self.decode_landing = False
+            if decode_landing:
+                self.decode_landing = True
             seen.append(self)
         lo.CudaLayerOps.__init__ = init
         atexit.register(lambda: print(COUNTS_TAG + json.dumps([o.counts for o in seen]), file=sys.stderr))
@@ -453,7 +447,7 @@ def main() -> int:
         i = sys.argv.index("--")
         admit = [a.split("=", 1)[1] for a in sys.argv[:i] if a.startswith("--decode-admit-mib=")]
         return child_run(sys.argv[i + 1:], "--decode-baseline" in sys.argv[:i], int(admit[0]) if admit else None,
-                         "--decode-copy-admission" in sys.argv[:i], "--decode-miss-hint" in sys.argv[:i])
+                         "--decode-landing" in sys.argv[:i])
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--out", default=".")
     ap.add_argument("--settings", default="all,half_skewed,smallest")
@@ -481,11 +475,11 @@ def main() -> int:
             loan = int(((plan_json(total).get("prompt") or {}).get("max_loan_slots")) or 0)
             res["all_cache_slots"] = total + loan
             extra, skew = ["--set", f"memory.expert_cache={total + loan}"], False
-        elif name in ("half_skewed", "half_skewed_copy", "half_skewed_hint") or name.startswith("half_skewed_admit"):
+        elif name in ("half_skewed", "half_skewed_landing") or name.startswith("half_skewed_admit"):
             # half_skewed_admitN: the same run with decode admitting at most N MiB a step (0: none), an A/B of the
-            # admission copies that share the link with the decode's mapped reads; half_skewed_copy: admitting by
-            # copies instead of landing (the A/B of CudaLayerOps.decode_landing); half_skewed_hint: the misses'
-            # down matrices hinted into L2 by the gate/up kernels (the A/B of fast.DECODE_MISS_HINT)
+            # admission copies that share the link with the decode's mapped reads; half_skewed_landing: admitting by
+            # landing instead of copies (the A/B of CudaLayerOps.decode_landing; half_skewed_copy in results of
+            # 2026-12-03 before its default changed)
             extra, skew = ["--set", f"memory.expert_cache={total // 2}"], True
         elif name == "smallest":
             try:
@@ -502,7 +496,7 @@ def main() -> int:
             continue
         admit = int(name[len("half_skewed_admit"):]) if name.startswith("half_skewed_admit") else None
         d = run_strata(extra, skew, args.timeout, args.decode, decode_baseline=baseline, decode_admit_mib=admit,
-                       decode_copy_admission=name == "half_skewed_copy", decode_miss_hint=name == "half_skewed_hint")
+                       decode_landing=name == "half_skewed_landing")
         res["runs"][name] = summarize(d)
         log(f"{name}: exit {d.get('_exit')} wall {d['_wall_s']:.1f} s prefill {d.get('prefill_tokens_per_s')} tok/s "
             f"decode {d.get('decode_tokens_per_s')} tok/s hit {d.get('cache_hit_rate')} layer_ops {d.get('layer_ops')}")

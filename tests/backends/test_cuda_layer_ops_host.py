@@ -216,9 +216,10 @@ def landing_works(cache: ExpertCache, uploads: list, budget_rows: int) -> list[L
 
 @pytest.fixture
 def lop(op, monkeypatch):
-    """`op` whose layers read their misses from (fake) mapped host addresses."""
+    """`op` whose layers read their misses from (fake) mapped host addresses, admitting decode misses by landing."""
     from strata_cuda import layer_ops
     monkeypatch.setattr(layer_ops.CudaLayerOps, "_hosts", lambda self, works, fast, rows, missing: [(1, 2)] * len(works))
+    op.decode_landing = True
     return op
 
 
@@ -263,6 +264,18 @@ def test_decode_admits_its_misses_by_landing_them_with_no_copy_and_counts_them_a
     assert (op._maps_dev.a[:, E:] == -1).all() and not op._landing
     assert uploads == [], "landing copies nothing"
     cache.check()
+
+
+def test_by_default_decode_admits_by_copy_even_where_the_kernels_could_land(lop):
+    op = lop
+    from strata_cuda import layer_ops
+    op.decode_landing = layer_ops.DECODE_LANDING
+    cache, uploads = half_cache(), []
+    op._test_fast = LandingFast(np.tile(np.array([0, 7]), (L, 1)))
+    works = landing_works(cache, uploads, budget_rows=2)
+    op.decode_step(works)
+    assert len(uploads) == 2 and not op._landing and "decode_reserved" not in op.counts
+    assert not cache.on_loan.any() and op.counts["decode_admitted"] == 2, op.counts
 
 
 def test_without_landing_kernels_decode_admits_by_copy(lop):

@@ -160,10 +160,12 @@ def test_prefill_chunk_through_the_layer_ops(cp, rng, with_ring):
         m.cache.give_back(ring)
 
 
+@pytest.mark.parametrize("landing", [False, True], ids=["copy", "landing"])
 @pytest.mark.parametrize("dtype", ["f16", "q8_0"])
-def test_decode_steps_replay_one_graph_with_mapped_misses(cp, rng, dtype):
+def test_decode_steps_replay_one_graph_with_mapped_misses(cp, rng, dtype, landing):
     m = model(cp, rng, dtype)
     op = ops(m)
+    op.decode_landing = landing
     x0, want = untied_token(m, rng)
     x = cp.empty((1, H), cp.float32)
     for step in range(3):
@@ -178,9 +180,13 @@ def test_decode_steps_replay_one_graph_with_mapped_misses(cp, rng, dtype):
     assert op.counts["decode_graph_steps"] == 3, op.counts
     assert len([k for k in op._fast.values()][0]._graphs) == 1, "one graph for the whole stack, replayed"
     assert m.cache.misses > 0, "half the experts are not cached: some decode reads came from host memory"
-    # step 0 reserved slots for its misses, step 1's kernels wrote them there as they read them (landing), step 2
-    # read them from those slots (its output checked above); every expert the cache holds is the host's bytes
-    assert op.counts.get("decode_landed", 0) > 0 and "decode_admitted" not in op.counts, op.counts
+    if landing:
+        # step 0 reserved slots for its misses, step 1's kernels wrote them there as they read them, step 2 read
+        # them from those slots (its output checked above)
+        assert op.counts.get("decode_landed", 0) > 0 and "decode_admitted" not in op.counts, op.counts
+    else:
+        assert op.counts.get("decode_admitted", 0) > 0 and "decode_reserved" not in op.counts, op.counts
+    # every expert the cache holds is the host's bytes (landed or copied)
     rows = np.flatnonzero(m.cache.slot_of >= 0)
     for name, a in m.host.arrays.items():
         held = m.dev.arrays[name][cp.asarray(m.cache.slot_of[rows])].get()

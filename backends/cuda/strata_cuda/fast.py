@@ -188,12 +188,6 @@ def compile_to_ptx(arch: str = "compute_90") -> bytes:
 DECODE_MISSES_FIRST = True
 
 
-#: FastMoE.decode_miss_hint's default: the third-form gate/up kernels hint a missed expert's down matrix in host
-#: memory into L2 (prefetch.global.L2), so the link reads it beside the gate/up rows and the down kernel finds it
-#: in L2, instead of the link idling between the two kernels' reads (bench/decode_miss_order_h200.py measures it).
-DECODE_MISS_HINT = False
-
-
 def module_options(decode_rows_per_warp: int = DECODE_ROWS_PER_WARP) -> tuple[str, ...]:
     """NVRTC options of moe_fast.cu for these compiled-in choices (DECODE_MISSES_FIRST read now)."""
     return COMPILE_OPTIONS + (f"-DSTRATA_DEC_ROWS={int(decode_rows_per_warp)}",
@@ -581,8 +575,6 @@ class FastMoE:
         self.decode_pdl = DECODE_PDL
         #: the decode stack's kernels: 1 the first forms, 2 the second, DECODE_THIRD's the third (DECODE_FORM)
         self.decode_form = DECODE_FORM
-        #: the third-form gate/up kernels hint a miss's down matrix into L2 (DECODE_MISS_HINT)
-        self.decode_miss_hint = DECODE_MISS_HINT
         # made here, outside any capture (the device query and the driver library load are not stream work)
         self._pdl = _launcher(cupy)
         self.compute_stream = cupy.cuda.Stream(non_blocking=True)
@@ -1491,11 +1483,9 @@ class FastMoE:
 
     def _gate_up(self, x: Any, logits: Any, pool: ExpertPool, slot_map: Any, refill_from: Any, skip_missing: int,
                  host_w13: int = 0, ids_out: Any = None, w_out: Any = None, slots_out: Any = None,
-                 land: Any = None, host_w2: Any = 0) -> None:
+                 land: Any = None) -> None:
         b = dict(self.decode_buffers())
         land_arg = land if land is not None else np.uint64(0)
-        # the miss hint needs the host down matrix too (decode_miss_hint); 0 turns it off in the kernel
-        hint = host_w2 if (self.decode_miss_hint and host_w13 and host_w2) else 0
         if ids_out is not None:
             b["ids"], b["w"] = ids_out, w_out
         h, f, kk = self.hidden, self.ffn, self.top_k
@@ -1507,8 +1497,7 @@ class FastMoE:
             self._dlaunch("strata_fast_decode_gate_up3_q8", ((f + rows - 1) // rows, kk), (THREADS,),
                           (x, logits, np.int32(self.experts), np.int32(kk), slot_map, a["gate_up_q"], a["gate_up_d"],
                            np.uint64(hq), np.uint64(hd), np.int32(h), np.int32(f), b["act"], b["ids"], b["w"],
-                           b["slots"] if slots_out is None else slots_out, land_arg,
-                           *(np.uint64(p) for p in (hint if hint else (0, 0)))))
+                           b["slots"] if slots_out is None else slots_out, land_arg))
             return
         if self._third_form(pool, refill_from, skip_missing):
             _, _, pairs, prefetch = DECODE_THIRD[self.decode_form]
@@ -1517,8 +1506,7 @@ class FastMoE:
                           (x, logits, np.int32(self.experts), np.int32(kk), slot_map, pool.arrays["w_gate_up"],
                            np.uint64(host_w13), np.int64(2 * f * h), np.int32(h), np.int32(f), b["act"], b["ids"],
                            b["w"], b["slots"] if slots_out is None else slots_out,
-                           pool.arrays["w_down"] if prefetch else np.uint64(0), np.int64(h * f), land_arg,
-                           np.uint64(hint)))
+                           pool.arrays["w_down"] if prefetch else np.uint64(0), np.int64(h * f), land_arg))
             return
         rows_per_block = (THREADS // WARP_LANES) * self.decode_rows_per_warp
         if pool.dtype == "q8_0":
@@ -1636,7 +1624,7 @@ class FastMoE:
                                                      (x, lay.norm_w, lay.router_w, np.int32(self.experts),
                                                       np.int32(self.hidden), np.float32(lay.eps), xn, logits))
             h13, h2 = _split_host(lay.pool.dtype, lay.host)
-            self._gate_up(xn, logits, lay.pool, lay.slot_map, None, 0, h13, host_w2=h2, ids_out=lay.ids, w_out=lay.w,
+            self._gate_up(xn, logits, lay.pool, lay.slot_map, None, 0, h13, ids_out=lay.ids, w_out=lay.w,
                           land=lay.land)
             self._down(lay.pool, lay.slot_map, None, 0, x, h2, accumulate=1, ids=lay.ids, w=lay.w, land=lay.land)
 
@@ -1669,7 +1657,7 @@ class FastMoE:
     def _decode_pair(self, x: Any, logits: Any, pool: ExpertPool, slot_map: Any, out: Any,
                      host: tuple[int, ...] | None, land: Any = None) -> None:
         h13, h2 = _split_host(pool.dtype, host)
-        self._gate_up(x, logits, pool, slot_map, None, 0, h13, land=land, host_w2=h2)
+        self._gate_up(x, logits, pool, slot_map, None, 0, h13, land=land)
         self._down(pool, slot_map, None, 0, out, h2, land=land)
 
     def decode_layer(self, x: Any, logits: Any, pool: ExpertPool, slot_map: Any, out: Any = None,

@@ -52,11 +52,15 @@ FUSED_DTYPES = ("f16", "q8_0")
 DECODE_DTYPES = ("f16", "q8_0", "gguf")
 #: CudaLayerOps.decode_admit_hotter's default (bench/link_trace_h200.py measures both)
 DECODE_ADMIT_HOTTER = True
-#: CudaLayerOps.decode_landing's default: where a step's layers take the third-form decode kernels, decode admits
-#: a missed expert by reserving a slot for it (ExpertCache.reserve) that the kernels write the expert into the next
-#: time they read it from host memory, so an admission adds no bytes to the link (a copy admission re-sent the whole
-#: expert beside the step's own misses: bench/results/lead_h200_s10/)
-DECODE_LANDING = True
+#: CudaLayerOps.decode_landing's default. On: where a step's layers take the third-form decode kernels, decode
+#: admits a missed expert by reserving a slot for it (ExpertCache.reserve) that the kernels write the expert into the
+#: next time they read it from host memory, so an admission adds no bytes to the link. Off (copies, the default):
+#: measured on the H200 at Qwen3-30B-A3B half-skewed (bench/results/lead_h200_s10/call2, lead_h200_s11/call1),
+#: landing decoded Q8_0 at 268.3 and 269.7 tok/s against 274.1 and 275.5 by copies, F16 201.0 / 201.5 against 200.3:
+#: an expert missed is seldom routed again within LANDING_EXPIRE_STEPS steps of random tokens (37 of 133
+#: reservations landed), so its hit rate is lower (0.945 against 0.950), and the copies' extra link bytes go on the
+#: copy stream, beside the step, not in its way.
+DECODE_LANDING = False
 #: a landing reservation not filled within this many counted steps is given back (its slot empty again)
 LANDING_EXPIRE_STEPS = 32
 #: The CPU share stays off on the fused path's fallback (it would need the runtime's share buffers).

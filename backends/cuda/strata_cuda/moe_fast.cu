@@ -47,10 +47,8 @@
 // (sm_80+; nothing elsewhere). Only a hint: the reader loads it as usual.
 #if !defined(STRATA_HIP) && defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 800)
 #define STRATA_PREFETCH_L2(p) asm volatile("prefetch.global.L2::evict_last [%0];" ::"l"(p))
-#define STRATA_PREFETCH_L2_NORMAL(p) asm volatile("prefetch.global.L2 [%0];" ::"l"(p))
 #else
 #define STRATA_PREFETCH_L2(p)
-#define STRATA_PREFETCH_L2_NORMAL(p)
 #endif
 
 
@@ -717,21 +715,6 @@ __device__ __forceinline__ void publish_route(const int* s_sel, const float* s_l
 #ifndef STRATA_MISSES_FIRST
 #define STRATA_MISSES_FIRST 1
 #endif
-// This block's share of `bytes` at p, hinted into L2, the share split between the gridDim.x blocks of one rank: a
-// hint for a later kernel's reads, issued while this one computes. `last`: the lines kept with the last eviction
-// priority (a cached expert's HBM rows); else the normal one (a miss read from host memory: lines that outlived
-// their step would only crowd out the next one's).
-__device__ __forceinline__ void prefetch_share(const char* p, long long bytes, bool last) {
-    const long long per_block = (bytes + 128LL * gridDim.x - 1) / (128LL * gridDim.x) * 128;
-    const long long b1 = min(bytes, (blockIdx.x + 1) * per_block);
-    for (long long o = blockIdx.x * per_block + 128LL * threadIdx.x; o < b1; o += 128LL * blockDim.x) {
-        if (last)
-            STRATA_PREFETCH_L2(p + o);
-        else
-            STRATA_PREFETCH_L2_NORMAL(p + o);
-    }
-}
-
 struct RoutedBlock {
     int rank;        // the expert's rank in the top k (act's row)
     int e;           // its id
@@ -786,9 +769,7 @@ __device__ RoutedBlock route_block(const float* __restrict__ logits, int E, int 
 // the F row pairs (gx = ceil(F / warps) gives one pair a warp; fewer blocks route fewer times and fit in one wave).
 // Block (0,0) writes ids, softmax weights (warp_topk's arithmetic, the same bits) and the routed slots slot_map[id]
 // for step 2. With w2_prefetch (may be null), the blocks of expert k hint its cached down matrix (w2_stride halves
-// at slot * w2_stride) into L2, split between them, so step 2 reads it from L2 while this kernel reads HBM. With
-// host_w2_hint (may be null: FastMoE.decode_miss_hint), the blocks of a missed expert hint its down matrix in host
-// memory the same way, so the link carries both of its matrices at once and step 2 finds the down rows in L2.
+// at slot * w2_stride) into L2, split between them, so step 2 reads it from L2 while this kernel reads HBM.
 // Misses as strata_fast_decode_gate_up without refill_from / skip_missing (host_w13 or NaN).
 #define STRATA_GU3_GROUP 8
 extern "C" __global__ void __launch_bounds__(STRATA_FAST_THREADS, 2)
@@ -797,17 +778,19 @@ strata_fast_decode_gate_up3(const float* __restrict__ x, const float* __restrict
                             const unsigned short* __restrict__ host_w13, long long slot_stride, int H, int F,
                             float* __restrict__ act, int* __restrict__ ids_out, float* __restrict__ w_out,
                             int* __restrict__ slots_out, const unsigned short* __restrict__ w2_prefetch,
-                            long long w2_stride, const int* __restrict__ land,
-                            const unsigned short* __restrict__ host_w2_hint) {
+                            long long w2_stride, const int* __restrict__ land) {
     const int warp = threadIdx.x / STRATA_WARP, lane = threadIdx.x % STRATA_WARP;
     const RoutedBlock rb = route_block(logits, E, K, slot_map, land, ids_out, w_out, slots_out);
     const int k = rb.rank, e = rb.e;
     const long long slot = rb.slot;
-    if (w2_prefetch != 0 && slot >= 0)
-        prefetch_share((const char*)(w2_prefetch + slot * w2_stride), 2 * w2_stride, true);
-    // a miss: its down matrix is read over the link by this kernel's hint, beside its gate/up rows, not after them
-    if (host_w2_hint != 0 && slot < 0 && host_w13 != 0)
-        prefetch_share((const char*)(host_w2_hint + (long long)e * w2_stride), 2 * w2_stride, false);
+    if (w2_prefetch != 0 && slot >= 0) {
+        const char* p = (const char*)(w2_prefetch + slot * w2_stride);
+        const long long bytes = 2 * w2_stride;
+        const long long per_block = (bytes + 128LL * gridDim.x - 1) / (128LL * gridDim.x) * 128;
+        const long long b1 = min(bytes, (blockIdx.x + 1) * per_block);
+        for (long long o = blockIdx.x * per_block + 128LL * threadIdx.x; o < b1; o += 128LL * blockDim.x)
+            STRATA_PREFETCH_L2(p + o);
+    }
     const unsigned short* base = w13;
     const bool unread = slot < 0 && host_w13 == 0;
     uint4* landing = 0;  // the reserved slot this miss is written into as it is read (block-uniform)
@@ -1183,8 +1166,7 @@ strata_fast_decode_down_q8(const float* __restrict__ act, const int* __restrict_
 
 // Step 1: act[k,i] = silu(x . Wg[i]) * (x . Wu[i]), one warp a row pair at a time, each lane loading
 // STRATA_GU3Q_GROUP chunks of both rows (and their scales) before any sum (H = 2048: one group). Grid (gx, K) as
-// strata_fast_decode_gate_up3; misses from host_q13 / host_d13 (mapped), or NaN without them; host_q2_hint and
-// host_d2_hint (may be null) as strata_fast_decode_gate_up3's host_w2_hint.
+// strata_fast_decode_gate_up3; misses from host_q13 / host_d13 (mapped), or NaN without them.
 #define STRATA_GU3Q_GROUP 4
 extern "C" __global__ void __launch_bounds__(STRATA_FAST_THREADS, 2)
 strata_fast_decode_gate_up3_q8(const float* __restrict__ x, const float* __restrict__ logits, int E, int K,
@@ -1192,17 +1174,12 @@ strata_fast_decode_gate_up3_q8(const float* __restrict__ x, const float* __restr
                                const unsigned short* __restrict__ d13, const signed char* __restrict__ host_q13,
                                const unsigned short* __restrict__ host_d13, int H, int F, float* __restrict__ act,
                                int* __restrict__ ids_out, float* __restrict__ w_out, int* __restrict__ slots_out,
-                               const int* __restrict__ land, const signed char* __restrict__ host_q2_hint,
-                               const unsigned short* __restrict__ host_d2_hint) {
+                               const int* __restrict__ land) {
     const int warp = threadIdx.x / STRATA_WARP, lane = threadIdx.x % STRATA_WARP;
     const RoutedBlock rb = route_block(logits, E, K, slot_map, land, ids_out, w_out, slots_out);
     const int k = rb.rank, e = rb.e;
     const long long slot = rb.slot;
     const long long nq = 2LL * F * H, nd = nq / 32;  // one expert's quants and scales
-    if (host_q2_hint != 0 && slot < 0 && host_q13 != 0) {  // a miss's down quants and scales, as gate_up3's hint
-        prefetch_share((const char*)(host_q2_hint + (long long)e * (nq / 2)), nq / 2, false);
-        prefetch_share((const char*)(host_d2_hint + (long long)e * (nd / 2)), nd, false);
-    }
     const signed char* qb = q13;
     const unsigned short* db = d13;
     const bool unread = slot < 0 && host_q13 == 0;
