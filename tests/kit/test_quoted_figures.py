@@ -115,7 +115,7 @@ def test_readme_matrix_is_the_committed_matrix():
 def test_readme_gpu_lane_figures_are_in_the_lane_logs():
     """The GPU lane's test counts are in its logs; its layer figures are scalars of h200_moe.json."""
     readme = (ROOT / "README.md").read_text()
-    para = _section(readme, "The GPU lane runs", "## Development")
+    para = _section(readme, "The GPU lane runs", STRATA_RUN_PARA)
     logs = "\n".join(p.read_text(errors="replace") for p in (RESULTS / "gpu_lane").iterdir() if p.is_file())
     counts = re.findall(r"(\d+) passed", para)
     assert counts, "the GPU lane paragraph quotes no test count"
@@ -127,6 +127,40 @@ def test_readme_gpu_lane_figures_are_in_the_lane_logs():
     assert figures, "the GPU lane paragraph quotes no layer figure"
     missing = [f for f in figures if not _found(f, values)]
     assert not missing, f"README quotes layer figures h200_moe.json does not hold: {missing}"
+
+
+#: The README paragraph on `strata run` on the H200 starts with this; its figures are in the files it names.
+STRATA_RUN_PARA = "`strata run --backend cuda` itself on the H200"
+STRATA_RUN_FILES = ("strata_run_h200.json", "strata_run_h200_q8_0.json", "fidelity_h200.json",
+                    "lead_h200_s11/call1_decode_miss_order_h200.json")
+
+
+def _strata_run_figures(readme: str) -> list[str]:
+    """The measured figures of the README's `strata run` paragraph (dates, the issue's number and target, the
+    model's name and the `--skew` value left out)."""
+    para = _section(readme, STRATA_RUN_PARA, "## Development")
+    para = re.sub(r"\d{4}-\d{2}-\d{2}|issue \d+'s \d+ tok/s|Qwen3-30B-A3B|--skew \d|lead_h200_s\d+|call\d+|Q8_0|F16|h200",
+                  "", para)
+    return [m.group(1) for m in FIGURE.finditer(para)]
+
+
+def test_readme_strata_run_figures_are_in_the_files_it_names():
+    """Every figure of the README's `strata run` paragraph is a scalar of the committed files it names."""
+    values: set[float] = set()
+    for name in STRATA_RUN_FILES:
+        _scalars(json.loads((RESULTS / name).read_text()), values)
+    figures = _strata_run_figures((ROOT / "README.md").read_text())
+    assert len(figures) > 15, f"only {len(figures)} figures found: the paragraph moved?"
+    missing = sorted({f for f in figures if not _found(f, values)})
+    assert not missing, f"README's strata run paragraph quotes figures its files do not hold: {missing}"
+
+
+def test_the_strata_run_figure_check_can_fail():
+    """A table figure a little off the committed run's is not found."""
+    values: set[float] = set()
+    for name in STRATA_RUN_FILES:
+        _scalars(json.loads((RESULTS / name).read_text()), values)
+    assert _found("83,376", values) and not _found("83,377", values) and not _found("571.7", values)
 
 
 def test_bench_readme_kit_run_is_in_kit_h200():

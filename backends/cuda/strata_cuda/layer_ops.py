@@ -56,7 +56,8 @@ DECODE_ADMIT_HOTTER = True
 #: admits a missed expert by reserving a slot for it (ExpertCache.reserve) that the kernels write the expert into the
 #: next time they read it from host memory, so an admission adds no bytes to the link. Off (copies, the default):
 #: measured on the H200 at Qwen3-30B-A3B half-skewed (bench/results/lead_h200_s10/call2, lead_h200_s11/call1),
-#: landing decoded Q8_0 at 268.3 and 269.7 tok/s against 274.1 and 275.5 by copies, F16 201.0 / 201.5 against 200.3:
+#: landing decoded Q8_0 at 268.3, 269.7 and 270.9 tok/s against 274.1, 275.5 and 275.8 by copies, F16 at 201.0 and
+#: 203.2 against 200.3 and 203.9 (bench/README.md, "Half-cached decode"):
 #: an expert missed is seldom routed again within LANDING_EXPIRE_STEPS steps of random tokens (37 of 133
 #: reservations landed), so its hit rate is lower (0.945 against 0.950), and the copies' extra link bytes go on the
 #: copy stream, beside the step, not in its way.
