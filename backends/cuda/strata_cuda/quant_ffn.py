@@ -961,13 +961,13 @@ class QuantMoE(FastMoE):
              out))
 
     def decode_layer(self, x: Any, logits: Any, pool: ExpertPool, slot_map: Any, out: Any = None,
-                     host_pool: ExpertPool | None = None) -> Any:
+                     host_pool: ExpertPool | None = None, land: Any = None) -> Any:
         """One token (FastMoE.decode_layer) over a 'gguf' pool: route, gate/up and down GEMVs, replayed as a graph
         per set of buffers; every routed expert must be cached (slot_map [E] int32 on the device)."""
         if pool.dtype != "gguf":
-            return super().decode_layer(x, logits, pool, slot_map, out, host_pool)
-        if host_pool is not None:
-            raise NotImplementedError("QuantMoE decode: misses are not read from host memory")
+            return super().decode_layer(x, logits, pool, slot_map, out, host_pool, land)
+        if host_pool is not None or land is not None:
+            raise NotImplementedError("QuantMoE decode: misses are not read from host memory (nor landed)")
         b = self.decode_buffers()  # allocated before any capture: no allocation may happen inside one
         out = b["out"] if out is None else out
 
