@@ -50,6 +50,7 @@ extern "C" __global__ void mapped_read(const uint4* __restrict__ src, long long 
 
 def read_ceiling(cp, host_ptr: int, expert_bytes: int, reps: int) -> dict:
     """GB/s of mapped_read over one expert's bytes and over 64 MiB at host_ptr, per (blocks, loads a lane)."""
+    from decode_kernels_h200 import events_seconds
     ker = cp.RawKernel(READ_SRC, "mapped_read")
     sink = cp.zeros(1, cp.uint32)
     stream = cp.cuda.Stream(non_blocking=True)
@@ -59,19 +60,8 @@ def read_ceiling(cp, host_ptr: int, expert_bytes: int, reps: int) -> dict:
         for blocks in (32, 66, 132, 264, 528):
             for unroll in (1, 4, 8):
                 args = (np.uint64(host_ptr), np.int64(n16), np.int32(unroll), sink)
-                with stream:
-                    for _ in range(3):
-                        ker((blocks,), (256,), args)
-                    times = []
-                    for _ in range(5):
-                        s, t = cp.cuda.Event(), cp.cuda.Event()
-                        s.record(stream)
-                        for _ in range(reps):
-                            ker((blocks,), (256,), args)
-                        t.record(stream)
-                        t.synchronize()
-                        times.append(cp.cuda.get_elapsed_time(s, t) / 1e3 / reps)
-                sec = float(np.median(times))
+                sec = float(np.median([events_seconds(cp, stream, lambda: ker((blocks,), (256,), args), reps)
+                                       for _ in range(5)]))
                 rows[f"{nbytes}B_{blocks}x256_u{unroll}"] = {"bytes": nbytes, "blocks": blocks, "loads_a_lane": unroll,
                                                               "us": sec * 1e6, "GB_per_s": nbytes / sec / 1e9}
     best = {}

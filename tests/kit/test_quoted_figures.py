@@ -135,6 +135,14 @@ STRATA_RUN_FILES = ("strata_run_h200.json", "strata_run_h200_q8_0.json", "fideli
                     "lead_h200_s11/call1_decode_miss_order_h200.json")
 
 
+def _strata_run_values() -> set[float]:
+    """Every scalar of STRATA_RUN_FILES."""
+    values: set[float] = set()
+    for name in STRATA_RUN_FILES:
+        _scalars(json.loads((RESULTS / name).read_text()), values)
+    return values
+
+
 def _strata_run_figures(readme: str) -> list[str]:
     """The measured figures of the README's `strata run` paragraph (dates, the issue's number and target, the
     model's name and the `--skew` value left out)."""
@@ -146,9 +154,7 @@ def _strata_run_figures(readme: str) -> list[str]:
 
 def test_readme_strata_run_figures_are_in_the_files_it_names():
     """Every figure of the README's `strata run` paragraph is a scalar of the committed files it names."""
-    values: set[float] = set()
-    for name in STRATA_RUN_FILES:
-        _scalars(json.loads((RESULTS / name).read_text()), values)
+    values = _strata_run_values()
     figures = _strata_run_figures((ROOT / "README.md").read_text())
     assert len(figures) > 15, f"only {len(figures)} figures found: the paragraph moved?"
     missing = sorted({f for f in figures if not _found(f, values)})
@@ -157,9 +163,7 @@ def test_readme_strata_run_figures_are_in_the_files_it_names():
 
 def test_the_strata_run_figure_check_can_fail():
     """A table figure a little off the committed run's is not found."""
-    values: set[float] = set()
-    for name in STRATA_RUN_FILES:
-        _scalars(json.loads((RESULTS / name).read_text()), values)
+    values = _strata_run_values()
     assert _found("83,376", values) and not _found("83,377", values) and not _found("571.7", values)
 
 
