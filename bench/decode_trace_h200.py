@@ -25,8 +25,10 @@ import numpy as np
 LAYERS, E = 48, 128
 
 
-def traced_run(dtype: str, decode: int) -> tuple[dict, dict]:
-    """Run the half-skewed setting in-process; (arrays for the npz, the run's JSON and counts)."""
+def traced_run(dtype: str, decode: int, residuals: dict | None = None) -> tuple[dict, dict]:
+    """Run the half-skewed setting in-process; (arrays for the npz, the run's JSON and counts). With `residuals`
+    (a dict to fill), decode runs layer by layer through the same kernels (the --check path's observer, without the
+    host check) and every layer's input residual is kept, with the routers and router norms, for lookahead studies."""
     from strata_core.runtime import cache as cache_mod
     from strata_cuda import layer_ops as lo
     rec: dict = {"ids": [], "tick": [], "admits": [], "prefill_lookups": []}
@@ -68,6 +70,21 @@ def traced_run(dtype: str, decode: int) -> tuple[dict, dict]:
         return got
 
     lo.CudaLayerOps.__init__, lo.CudaLayerOps._count = init, count
+    if residuals is not None:
+        launch0 = lo.CudaLayerOps.decode_launch
+
+        def observe(phase, layer, x_in, x_out):
+            residuals.setdefault("x", []).append(np.asarray(x_in, dtype=np.float16).reshape(-1).copy())
+
+        def launch(self, works, defer=False):
+            if works and "router" not in residuals:
+                import cupy
+                residuals["router"] = np.stack([cupy.asnumpy(w.router_w) for w in works]).astype(np.float16)
+                residuals["norm"] = np.stack([cupy.asnumpy(w.norm_w) for w in works]).astype(np.float32)
+            if works:
+                works[0].extras["observer"] = observe
+            return launch0(self, works, defer)
+        lo.CudaLayerOps.decode_launch = launch
     cache_mod.ExpertCache.lookup, cache_mod.ExpertCache.admit = lookup, admit
     from strata_core.cli import main as cli_main
     sys.argv = ["strata", "run", "--backend", "cuda", "--model", f"Qwen3-30B-A3B@{dtype}", "--prompt-tokens", "4096",
@@ -97,10 +114,18 @@ def main() -> int:
     ap.add_argument("--out", default="bench/results")
     ap.add_argument("--dtype", default="Q8_0")
     ap.add_argument("--decode", type=int, default=128)
+    ap.add_argument("--residuals", action="store_true",
+                    help="decode layer by layer, keeping every layer's input (decode_residuals_<dtype>.npz)")
     a = ap.parse_args()
-    arrays, run = traced_run(a.dtype, a.decode)
+    res: dict | None = {} if a.residuals else None
+    arrays, run = traced_run(a.dtype, a.decode, res)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
+    if res:
+        x = np.stack(res["x"])
+        layers = res["router"].shape[0]
+        np.savez_compressed(out / f"decode_residuals_{a.dtype}.npz", router=res["router"], norm=res["norm"],
+                            x=x.reshape(-1, layers, x.shape[-1]), ids=arrays["ids"])
     np.savez_compressed(out / f"decode_trace_{a.dtype}.npz", **arrays)
     keep = ("prefill_tokens_per_s", "decode_tokens_per_s", "cache_hit_rate_decode", "cache_hit_rate_prefill",
             "plan", "_exit", "_counts")
