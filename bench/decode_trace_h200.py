@@ -124,8 +124,13 @@ def main() -> int:
     if res:
         x = np.stack(res["x"])
         layers = res["router"].shape[0]
-        np.savez_compressed(out / f"decode_residuals_{a.dtype}.npz", router=res["router"], norm=res["norm"],
-                            x=x.reshape(-1, layers, x.shape[-1]), ids=arrays["ids"])
+        x = x.reshape(-1, layers, x.shape[-1])
+        # in halves: a file that comes back from the device holds at most 16 MiB
+        h = layers // 2
+        for i, part in enumerate((slice(0, h), slice(h, layers))):
+            np.save(out / f"decode_router_{a.dtype}_{i}.npy", res["router"][part])
+            np.save(out / f"decode_residuals_{a.dtype}_{i}.npy", x[:, part])
+        np.save(out / f"decode_norm_{a.dtype}.npy", res["norm"])
     np.savez_compressed(out / f"decode_trace_{a.dtype}.npz", **arrays)
     keep = ("prefill_tokens_per_s", "decode_tokens_per_s", "cache_hit_rate_decode", "cache_hit_rate_prefill",
             "plan", "_exit", "_counts")
