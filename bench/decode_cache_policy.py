@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import dataclass, asdict
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -25,6 +25,8 @@ from strata_core.runtime.cache import EMPTY, ExpertCache
 #: Counts after an admission that admit nothing (one copy admission in flight; the recorded runs admit at every
 #: third count at most: bench/results/s12_h200's admit_step)
 BLOCKED_COUNTS = 2
+#: One Qwen3-30B-A3B expert's bytes (gate/up and down with their scales) per dtype of the traces
+ROW_BYTES = {"Q8_0": 5013504, "F16": 9437184}
 
 
 @dataclass(frozen=True)
@@ -36,6 +38,7 @@ class Policy:
     hotter_only: bool = True
     seeded_scale: float = 1.0      # the prompt's part of frequency at decode start, scaled
     top_up_rows: int = 0           # empty slots filled with the hottest non-resident experts before decode
+    top_up_steps: int = 0          # steps before the top-up's copies land (decode admits nothing meanwhile)
 
 
 def load_trace(path: Path) -> dict:
@@ -75,6 +78,10 @@ def replay(trace: dict, p: Policy, experts: int = 128) -> dict:
     visible: list[tuple[int, np.ndarray]] = []   # (first step whose maps show them, rows)
     hidden = np.zeros(c.slot_of.size, dtype=bool)   # admitted, copy not landed: read from host
     pending_until = -1
+    if p.top_up_rows and p.top_up_steps:
+        hidden[pick] = True
+        visible.append((p.top_up_steps, pick))
+        pending_until = p.top_up_steps - 3
     reads = np.zeros(steps, dtype=np.int64)
     reported_hits = 0
     for t in range(steps):
@@ -129,6 +136,8 @@ POLICIES = (
     Policy("runtime"),
     Policy("no_admission", budget_rows=0),
     Policy("top_up", top_up_rows=1 << 20),
+    Policy("top_up_landing_in_9_steps", top_up_rows=1 << 20, top_up_steps=9),
+    Policy("top_up_landing_in_16_steps", top_up_rows=1 << 20, top_up_steps=16),
 )
 
 
@@ -141,7 +150,9 @@ def main() -> int:
     res = {"schema": "strata.bench.decode_cache_policy/1", "traces": {}}
     for t in a.traces:
         tr = load_trace(Path(t))
-        rows = [replay(tr, p) for p in POLICIES]
+        # decode_admit_bytes (64 MiB) over the trace's expert bytes
+        budget = (64 << 20) // ROW_BYTES[Path(t).stem.rsplit("_", 1)[-1] if "F16" in t else "Q8_0"]
+        rows = [replay(tr, replace(p, budget_rows=budget if p.budget_rows else 0)) for p in POLICIES]
         res["traces"][Path(t).name] = {"recorded_admissions": int(tr["admit_row"].size), "policies": rows}
         for r in rows:
             print(Path(t).name, r["policy"]["name"], r["host_reads_a_step"], r["admitted"], r["hit_rate_graph"])

@@ -40,17 +40,19 @@ def log(msg: str) -> None:
 
 
 def run_strata(extra: list[str], skew: bool, timeout_s: int, decode: int, decode_baseline: bool = False,
-               decode_admit_mib: int | None = None, decode_landing: bool = False) -> dict:
+               decode_admit_mib: int | None = None, decode_landing: bool = False, no_top_up: bool = False) -> dict:
     """One `strata run` subprocess; its strata.run/1 JSON plus wall time and stderr tail (decode_baseline: the
     decode kernels' first forms, launched plainly, as before the second forms and programmatic launches;
     decode_admit_mib: CudaLayerOps.decode_admit_bytes in MiB instead of its default, 0 admitting nothing;
-    decode_landing: CudaLayerOps.decode_landing on, decode admitting its misses by landing instead of copies)."""
+    decode_landing: CudaLayerOps.decode_landing on, decode admitting its misses by landing instead of copies;
+    no_top_up: CudaLayerOps.decode_top_up off, the slots a prompt's loan gave back left for decode's admissions)."""
     argv = [sys.executable, "-m", "strata_core.cli", "run", "--backend", "cuda", "--model", MODEL,
             "--prompt-tokens", str(PROMPT), "--decode-tokens", str(decode), "--json",
             "--set", f"prefill.chunk={PROMPT}", *(["--skew", "1"] if skew else []), *extra]
     argv = [sys.executable, __file__, "--child-run", *(["--decode-baseline"] if decode_baseline else []),
             *([f"--decode-admit-mib={decode_admit_mib}"] if decode_admit_mib is not None else []),
-            *(["--decode-landing"] if decode_landing else []), "--", *argv[1:]]
+            *(["--decode-landing"] if decode_landing else []), *(["--no-top-up"] if no_top_up else []),
+            "--", *argv[1:]]
     t0 = time.perf_counter()
     p = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s)
     wall = time.perf_counter() - t0
@@ -72,10 +74,10 @@ COUNTS_TAG = "strata-bench layer_ops: "
 
 
 def child_run(argv: list[str], decode_baseline: bool = False, decode_admit_mib: int | None = None,
-              decode_landing: bool = False) -> int:
+              decode_landing: bool = False, no_top_up: bool = False) -> int:
     """The run command; which paths the cuda layer ops ran (CudaLayerOps.counts) goes to stderr as one tagged line
     at exit (decode_admit_mib: every CudaLayerOps' decode_admit_bytes; decode_landing: their
-    decode_landing on)."""
+    decode_landing on; no_top_up: their decode_top_up off)."""
     import atexit
     if decode_baseline:  # the decode kernels' first forms, plain launches, the KernelSet's LM head (as before)
         from strata_cuda import fast
@@ -93,6 +95,8 @@ def child_run(argv: list[str], decode_baseline: bool = False, decode_admit_mib: 
                 self.decode_admit_bytes = int(decode_admit_mib) << 20
             if decode_landing:
                 self.decode_landing = True
+            if no_top_up:
+                self.decode_top_up = False
             seen.append(self)
         lo.CudaLayerOps.__init__ = init
         atexit.register(lambda: print(COUNTS_TAG + json.dumps([o.counts for o in seen]), file=sys.stderr))
@@ -447,7 +451,7 @@ def main() -> int:
         i = sys.argv.index("--")
         admit = [a.split("=", 1)[1] for a in sys.argv[:i] if a.startswith("--decode-admit-mib=")]
         return child_run(sys.argv[i + 1:], "--decode-baseline" in sys.argv[:i], int(admit[0]) if admit else None,
-                         "--decode-landing" in sys.argv[:i])
+                         "--decode-landing" in sys.argv[:i], "--no-top-up" in sys.argv[:i])
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--out", default=".")
     ap.add_argument("--settings", default="all,half_skewed,smallest")
@@ -475,11 +479,12 @@ def main() -> int:
             loan = int(((plan_json(total).get("prompt") or {}).get("max_loan_slots")) or 0)
             res["all_cache_slots"] = total + loan
             extra, skew = ["--set", f"memory.expert_cache={total + loan}"], False
-        elif name in ("half_skewed", "half_skewed_landing") or name.startswith("half_skewed_admit"):
+        elif name in ("half_skewed", "half_skewed_landing", "half_skewed_no_top_up") or \
+                name.startswith("half_skewed_admit"):
             # half_skewed_admitN: the same run with decode admitting at most N MiB a step (0: none), an A/B of the
             # admission copies that share the link with the decode's mapped reads; half_skewed_landing: admitting by
             # landing instead of copies (the A/B of CudaLayerOps.decode_landing; half_skewed_copy in results of
-            # 2026-12-03 before its default changed)
+            # 2026-12-03 before its default changed); half_skewed_no_top_up: CudaLayerOps.decode_top_up off (its A/B)
             extra, skew = ["--set", f"memory.expert_cache={total // 2}"], True
         elif name == "smallest":
             try:
@@ -496,7 +501,7 @@ def main() -> int:
             continue
         admit = int(name[len("half_skewed_admit"):]) if name.startswith("half_skewed_admit") else None
         d = run_strata(extra, skew, args.timeout, args.decode, decode_baseline=baseline, decode_admit_mib=admit,
-                       decode_landing=name == "half_skewed_landing")
+                       decode_landing=name == "half_skewed_landing", no_top_up=name == "half_skewed_no_top_up")
         res["runs"][name] = summarize(d)
         log(f"{name}: exit {d.get('_exit')} wall {d['_wall_s']:.1f} s prefill {d.get('prefill_tokens_per_s')} tok/s "
             f"decode {d.get('decode_tokens_per_s')} tok/s hit {d.get('cache_hit_rate')} layer_ops {d.get('layer_ops')}")

@@ -231,6 +231,21 @@ class ExpertCache:
             out[i] = s
         return out
 
+    def top_up(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Place the hottest of `rows` (store rows) that are not resident and have been used (frequency > 0) into
+        the empty usable slots, evicting nothing: (rows placed, their slots), hottest first. The decode calls it
+        once a prompt's loan came back empty, so the slots it lent hold what the next steps are likeliest to read."""
+        rows = np.unique(np.asarray(rows, dtype=np.int64))
+        free = np.flatnonzero(self.usable() & (self.expert_in == EMPTY))
+        out = rows[(self.slot_of[rows] == EMPTY) & (self.freq[rows] > 0)]
+        if free.size == 0 or out.size == 0:
+            return rows[:0], free[:0]
+        pick = out[np.argsort(-self.freq[out], kind="stable")][: free.size]
+        slots = free[: pick.size]
+        self.expert_in[slots] = pick
+        self.slot_of[pick] = slots
+        return pick, slots
+
     def worth_admitting(self, rows: np.ndarray) -> np.ndarray:
         """The prefix of `rows` (store rows not resident, hottest first) worth admitting now: the i-th goes in only
         while it is hotter than the i-th coldest usable slot (an empty slot always takes one), since admitting a

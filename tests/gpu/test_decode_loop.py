@@ -142,7 +142,8 @@ def _serve(plugins, target, spec, weights, settings, prompt: np.ndarray, pipelin
         assert res.completed and res.decode_steps == STEPS, res.refused_reason
         return dict(tokens=list(res.tokens), logits=last["logits"], hits=eng.cache.hits, lookups=eng.cache.lookups,
                     freq=eng.cache.freq.copy(), slot_of=eng.cache.slot_of.copy(), counts=dict(ex.ops.counts),
-                    admitted=ex.stats.experts_admitted, hit_rate=res.decode_hits / max(1, res.decode_lookups))
+                    admitted=ex.stats.experts_admitted, hit_rate=res.decode_hits / max(1, res.decode_lookups),
+                    loan_slots=res.loan_slots)
     finally:
         eng.close()
 
@@ -196,3 +197,6 @@ def test_a_qwen3_shaped_model_decodes_the_step_loops_tokens_and_cache_state(cp, 
     else:
         # decode admits its misses by copies (CudaLayerOps.decode_landing off by default)
         assert plain["hit_rate"] < 1.0 and piped["counts"].get("decode_admitted", 0) > 0, piped["counts"]
+        # the slots the prompt's loan gave back empty were topped up at the first decode step, in both loops
+        for r in (plain, piped):
+            assert r["loan_slots"] > 0 and 0 < r["counts"].get("decode_topped_up", 0) <= r["loan_slots"], r["counts"]

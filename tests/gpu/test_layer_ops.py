@@ -193,6 +193,34 @@ def test_decode_steps_replay_one_graph_with_mapped_misses(cp, rng, dtype, landin
         assert np.array_equal(held, a[rows]), f"{name}: a cached slot does not hold its expert (seed {rng.seed_value})"
 
 
+@pytest.mark.parametrize("dtype", ["f16", "q8_0"])
+def test_the_first_decode_step_after_a_prompt_tops_up_the_empty_slots_with_the_hosts_bytes(cp, rng, dtype):
+    """Slots emptied as a prompt's loan leaves them, the top-up owed as prefill_layer leaves it: the first step
+    copies the hottest uncached experts into them while it runs (reading them from host memory until landed), every
+    step's output is right, and afterwards each topped-up slot holds its expert's host bytes."""
+    m = model(cp, rng, dtype)
+    op = ops(m)
+    held = np.flatnonzero(m.cache.expert_in >= 0)[:4]
+    gone = m.cache.expert_in[held].copy()
+    m.cache.slot_of[gone], m.cache.expert_in[held] = -1, -1  # four slots come back empty
+    m.cache.freq[:] = np.arange(m.cache.freq.size, dtype=np.float64)  # every expert used, the last rows hottest
+    op._top_up_owed = True
+    x0, want = untied_token(m, rng)
+    x = cp.empty((1, H), cp.float32)
+    for step in range(3):
+        x.set(x0)
+        op.decode_step(works(cp, m, "decode", x, np.zeros(0, np.int32), cp.cuda.Stream(non_blocking=True)))
+        cp.cuda.Device().synchronize()
+        err = rel(x.get() - x0, want - x0)
+        assert err < BOUND, f"step {step}: {err:.2e} (seed {rng.seed_value})"
+    assert op.counts.get("decode_topped_up") == 4, op.counts
+    assert not ((m.cache.expert_in < 0) & m.cache.usable()).any(), "every empty slot was topped up"
+    rows = np.flatnonzero(m.cache.slot_of >= 0)
+    for name, a in m.host.arrays.items():
+        got = m.dev.arrays[name][cp.asarray(m.cache.slot_of[rows])].get()
+        assert np.array_equal(got, a[rows]), f"{name}: a cached slot does not hold its expert (seed {rng.seed_value})"
+
+
 def test_decode_over_reused_works_reuses_its_layers_until_the_cache_changes(cp, rng):
     """The executor hands a session's ops the same works every step: the step's layers come back unchanged
     (decode_layers_reused) while the cache is, and are rebuilt from the slot table when it changes (every cached

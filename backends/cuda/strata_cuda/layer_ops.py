@@ -22,7 +22,9 @@
   runs. With the same works as the last step and an unchanged slot table, the step's layers are the last step's. Misses are admitted off the critical path: after a
   step, the hottest experts it read from host memory (every missing one when the cache holds the whole model) are
   copied into the cache on the copy stream, and their maps say "host" until the copy has landed. When missed rows
-  are not page-locked and the cache holds every expert, they are copied back before the step (a refill).
+  are not page-locked and the cache holds every expert, they are copied back before the step (a refill). The
+  first step after a prompt tops the cache up: the slots the prompt's loan gave back empty get the hottest experts
+  not cached (copies on the copy stream in groups, each read from host memory until it has landed).
   The session warms the plan's shape at open (every GEMM size class on the run's streams, the router and norm), so
   the first request pays no cuBLAS or cupy first use.
 Where the fused paths do not apply (expert formats other than f16 and Q8_0, shapes off their grid, a chunk without a
@@ -64,6 +66,14 @@ DECODE_ADMIT_HOTTER = True
 DECODE_LANDING = False
 #: a landing reservation not filled within this many counted steps is given back (its slot empty again)
 LANDING_EXPIRE_STEPS = 32
+#: CudaLayerOps.decode_top_up's default. On: the first decode step after a prompt fills the slots the prompt's loan
+#: gave back empty (ExpertCache.top_up: the hottest experts not cached, by the frequency the prompt left), copied on
+#: the copy stream while the first steps run. Replayed against the routing recorded on the H200
+#: (bench/decode_cache_policy.py on bench/results/s12_h200/decode_trace_*.npz): Qwen3-30B-A3B half-skewed Q8_0 decode
+#: reads 17.4 experts a step from host memory instead of 19.2 (319 slots came back empty), F16 15.9 instead of 16.6.
+DECODE_TOP_UP = True
+#: top-up copies per landing event: each group reaches the slot maps as soon as it has landed
+TOP_UP_GROUP = 16
 #: The CPU share stays off on the fused path's fallback (it would need the runtime's share buffers).
 _NO_SHARE = SimpleNamespace(armed_for=lambda tokens: False, rows_capacity=0)
 
@@ -133,6 +143,11 @@ class CudaLayerOps:
         #: step's misses evicted the coldest slots whatever they held
         self.decode_admit_hotter = DECODE_ADMIT_HOTTER
         self._pending: tuple | None = None
+        #: fill the slots a prompt's loan gave back at the next decode step (DECODE_TOP_UP); owed after a prompt
+        self.decode_top_up = DECODE_TOP_UP
+        self._top_up_owed = False
+        #: the top-up's copy groups not known to have landed: (store rows, event after their copies), oldest first
+        self._topping: list[tuple[np.ndarray, Any]] = []
         #: admit decode's misses by landing (DECODE_LANDING) where the step's kernels can
         self.decode_landing = DECODE_LANDING
         #: landing reservations: store row -> (its reserved slot, the count of steps when it was reserved)
@@ -286,6 +301,8 @@ class CudaLayerOps:
         """Run one MoE layer of a prompt chunk in place on work.x."""
         self.decode_done()  # a decode step launched and never counted is counted before the prompt reads the cache
         self._release_landings(work.slots)  # the prompt may lend or admit into every slot
+        self._await_top_up()  # nor may it lend a slot a top-up copy is still writing
+        self._top_up_owed = True
         # (FastMoE, cache, layer, ring) of the last streamed prefill, when it was the call just before this one
         prev, self._prev_streamed = self._prev_streamed, None
         fast = self._fast_for(work)
@@ -572,7 +589,7 @@ class CudaLayerOps:
         quick = self._quick
         x_ptr = int(works[0].x.data.ptr)
         if (quick is not None and quick[0] is works and quick[1] == x_ptr and self._pending is None
-                and self._layers_cache is not None and np.array_equal(self._maps_host, maps)
+                and not self._topping and self._layers_cache is not None and np.array_equal(self._maps_host, maps)
                 and (land is None) == (self._land_host is None)
                 and (land is None or np.array_equal(self._land_host, land))):
             # the same works over the same residual and an unchanged cache: the host addresses, the device maps
@@ -611,7 +628,14 @@ class CudaLayerOps:
         return self._layers_cache[1], self._layers_cache[2]
 
     def _masked(self, maps: np.ndarray) -> np.ndarray:
-        """The slot maps with every expert whose admission copy has not landed yet read from host memory (-1)."""
+        """The slot maps with every expert whose admission or top-up copy has not landed yet read from host memory
+        (-1)."""
+        if self._topping:
+            while self._topping and self._topping[0][1].done:  # groups land in order
+                self._topping.pop(0)
+            if self._topping:
+                flat = maps.reshape(-1)
+                flat[np.isin(self._rows, np.concatenate([r for r, _ in self._topping]))] = -1
         if self._pending is not None:
             rows, event = self._pending
             if event.done:
@@ -621,6 +645,42 @@ class CudaLayerOps:
                 hit = np.isin(self._rows, rows)
                 flat[hit] = -1
         return maps
+
+    def _top_up(self, works: list[LayerWork]) -> None:
+        """Fill the empty slots (a prompt's loan came back) with the hottest experts of these layers not cached
+        (ExpertCache.top_up), copied on the copy stream after the prompt's work, which used those slots, in groups
+        of TOP_UP_GROUP whose landing events _masked reads: until a group lands the steps read it from host memory."""
+        cache = works[0].slots
+        top_up = getattr(cache, "top_up", None)
+        if not self.decode_top_up or top_up is None or not hasattr(works[0].source, "upload"):
+            return
+        e_n = int(cache.experts_per_layer)
+        by_layer = {int(w.layer): w for w in works}
+        rows, slots = top_up(np.concatenate([np.asarray(cache.row(w.layer, np.arange(e_n)), dtype=np.int64)
+                                             for w in works]))
+        if rows.size == 0:
+            return
+        import cupy as cp
+        cs = works[0].copy_stream
+        fence = cp.cuda.Event(disable_timing=True)
+        fence.record(cp.cuda.get_current_stream())
+        cs.wait_event(fence)
+        for g in range(0, rows.size, TOP_UP_GROUP):
+            r_g, s_g = rows[g:g + TOP_UP_GROUP], slots[g:g + TOP_UP_GROUP]
+            for r, slot in zip(r_g.tolist(), s_g.tolist()):
+                by_layer[r // e_n].source.upload(int(r), int(slot), cs)
+            landed = cp.cuda.Event(disable_timing=True)
+            landed.record(cs)
+            self._topping.append((r_g, landed))
+        works[0].stats["experts_admitted"] += int(rows.size)
+        self.counts["decode_topped_up"] = self.counts.get("decode_topped_up", 0) + int(rows.size)
+
+    def _await_top_up(self) -> None:
+        """The current stream waits for every top-up copy still in flight (a prompt may lend their slots)."""
+        if self._topping:
+            import cupy as cp
+            cp.cuda.get_current_stream().wait_event(self._topping[-1][1])
+            self._topping.clear()
 
     def _land_table(self, n: int, e_n: int) -> np.ndarray:
         """[n, E] int32: the slot reserved for each (layer, expert) of the step's layers (_landing), else -1."""
@@ -713,8 +773,8 @@ class CudaLayerOps:
             return
         room = int(getattr(cache, "slots", 0)) - int(getattr(cache, "slots_on_loan", 0)) + len(self._landing)
         whole = room >= len(works) * e_n
-        if self._pending is not None and (whole or not lands):
-            return  # one copy admission in flight at a time
+        if self._topping or (self._pending is not None and (whole or not lands)):
+            return  # one copy admission in flight at a time (a top-up is one)
         if whole:
             # the cache holds the whole model (a prompt's loan emptied some slots): every missing expert comes
             # back in one batch of copies, into empty slots, evicting none
@@ -833,6 +893,9 @@ class CudaLayerOps:
         if not works:
             return
         observer = works[0].extras.get("observer")
+        if self._top_up_owed:
+            self._top_up_owed = False
+            self._top_up(works)
         runs = self._decode_runs(works)
         got = None
         lands = runs is not None and self._lands(runs, works)
