@@ -197,6 +197,7 @@ def test_a_qwen3_shaped_model_decodes_the_step_loops_tokens_and_cache_state(cp, 
     else:
         # decode admits its misses by copies (CudaLayerOps.decode_landing off by default)
         assert plain["hit_rate"] < 1.0 and piped["counts"].get("decode_admitted", 0) > 0, piped["counts"]
-        # the slots the prompt's loan gave back empty were topped up at the first decode step, in both loops
-        for r in (plain, piped):
-            assert r["loan_slots"] > 0 and 0 < r["counts"].get("decode_topped_up", 0) <= r["loan_slots"], r["counts"]
+        # a top-up fills only slots a prompt's loan gave back (this chunk takes none: its misses are admitted), the
+        # same in both loops
+        tops = [r["counts"].get("decode_topped_up", 0) for r in (plain, piped)]
+        assert tops[0] == tops[1] and all(t <= r["loan_slots"] for t, r in zip(tops, (plain, piped))), tops
