@@ -40,19 +40,21 @@ def log(msg: str) -> None:
 
 
 def run_strata(extra: list[str], skew: bool, timeout_s: int, decode: int, decode_baseline: bool = False,
-               decode_admit_mib: int | None = None, decode_landing: bool = False, no_top_up: bool = False) -> dict:
+               decode_admit_mib: int | None = None, decode_landing: bool = False, no_top_up: bool = False,
+               q8_decode: str | None = None) -> dict:
     """One `strata run` subprocess; its strata.run/1 JSON plus wall time and stderr tail (decode_baseline: the
     decode kernels' first forms, launched plainly, as before the second forms and programmatic launches;
     decode_admit_mib: CudaLayerOps.decode_admit_bytes in MiB instead of its default, 0 admitting nothing;
     decode_landing: CudaLayerOps.decode_landing on, decode admitting its misses by landing instead of copies;
-    no_top_up: CudaLayerOps.decode_top_up off, the slots a prompt's loan gave back left for decode's admissions)."""
+    no_top_up: CudaLayerOps.decode_top_up off, the slots a prompt's loan gave back left for decode's admissions;
+    q8_decode: fast.Q8_DECODE, how the Q8_0 decode pair is compiled, instead of its default)."""
     argv = [sys.executable, "-m", "strata_core.cli", "run", "--backend", "cuda", "--model", MODEL,
             "--prompt-tokens", str(PROMPT), "--decode-tokens", str(decode), "--json",
             "--set", f"prefill.chunk={PROMPT}", *(["--skew", "1"] if skew else []), *extra]
     argv = [sys.executable, __file__, "--child-run", *(["--decode-baseline"] if decode_baseline else []),
             *([f"--decode-admit-mib={decode_admit_mib}"] if decode_admit_mib is not None else []),
             *(["--decode-landing"] if decode_landing else []), *(["--no-top-up"] if no_top_up else []),
-            "--", *argv[1:]]
+            *([f"--q8-decode={q8_decode}"] if q8_decode else []), "--", *argv[1:]]
     t0 = time.perf_counter()
     p = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s)
     wall = time.perf_counter() - t0
@@ -74,11 +76,14 @@ COUNTS_TAG = "strata-bench layer_ops: "
 
 
 def child_run(argv: list[str], decode_baseline: bool = False, decode_admit_mib: int | None = None,
-              decode_landing: bool = False, no_top_up: bool = False) -> int:
+              decode_landing: bool = False, no_top_up: bool = False, q8_decode: str | None = None) -> int:
     """The run command; which paths the cuda layer ops ran (CudaLayerOps.counts) goes to stderr as one tagged line
     at exit (decode_admit_mib: every CudaLayerOps' decode_admit_bytes; decode_landing: their
-    decode_landing on; no_top_up: their decode_top_up off)."""
+    decode_landing on; no_top_up: their decode_top_up off; q8_decode: fast.Q8_DECODE)."""
     import atexit
+    if q8_decode:
+        from strata_cuda import fast as fast_q8
+        fast_q8.Q8_DECODE = q8_decode
     if decode_baseline:  # the decode kernels' first forms, plain launches, the KernelSet's LM head (as before)
         from strata_cuda import fast
         from strata_cuda import layer_ops as lo_base
@@ -450,8 +455,9 @@ def main() -> int:
     if "--child-run" in sys.argv:
         i = sys.argv.index("--")
         admit = [a.split("=", 1)[1] for a in sys.argv[:i] if a.startswith("--decode-admit-mib=")]
+        q8 = [a.split("=", 1)[1] for a in sys.argv[:i] if a.startswith("--q8-decode=")]
         return child_run(sys.argv[i + 1:], "--decode-baseline" in sys.argv[:i], int(admit[0]) if admit else None,
-                         "--decode-landing" in sys.argv[:i], "--no-top-up" in sys.argv[:i])
+                         "--decode-landing" in sys.argv[:i], "--no-top-up" in sys.argv[:i], q8[0] if q8 else None)
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--out", default=".")
     ap.add_argument("--settings", default="all,half_skewed,smallest")
@@ -472,7 +478,10 @@ def main() -> int:
     res: dict = {"schema": "strata.bench.strata_run/1", "model": MODEL, "layers": LAYERS, "prompt_tokens": PROMPT,
                  "decode_tokens": args.decode, "runs": {}, "host_calibration_start": host_calibration()}
     total = LAYERS * E
-    for name in args.settings.split(","):
+    for setting in args.settings.split(","):
+        # "<setting>+q8=<variant>": the setting with the Q8_0 decode pair compiled as fast.Q8_DECODE_VARIANTS[variant]
+        # (an A/B of the decode kernels inside `strata run`)
+        name, _, q8_decode = setting.partition("+q8=")
         baseline = name == "all_decode_baseline"  # the all setting with the decode kernels of before (A/B)
         if name in ("all", "all_decode_baseline"):
             # every expert plus the prompt's largest loan: the loan takes empty slots, so no expert is evicted
@@ -501,7 +510,9 @@ def main() -> int:
             continue
         admit = int(name[len("half_skewed_admit"):]) if name.startswith("half_skewed_admit") else None
         d = run_strata(extra, skew, args.timeout, args.decode, decode_baseline=baseline, decode_admit_mib=admit,
-                       decode_landing=name == "half_skewed_landing", no_top_up=name == "half_skewed_no_top_up")
+                       decode_landing=name == "half_skewed_landing", no_top_up=name == "half_skewed_no_top_up",
+                       q8_decode=q8_decode or None)
+        name = setting
         res["runs"][name] = summarize(d)
         log(f"{name}: exit {d.get('_exit')} wall {d['_wall_s']:.1f} s prefill {d.get('prefill_tokens_per_s')} tok/s "
             f"decode {d.get('decode_tokens_per_s')} tok/s hit {d.get('cache_hit_rate')} layer_ops {d.get('layer_ops')}")

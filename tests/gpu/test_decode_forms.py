@@ -15,7 +15,7 @@ import pytest
 
 from strata_core.reference import kernels as ref
 
-from strata_cuda.fast import DECODE_THIRD
+from strata_cuda.fast import DECODE_THIRD, Q8_DECODE_VARIANTS
 
 from .test_fast_paths import (SeededGenerator, _cuda_device_count, device_pool, experts_f16, host_pool, pinned, place,
                               poisoned, reference, rel)
@@ -226,6 +226,48 @@ def test_the_third_forms_match_float64_with_mapped_misses_and_repeat_their_bits(
     from strata_cuda import fast
     moe.decode_form, moe.decode_pdl = fast.DECODE_FORM, fast.DECODE_PDL
     assert np.array_equal(outs[0].view(np.uint32), outs[1].view(np.uint32)), f"pdl changed bits (seed {rng.seed_value})"
+
+
+_Q8_VARIANT_MOE: dict = {}
+
+
+@pytest.mark.parametrize("variant", sorted(Q8_DECODE_VARIANTS))
+@pytest.mark.parametrize("shape", THIRD_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_every_q8_decode_variant_gives_the_int8_casts_bits_and_float64s_layer(cp, rng, variant, shape):
+    """Each compiled variant of the third-form Q8_0 pair (the byte-permute widening, gate/up's pipelined row pairs,
+    the blocks an SM; fast.Q8_DECODE_VARIANTS) against the int8 cast's kernels: the same output bits with two misses
+    read from mapped host memory and with none (the same products summed in the same order), and float64's layer
+    within the f32 bound."""
+    from strata_cuda import fast
+    from strata_cuda.fast import FastMoE
+    e, k, h, f = shape
+    for v in ("cast", variant):
+        if (v, shape) not in _Q8_VARIANT_MOE:
+            _Q8_VARIANT_MOE[(v, shape)] = FastMoE(e, k, h, f, q8_decode=v)
+    x = rng.standard_normal((1, h)).astype(np.float32)
+    logits = rng.standard_normal((1, e)).astype(np.float32)
+    w13, w2, hp, wseed = shaped_q8_experts(cp, e, h, f)
+    ids, _ = ref.route_topk(logits, k)
+    want = f64_layer(x, logits, w13, w2, k)
+    for misses in (0, 2):
+        slot_of = rng.permutation(e).astype(np.int32)
+        slot_of[ids[0, [0, k - 2][:misses]]] = -1
+        pool = device_pool(cp, hp, e)
+        cached = np.flatnonzero(slot_of >= 0)
+        place(cp, pool, hp, cached, slot_of[cached])
+        outs = {}
+        for v in ("cast", variant):
+            moe = _Q8_VARIANT_MOE[(v, shape)]
+            moe.decode_form, moe.decode_pdl = fast.DECODE_FORM, fast.DECODE_PDL
+            moe._graphs.clear()
+            out = poisoned(cp, (1, h))
+            moe.decode_layer(cp.asarray(x), cp.asarray(logits), pool, cp.asarray(slot_of), out=out, host_pool=hp)
+            moe.compute_stream.synchronize()
+            outs[v] = out.get()
+        err = rel(outs[variant], want)
+        assert err < FP32, f"{variant} {shape} misses {misses}: {err:.2e} (seeds {rng.seed_value}, {wseed})"
+        assert np.array_equal(outs[variant].view(np.uint32), outs["cast"].view(np.uint32)), (
+            f"{variant} {shape} misses {misses}: bits differ from the cast's (seeds {rng.seed_value}, {wseed})")
 
 
 @pytest.mark.parametrize("dtype", ["f16", "q8_0"])

@@ -74,6 +74,11 @@ DECODE_ROWS_PER_WARP = 2
 #: 8 1.826 (the L2 hint of the down matrices slowed gate/up more than it sped down). 6 the fastest; end to end
 #: (call2_strata_run_h200.json) the all-cached run decoded 504.5 tok/s with 4, 444.7 with form 2 plain in that call.
 DECODE_FORM = 6
+#: How the third-form Q8_0 decode pair is compiled (FastMoE.q8_decode): (quants widened by a byte permute and an add,
+#: exact, instead of the int8 conversion; gate/up loads a warp's next row pair before summing this one; blocks an SM
+#: the pair is compiled for). Every variant computes the same products in the same order: the same bits.
+Q8_DECODE_VARIANTS = {"cast": (0, 0, 2), "prmt": (1, 0, 2), "cast_pipe": (0, 1, 2), "prmt_pipe": (1, 1, 2)}
+Q8_DECODE = "prmt_pipe"
 #: Pool dtypes of the third forms: f16 (strata_fast_decode_gate_up3 and the DECODE_THIRD down kernel) and Q8_0
 #: (strata_fast_decode_gate_up3_q8 and strata_fast_decode_down3_q8 in every third form: the form's gate/up row pairs
 #: a warp, its own down kernel, no L2 hint). Before them a Q8_0 layer took the first Q8_0 kernels (routing in every
@@ -188,10 +193,12 @@ def compile_to_ptx(arch: str = "compute_90") -> bytes:
 DECODE_MISSES_FIRST = True
 
 
-def module_options(decode_rows_per_warp: int = DECODE_ROWS_PER_WARP) -> tuple[str, ...]:
-    """NVRTC options of moe_fast.cu for these compiled-in choices (DECODE_MISSES_FIRST read now)."""
+def module_options(decode_rows_per_warp: int = DECODE_ROWS_PER_WARP, q8_decode: str | None = None) -> tuple[str, ...]:
+    """NVRTC options of moe_fast.cu for these compiled-in choices (DECODE_MISSES_FIRST and Q8_DECODE read now)."""
+    prmt, pipe, min_blocks = Q8_DECODE_VARIANTS[q8_decode or Q8_DECODE]
     return COMPILE_OPTIONS + (f"-DSTRATA_DEC_ROWS={int(decode_rows_per_warp)}",
-                              f"-DSTRATA_MISSES_FIRST={int(bool(DECODE_MISSES_FIRST))}")
+                              f"-DSTRATA_MISSES_FIRST={int(bool(DECODE_MISSES_FIRST))}",
+                              f"-DSTRATA_Q8_PRMT={prmt}", f"-DSTRATA_GU3Q_PIPE={pipe}", f"-DSTRATA_Q8_MINB={min_blocks}")
 
 
 def precompile(decode_rows_per_warp: int = DECODE_ROWS_PER_WARP) -> None:
@@ -544,7 +551,8 @@ class FastMoE:
 
     def __init__(self, experts: int, top_k: int, hidden: int, ffn: int, group_experts: int = 8,
                  hit_batch_experts: int = 0, decode_rows_per_warp: int = DECODE_ROWS_PER_WARP,
-                 gemm_mode: str | None = None, gemm_streams: int = 4, pinned: Any = None):
+                 gemm_mode: str | None = None, gemm_streams: int = 4, pinned: Any = None,
+                 q8_decode: str | None = None):
         import cupy
         from cupy.cuda import runtime
         from cupy_backends.cuda.libs import cublas
@@ -569,7 +577,12 @@ class FastMoE:
         self.trace: list | None = None
         #: FFN rows each warp of the decode gate/up kernel computes (compiled in)
         self.decode_rows_per_warp = int(decode_rows_per_warp)
-        self._module = cupy.RawModule(code=kernel_source(), options=module_options(self.decode_rows_per_warp))
+        #: how the third-form Q8_0 decode pair is compiled (Q8_DECODE_VARIANTS; compiled in)
+        self.q8_decode = q8_decode or Q8_DECODE
+        if self.q8_decode not in Q8_DECODE_VARIANTS:
+            raise ValueError(f"FastMoE: q8_decode {self.q8_decode!r} is not one of {sorted(Q8_DECODE_VARIANTS)}")
+        self._module = cupy.RawModule(code=kernel_source(),
+                                      options=module_options(self.decode_rows_per_warp, self.q8_decode))
         self._k = {n: self._module.get_function(n) for n in KERNEL_NAMES}
         #: decode kernels launched as programmatic dependent launches (pdl.py) where the driver allows
         self.decode_pdl = DECODE_PDL

@@ -1025,10 +1025,27 @@ strata_fast_gemv_f16w(const float* __restrict__ x, const unsigned short* __restr
 // each lane reading 16 quants (one 16-byte load) and their scale, so the link and HBM carry 1.06 bytes a weight and
 // no f16 copy exists. x . (q * d) is summed in f32 from the exact quants. A missed expert (slot < 0) is read from
 // page-locked host memory when its host bases are not null, else its outputs are NaN (a check catches it).
+#ifndef STRATA_Q8_PRMT
+#define STRATA_Q8_PRMT 1  // fast.py passes FastMoE.q8_decode's choice with -D
+#endif
+#if STRATA_Q8_PRMT && !defined(STRATA_HIP)
+// A quant biased to unsigned (xor 0x80) and put under the exponent of 2^23 by one byte permute is the float 2^23 + u;
+// minus 2^23 + 128 it is the quant exactly, so the products and sums are those of the cast below, bit for bit. A
+// byte permute and an add run on pipes of 64 and 128 lanes a clock an SM; the int8 conversion runs at 16, a quarter
+// of the quants HBM delivers at full rate.
+__device__ __forceinline__ float q8_at(unsigned u, unsigned sel) {
+    return __uint_as_float(__byte_perm(u, 0x4B000000u, sel)) - 8388736.0f;
+}
+__device__ __forceinline__ float q8_dot4(int w, float4 x) {
+    const unsigned u = (unsigned)w ^ 0x80808080u;
+    return q8_at(u, 0x7540) * x.x + q8_at(u, 0x7541) * x.y + q8_at(u, 0x7542) * x.z + q8_at(u, 0x7543) * x.w;
+}
+#else
 __device__ __forceinline__ float q8_dot4(int w, float4 x) {
     return (float)(signed char)(w & 0xff) * x.x + (float)(signed char)((w >> 8) & 0xff) * x.y +
            (float)(signed char)((w >> 16) & 0xff) * x.z + (float)(signed char)((w >> 24) & 0xff) * x.w;
 }
+#endif
 
 __device__ __forceinline__ float q8_dot16(int4 v, const float4* x4) {
     return q8_dot4(v.x, x4[0]) + q8_dot4(v.y, x4[1]) + q8_dot4(v.z, x4[2]) + q8_dot4(v.w, x4[3]);
@@ -1168,7 +1185,50 @@ strata_fast_decode_down_q8(const float* __restrict__ act, const int* __restrict_
 // STRATA_GU3Q_GROUP chunks of both rows (and their scales) before any sum (H = 2048: one group). Grid (gx, K) as
 // strata_fast_decode_gate_up3; misses from host_q13 / host_d13 (mapped), or NaN without them.
 #define STRATA_GU3Q_GROUP 4
-extern "C" __global__ void __launch_bounds__(STRATA_FAST_THREADS, 2)
+#ifndef STRATA_Q8_MINB
+#define STRATA_Q8_MINB 2  // blocks an SM the third-form Q8_0 pair is compiled for (FastMoE.q8_decode)
+#endif
+#ifndef STRATA_GU3Q_PIPE
+#define STRATA_GU3Q_PIPE 1  // FastMoE.q8_decode: a warp's next row pair loaded before this one is summed
+#endif
+// One row pair's chunks of a lane (H <= STRATA_GU3Q_GROUP * 16 * warp: one trip a row), loaded, then summed.
+struct Q8RowPair {
+    int4 g[STRATA_GU3Q_GROUP], u[STRATA_GU3Q_GROUP];
+    unsigned short sg[STRATA_GU3Q_GROUP], su[STRATA_GU3Q_GROUP];
+};
+__device__ __forceinline__ void q8_pair_load(Q8RowPair& p, const signed char* qb, const unsigned short* db, int row,
+                                             int F, int H, int lane) {
+    const int h16 = H / 16, nd_row = H / 32;
+    const int4* g = (const int4*)(qb + (long long)row * H);
+    const int4* u = (const int4*)(qb + (long long)(F + row) * H);
+    const unsigned short* dg = db + (long long)row * nd_row;
+    const unsigned short* du = db + (long long)(F + row) * nd_row;
+#pragma unroll
+    for (int j = 0; j < STRATA_GU3Q_GROUP; ++j) {
+        const int c = min(j * STRATA_WARP + lane, h16 - 1);
+        p.g[j] = g[c];
+        p.u[j] = u[c];
+        p.sg[j] = dg[c / 2];
+        p.su[j] = du[c / 2];
+    }
+}
+__device__ __forceinline__ float q8_pair_act(const Q8RowPair& p, const float4* x4, int H, int lane) {
+    const int h16 = H / 16;
+    float ag = 0.f, au = 0.f;
+#pragma unroll
+    for (int j = 0; j < STRATA_GU3Q_GROUP; ++j) {
+        const int cj = j * STRATA_WARP + lane, c = min(cj, h16 - 1);
+        const float a = fh2f(p.sg[j]) * q8_dot16(p.g[j], x4 + 4 * c);
+        const float b = fh2f(p.su[j]) * q8_dot16(p.u[j], x4 + 4 * c);
+        ag += cj < h16 ? a : 0.f;
+        au += cj < h16 ? b : 0.f;
+    }
+    ag = warp_sum(ag);
+    au = warp_sum(au);
+    return silu(ag) * au;
+}
+
+extern "C" __global__ void __launch_bounds__(STRATA_FAST_THREADS, STRATA_Q8_MINB)
 strata_fast_decode_gate_up3_q8(const float* __restrict__ x, const float* __restrict__ logits, int E, int K,
                                const int* __restrict__ slot_map, const signed char* __restrict__ q13,
                                const unsigned short* __restrict__ d13, const signed char* __restrict__ host_q13,
@@ -1198,6 +1258,25 @@ strata_fast_decode_gate_up3_q8(const float* __restrict__ x, const float* __restr
     }
     const float4* x4 = (const float4*)x;
     const int h16 = H / 16, nd_row = H / 32;
+#if STRATA_GU3Q_PIPE
+    if (!unread && land_q == 0 && h16 <= STRATA_GU3Q_GROUP * STRATA_WARP) {
+        // software-pipelined: the next row pair's loads are in flight while this one is summed (the same sums in
+        // the same order as the loop below, so the same bits)
+        const int step = gridDim.x * STRATA_FAST_WARPS;
+        int row = blockIdx.x * STRATA_FAST_WARPS + warp;
+        if (row >= F) return;
+        Q8RowPair cur, nxt;
+        q8_pair_load(cur, qb, db, row, F, H, lane);
+        for (; row < F; row += step) {
+            if (row + step < F) q8_pair_load(nxt, qb, db, row + step, F, H, lane);
+            STRATA_ISSUE_FENCE();
+            const float a = q8_pair_act(cur, x4, H, lane);
+            if (lane == 0) act[(long long)k * F + row] = a;
+            cur = nxt;
+        }
+        return;
+    }
+#endif
     for (int row = blockIdx.x * STRATA_FAST_WARPS + warp; row < F; row += gridDim.x * STRATA_FAST_WARPS) {
         if (unread) {
             if (lane == 0) act[(long long)k * F + row] = __int_as_float(0x7fc00000);
@@ -1255,7 +1334,7 @@ strata_fast_decode_gate_up3_q8(const float* __restrict__ x, const float* __restr
 // F = 768: 384 pairs, one trip). ids, weights and slots are step 1's (slot < 0: host_q2 / host_d2, or NaN).
 // Grid ceil(H / warps).
 #define STRATA_D3Q_BATCH 12
-extern "C" __global__ void __launch_bounds__(STRATA_FAST_THREADS, 2)
+extern "C" __global__ void __launch_bounds__(STRATA_FAST_THREADS, STRATA_Q8_MINB)
 strata_fast_decode_down3_q8(const float* __restrict__ act, const int* __restrict__ ids, const float* __restrict__ wts,
                             const int* __restrict__ slots, const signed char* __restrict__ q2,
                             const unsigned short* __restrict__ d2, const signed char* __restrict__ host_q2,
