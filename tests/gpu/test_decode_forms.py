@@ -233,15 +233,16 @@ _Q8_VARIANT_MOE: dict = {}
 
 @pytest.mark.parametrize("variant", sorted(Q8_DECODE_VARIANTS))
 @pytest.mark.parametrize("shape", THIRD_SHAPES, ids=lambda s: "x".join(map(str, s)))
-def test_every_q8_decode_variant_gives_the_int8_casts_bits_and_float64s_layer(cp, rng, variant, shape):
-    """Each compiled variant of the third-form Q8_0 pair (the byte-permute widening, gate/up's pipelined row pairs,
-    the blocks an SM; fast.Q8_DECODE_VARIANTS) against the int8 cast's kernels: the same output bits with two misses
-    read from mapped host memory and with none (the same products summed in the same order), and float64's layer
-    within the f32 bound."""
+def test_every_q8_decode_variant_matches_float64_and_the_int8_casts_bits_in_its_order(cp, rng, variant, shape):
+    """Each compiled variant of the third-form Q8_0 pair (the byte-permute widening, whole blocks a lane, the blocks
+    an SM; fast.Q8_DECODE_VARIANTS), with two misses read from mapped host memory and with none: float64's layer
+    within the f32 bound, and the same output bits as the int8 cast's kernels that sum in the same order ("cast" for
+    the chunk-order variants, "cast_blk" for the block-order ones: the same products in the same order)."""
     from strata_cuda import fast
     from strata_cuda.fast import FastMoE
     e, k, h, f = shape
-    for v in ("cast", variant):
+    base = "cast" if variant in fast.Q8_DECODE_CHUNK_ORDER else "cast_blk"
+    for v in (base, variant):
         if (v, shape) not in _Q8_VARIANT_MOE:
             _Q8_VARIANT_MOE[(v, shape)] = FastMoE(e, k, h, f, q8_decode=v)
     x = rng.standard_normal((1, h)).astype(np.float32)
@@ -256,7 +257,7 @@ def test_every_q8_decode_variant_gives_the_int8_casts_bits_and_float64s_layer(cp
         cached = np.flatnonzero(slot_of >= 0)
         place(cp, pool, hp, cached, slot_of[cached])
         outs = {}
-        for v in ("cast", variant):
+        for v in (base, variant):
             moe = _Q8_VARIANT_MOE[(v, shape)]
             moe.decode_form, moe.decode_pdl = fast.DECODE_FORM, fast.DECODE_PDL
             moe._graphs.clear()
@@ -266,8 +267,8 @@ def test_every_q8_decode_variant_gives_the_int8_casts_bits_and_float64s_layer(cp
             outs[v] = out.get()
         err = rel(outs[variant], want)
         assert err < FP32, f"{variant} {shape} misses {misses}: {err:.2e} (seeds {rng.seed_value}, {wseed})"
-        assert np.array_equal(outs[variant].view(np.uint32), outs["cast"].view(np.uint32)), (
-            f"{variant} {shape} misses {misses}: bits differ from the cast's (seeds {rng.seed_value}, {wseed})")
+        assert np.array_equal(outs[variant].view(np.uint32), outs[base].view(np.uint32)), (
+            f"{variant} {shape} misses {misses}: bits differ from {base}'s (seeds {rng.seed_value}, {wseed})")
 
 
 @pytest.mark.parametrize("dtype", ["f16", "q8_0"])

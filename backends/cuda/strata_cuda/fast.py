@@ -75,10 +75,13 @@ DECODE_ROWS_PER_WARP = 2
 #: (call2_strata_run_h200.json) the all-cached run decoded 504.5 tok/s with 4, 444.7 with form 2 plain in that call.
 DECODE_FORM = 6
 #: How the third-form Q8_0 decode pair is compiled (FastMoE.q8_decode): (quants widened by a byte permute and an add,
-#: exact, instead of the int8 conversion; gate/up loads a warp's next row pair before summing this one; blocks an SM
-#: the pair is compiled for). Every variant computes the same products in the same order: the same bits.
-Q8_DECODE_VARIANTS = {"cast": (0, 0, 2), "prmt": (1, 0, 2), "cast_pipe": (0, 1, 2), "prmt_pipe": (1, 1, 2)}
-Q8_DECODE = "prmt_pipe"
+#: exact, instead of the int8 conversion; a lane takes whole Q8_0 blocks, two adjacent 16-byte loads and one scale,
+#: instead of 16-quant chunks with a scale each; blocks an SM the pair is compiled for). "cast" and "prmt" sum the same
+#: products in the same order (the same bits); the block variants sum in block order.
+Q8_DECODE_VARIANTS = {"cast": (0, 0, 2), "prmt": (1, 0, 2), "cast_blk": (0, 1, 2), "prmt_blk": (1, 1, 2)}
+#: The variants whose sums are the cast's, bit for bit.
+Q8_DECODE_CHUNK_ORDER = ("cast", "prmt")
+Q8_DECODE = "prmt_blk"
 #: Pool dtypes of the third forms: f16 (strata_fast_decode_gate_up3 and the DECODE_THIRD down kernel) and Q8_0
 #: (strata_fast_decode_gate_up3_q8 and strata_fast_decode_down3_q8 in every third form: the form's gate/up row pairs
 #: a warp, its own down kernel, no L2 hint). Before them a Q8_0 layer took the first Q8_0 kernels (routing in every
@@ -195,10 +198,10 @@ DECODE_MISSES_FIRST = True
 
 def module_options(decode_rows_per_warp: int = DECODE_ROWS_PER_WARP, q8_decode: str | None = None) -> tuple[str, ...]:
     """NVRTC options of moe_fast.cu for these compiled-in choices (DECODE_MISSES_FIRST and Q8_DECODE read now)."""
-    prmt, pipe, min_blocks = Q8_DECODE_VARIANTS[q8_decode or Q8_DECODE]
+    prmt, blk, min_blocks = Q8_DECODE_VARIANTS[q8_decode or Q8_DECODE]
     return COMPILE_OPTIONS + (f"-DSTRATA_DEC_ROWS={int(decode_rows_per_warp)}",
                               f"-DSTRATA_MISSES_FIRST={int(bool(DECODE_MISSES_FIRST))}",
-                              f"-DSTRATA_Q8_PRMT={prmt}", f"-DSTRATA_GU3Q_PIPE={pipe}", f"-DSTRATA_Q8_MINB={min_blocks}")
+                              f"-DSTRATA_Q8_PRMT={prmt}", f"-DSTRATA_Q8_BLK={blk}", f"-DSTRATA_Q8_MINB={min_blocks}")
 
 
 def precompile(decode_rows_per_warp: int = DECODE_ROWS_PER_WARP) -> None:

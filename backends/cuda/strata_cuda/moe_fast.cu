@@ -1188,44 +1188,16 @@ strata_fast_decode_down_q8(const float* __restrict__ act, const int* __restrict_
 #ifndef STRATA_Q8_MINB
 #define STRATA_Q8_MINB 2  // blocks an SM the third-form Q8_0 pair is compiled for (FastMoE.q8_decode)
 #endif
-#ifndef STRATA_GU3Q_PIPE
-#define STRATA_GU3Q_PIPE 1  // FastMoE.q8_decode: a warp's next row pair loaded before this one is summed
+#ifndef STRATA_Q8_BLK
+#define STRATA_Q8_BLK 1  // FastMoE.q8_decode: a lane takes whole Q8_0 blocks (two 16-byte loads and one scale)
 #endif
-// One row pair's chunks of a lane (H <= STRATA_GU3Q_GROUP * 16 * warp: one trip a row), loaded, then summed.
-struct Q8RowPair {
-    int4 g[STRATA_GU3Q_GROUP], u[STRATA_GU3Q_GROUP];
-    unsigned short sg[STRATA_GU3Q_GROUP], su[STRATA_GU3Q_GROUP];
-};
-__device__ __forceinline__ void q8_pair_load(Q8RowPair& p, const signed char* qb, const unsigned short* db, int row,
-                                             int F, int H, int lane) {
-    const int h16 = H / 16, nd_row = H / 32;
-    const int4* g = (const int4*)(qb + (long long)row * H);
-    const int4* u = (const int4*)(qb + (long long)(F + row) * H);
-    const unsigned short* dg = db + (long long)row * nd_row;
-    const unsigned short* du = db + (long long)(F + row) * nd_row;
-#pragma unroll
-    for (int j = 0; j < STRATA_GU3Q_GROUP; ++j) {
-        const int c = min(j * STRATA_WARP + lane, h16 - 1);
-        p.g[j] = g[c];
-        p.u[j] = u[c];
-        p.sg[j] = dg[c / 2];
-        p.su[j] = du[c / 2];
-    }
-}
-__device__ __forceinline__ float q8_pair_act(const Q8RowPair& p, const float4* x4, int H, int lane) {
-    const int h16 = H / 16;
-    float ag = 0.f, au = 0.f;
-#pragma unroll
-    for (int j = 0; j < STRATA_GU3Q_GROUP; ++j) {
-        const int cj = j * STRATA_WARP + lane, c = min(cj, h16 - 1);
-        const float a = fh2f(p.sg[j]) * q8_dot16(p.g[j], x4 + 4 * c);
-        const float b = fh2f(p.su[j]) * q8_dot16(p.u[j], x4 + 4 * c);
-        ag += cj < h16 ? a : 0.f;
-        au += cj < h16 ? b : 0.f;
-    }
-    ag = warp_sum(ag);
-    au = warp_sum(au);
-    return silu(ag) * au;
+// STRATA_Q8_BLK: the lanes of a warp take whole Q8_0 blocks of a row, lane l blocks l, l + 32, ... (its two 16-quant
+// chunks, adjacent, and their one scale): a row of H = 2048 is 4 quant loads and 2 scale loads a lane instead of 4
+// and 4, as the loads of a trip, not their bytes, were seen to set the time (the cast's kernels read Q8_0's 1.06
+// bytes a weight in the time the f16 kernels read 2). Sums in block order: not the chunk-order kernels' bits.
+#define STRATA_GU3Q_BLOCKS (STRATA_GU3Q_GROUP / 2)
+__device__ __forceinline__ float q8_dot32(int4 a, int4 b, const float4* x4) {
+    return q8_dot16(a, x4) + q8_dot16(b, x4 + 4);
 }
 
 extern "C" __global__ void __launch_bounds__(STRATA_FAST_THREADS, STRATA_Q8_MINB)
@@ -1258,21 +1230,53 @@ strata_fast_decode_gate_up3_q8(const float* __restrict__ x, const float* __restr
     }
     const float4* x4 = (const float4*)x;
     const int h16 = H / 16, nd_row = H / 32;
-#if STRATA_GU3Q_PIPE
-    if (!unread && land_q == 0 && h16 <= STRATA_GU3Q_GROUP * STRATA_WARP) {
-        // software-pipelined: the next row pair's loads are in flight while this one is summed (the same sums in
-        // the same order as the loop below, so the same bits)
-        const int step = gridDim.x * STRATA_FAST_WARPS;
-        int row = blockIdx.x * STRATA_FAST_WARPS + warp;
-        if (row >= F) return;
-        Q8RowPair cur, nxt;
-        q8_pair_load(cur, qb, db, row, F, H, lane);
-        for (; row < F; row += step) {
-            if (row + step < F) q8_pair_load(nxt, qb, db, row + step, F, H, lane);
+#if STRATA_Q8_BLK
+    if (!unread && H / 32 <= STRATA_GU3Q_BLOCKS * STRATA_WARP) {
+        const int nb = H / 32;
+        for (int row = blockIdx.x * STRATA_FAST_WARPS + warp; row < F; row += gridDim.x * STRATA_FAST_WARPS) {
+            const int4* g = (const int4*)(qb + (long long)row * H);
+            const int4* u = (const int4*)(qb + (long long)(F + row) * H);
+            const unsigned short* dg_row = db + (long long)row * nd_row;
+            const unsigned short* du_row = db + (long long)(F + row) * nd_row;
+            int4 vg[2 * STRATA_GU3Q_BLOCKS], vu[2 * STRATA_GU3Q_BLOCKS];
+            unsigned short sg[STRATA_GU3Q_BLOCKS], su[STRATA_GU3Q_BLOCKS];
+#pragma unroll
+            for (int j = 0; j < STRATA_GU3Q_BLOCKS; ++j) {
+                const int bj = min(j * STRATA_WARP + lane, nb - 1);
+                vg[2 * j] = g[2 * bj];
+                vg[2 * j + 1] = g[2 * bj + 1];
+                vu[2 * j] = u[2 * bj];
+                vu[2 * j + 1] = u[2 * bj + 1];
+                sg[j] = dg_row[bj];
+                su[j] = du_row[bj];
+            }
             STRATA_ISSUE_FENCE();
-            const float a = q8_pair_act(cur, x4, H, lane);
-            if (lane == 0) act[(long long)k * F + row] = a;
-            cur = nxt;
+            if (land_q != 0) {  // after the fence, as in the chunk loop below
+#pragma unroll
+                for (int j = 0; j < STRATA_GU3Q_BLOCKS; ++j) {
+                    const int bj = j * STRATA_WARP + lane;
+                    if (bj < nb) {
+                        land_q[(long long)row * h16 + 2 * bj] = vg[2 * j];
+                        land_q[(long long)row * h16 + 2 * bj + 1] = vg[2 * j + 1];
+                        land_q[(long long)(F + row) * h16 + 2 * bj] = vu[2 * j];
+                        land_q[(long long)(F + row) * h16 + 2 * bj + 1] = vu[2 * j + 1];
+                        land_d[(long long)row * nd_row + bj] = sg[j];
+                        land_d[(long long)(F + row) * nd_row + bj] = su[j];
+                    }
+                }
+            }
+            float ag = 0.f, au = 0.f;
+#pragma unroll
+            for (int j = 0; j < STRATA_GU3Q_BLOCKS; ++j) {
+                const int b0 = j * STRATA_WARP + lane, bj = min(b0, nb - 1);
+                const float a = fh2f(sg[j]) * q8_dot32(vg[2 * j], vg[2 * j + 1], x4 + 8 * bj);
+                const float c = fh2f(su[j]) * q8_dot32(vu[2 * j], vu[2 * j + 1], x4 + 8 * bj);
+                ag += b0 < nb ? a : 0.f;
+                au += b0 < nb ? c : 0.f;
+            }
+            ag = warp_sum(ag);
+            au = warp_sum(au);
+            if (lane == 0) act[(long long)k * F + row] = silu(ag) * au;
         }
         return;
     }
@@ -1381,6 +1385,51 @@ strata_fast_decode_down3_q8(const float* __restrict__ act, const int* __restrict
     }
     const int per_row = F / 16, nd_row = F / 32, n = K * per_row;
     float acc = 0.f;
+#if STRATA_Q8_BLK
+    {
+        // whole Q8_0 blocks a lane (STRATA_Q8_BLK): (expert, block) pairs 32 apart, STRATA_D3Q_BATCH / 2 a trip
+        const int nb = K * nd_row;
+        for (int i0 = 0; i0 < nb; i0 += (STRATA_D3Q_BATCH / 2) * STRATA_WARP) {
+            int4 v[STRATA_D3Q_BATCH];
+            unsigned short sd[STRATA_D3Q_BATCH / 2];
+#pragma unroll
+            for (int j = 0; j < STRATA_D3Q_BATCH / 2; ++j) {
+                const int i = min(i0 + j * STRATA_WARP + lane, nb - 1);
+                const int q = i / nd_row, r = i - q * nd_row;
+                const int4* row = (const int4*)(s_q[q] + (long long)h * F);
+                v[2 * j] = row[2 * r];
+                v[2 * j + 1] = row[2 * r + 1];
+                sd[j] = s_d[q][(long long)h * nd_row + r];
+            }
+            STRATA_ISSUE_FENCE();
+#pragma unroll
+            for (int j = 0; j < STRATA_D3Q_BATCH / 2; ++j) {
+                const int i = i0 + j * STRATA_WARP + lane;
+                if (i < nb) {
+                    const int q = i / nd_row, r = i - q * nd_row;
+                    const long long ls = s_land[q];
+                    if (ls >= 0) {
+                        int4* row = (int4*)(const_cast<signed char*>(q2) + ls * nq + (long long)h * F);
+                        row[2 * r] = v[2 * j];
+                        row[2 * r + 1] = v[2 * j + 1];
+                        const_cast<unsigned short*>(d2)[ls * nd + (long long)h * nd_row + r] = sd[j];
+                    }
+                }
+            }
+#pragma unroll
+            for (int j = 0; j < STRATA_D3Q_BATCH / 2; ++j) {
+                const int i0j = i0 + j * STRATA_WARP + lane, i = min(i0j, nb - 1);
+                const int q = i / nd_row, r = i - q * nd_row;
+                const float d = s_w[q] * fh2f(sd[j]) *
+                                q8_dot32(v[2 * j], v[2 * j + 1], (const float4*)(act + (long long)q * F + 32 * r));
+                acc += i0j < nb ? d : 0.f;
+            }
+        }
+        acc = warp_sum(acc);
+        if (lane == 0) out[h] = accumulate ? out[h] + acc : acc;
+        return;
+    }
+#endif
     for (int i0 = 0; i0 < n; i0 += STRATA_D3Q_BATCH * STRATA_WARP) {  // the same trips for every lane
         int4 v[STRATA_D3Q_BATCH];
         unsigned short sd[STRATA_D3Q_BATCH];
