@@ -231,17 +231,22 @@ def test_the_third_forms_match_float64_with_mapped_misses_and_repeat_their_bits(
 _Q8_VARIANT_MOE: dict = {}
 
 
+# past the fourth Q8_0 pair's limits: H / 16 > 128 x chunks (its gate/up falls back to the third), K * F / 16 > 384
+# down pairs (its down falls back)
+Q8_FALLBACK_SHAPES = [(16, 2, 4096, 64), (16, 8, 256, 1024)]
+
+
 @pytest.mark.parametrize("variant", sorted(Q8_DECODE_VARIANTS))
-@pytest.mark.parametrize("shape", THIRD_SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("shape", THIRD_SHAPES + Q8_FALLBACK_SHAPES, ids=lambda s: "x".join(map(str, s)))
 def test_every_q8_decode_variant_matches_float64_and_the_int8_casts_bits_in_its_order(cp, rng, variant, shape):
-    """Each compiled variant of the third-form Q8_0 pair (the byte-permute widening, whole blocks a lane, the blocks
-    an SM; fast.Q8_DECODE_VARIANTS), with two misses read from mapped host memory and with none: float64's layer
-    within the f32 bound, and the same output bits as the int8 cast's kernels that sum in the same order ("cast" for
-    the chunk-order variants, "cast_blk" for the block-order ones: the same products in the same order)."""
+    """Each Q8_0 decode variant (the byte-permute widening or the int8 cast; the third pair or the fourth, whose lanes
+    keep their activations in registers; fast.Q8_DECODE_VARIANTS), with two misses read from mapped host memory and
+    with none: float64's layer within the f32 bound, and the same output bits as the int8 cast's kernels that sum in
+    the same order ("cast" for the third pair, "cast_reg" for the fourth: the same products in the same order)."""
     from strata_cuda import fast
     from strata_cuda.fast import FastMoE
     e, k, h, f = shape
-    base = "cast" if variant in fast.Q8_DECODE_CHUNK_ORDER else "cast_blk"
+    base = "cast" if variant in fast.Q8_DECODE_CHUNK_ORDER else "cast_reg"
     for v in (base, variant):
         if (v, shape) not in _Q8_VARIANT_MOE:
             _Q8_VARIANT_MOE[(v, shape)] = FastMoE(e, k, h, f, q8_decode=v)

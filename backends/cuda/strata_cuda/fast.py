@@ -47,7 +47,8 @@ KERNEL_NAMES = ("strata_fast_route", "strata_fast_positions", "strata_fast_offse
                 "strata_fast_decode_down_q8", "strata_fast_decode_norm_route2", "strata_fast_decode_down2",
                 "strata_fast_gemv_f16w", "strata_fast_decode_gate_up3", "strata_fast_decode_down3_s1",
                 "strata_fast_decode_down3_s2", "strata_fast_decode_down3_s4", "strata_fast_pull_words",
-                "strata_fast_pull_u4", "strata_fast_decode_gate_up3_q8", "strata_fast_decode_down3_q8")
+                "strata_fast_pull_u4", "strata_fast_decode_gate_up3_q8", "strata_fast_decode_down3_q8",
+                "strata_fast_decode_gate_up4_q8", "strata_fast_decode_down4_q8")
 #: The expert formats the fused decode kernels read, and the pool arrays whose host addresses a layer's missed
 #: experts are read at (in the kernels' order).
 DECODE_HOST_ARRAYS = {"f16": ("w_gate_up", "w_down"), "q8_0": ("gate_up_q", "gate_up_d", "down_q", "down_d")}
@@ -74,14 +75,21 @@ DECODE_ROWS_PER_WARP = 2
 #: 8 1.826 (the L2 hint of the down matrices slowed gate/up more than it sped down). 6 the fastest; end to end
 #: (call2_strata_run_h200.json) the all-cached run decoded 504.5 tok/s with 4, 444.7 with form 2 plain in that call.
 DECODE_FORM = 6
-#: How the third-form Q8_0 decode pair is compiled (FastMoE.q8_decode): (quants widened by a byte permute and an add,
-#: exact, instead of the int8 conversion; a lane takes whole Q8_0 blocks, two adjacent 16-byte loads and one scale,
-#: instead of 16-quant chunks with a scale each; blocks an SM the pair is compiled for). "cast" and "prmt" sum the same
-#: products in the same order (the same bits); the block variants sum in block order.
-Q8_DECODE_VARIANTS = {"cast": (0, 0, 2), "prmt": (1, 0, 2), "cast_blk": (0, 1, 2), "prmt_blk": (1, 1, 2)}
+#: How the third-form Q8_0 decode pair is compiled and which it is (FastMoE.q8_decode): (quants widened by a byte
+#: permute and an add, exact, instead of the int8 conversion; the fourth pair, strata_fast_decode_gate_up4_q8 and
+#: down4_q8, whose lanes keep their activations in registers, instead of the third; blocks an SM the pairs are
+#: compiled for). "cast" and "prmt" sum the same products in the same order (the same bits), and so do "cast_reg"
+#: and "prmt_reg" (the fourth down kernel sums a row's slices in another order than the third).
+Q8_DECODE_VARIANTS = {"cast": (0, 0, 2), "prmt": (1, 0, 2), "cast_reg": (0, 1, 2), "prmt_reg": (1, 1, 2)}
 #: The variants whose sums are the cast's, bit for bit.
 Q8_DECODE_CHUNK_ORDER = ("cast", "prmt")
-Q8_DECODE = "prmt_blk"
+Q8_DECODE = "prmt_reg"
+#: The fourth Q8_0 pair's limits (moe_fast.cu): gate/up keeps H / 16 <= 4 * 32 chunks of x a lane group, down keeps
+#: K * F / 16 <= 4 slices * 3 * 32 (expert, chunk) pairs; past them a layer takes the third pair.
+Q8_REG_MAX_X_CHUNKS = 4 * 32
+Q8_REG_MAX_DOWN_PAIRS = 4 * 3 * 32
+#: Rows a block of strata_fast_decode_down4_q8 computes (two row groups of STRATA_D4_ROWS).
+Q8_REG_DOWN_ROWS = 2 * 4
 #: Pool dtypes of the third forms: f16 (strata_fast_decode_gate_up3 and the DECODE_THIRD down kernel) and Q8_0
 #: (strata_fast_decode_gate_up3_q8 and strata_fast_decode_down3_q8 in every third form: the form's gate/up row pairs
 #: a warp, its own down kernel, no L2 hint). Before them a Q8_0 layer took the first Q8_0 kernels (routing in every
@@ -198,10 +206,10 @@ DECODE_MISSES_FIRST = True
 
 def module_options(decode_rows_per_warp: int = DECODE_ROWS_PER_WARP, q8_decode: str | None = None) -> tuple[str, ...]:
     """NVRTC options of moe_fast.cu for these compiled-in choices (DECODE_MISSES_FIRST and Q8_DECODE read now)."""
-    prmt, blk, min_blocks = Q8_DECODE_VARIANTS[q8_decode or Q8_DECODE]
+    prmt, _, min_blocks = Q8_DECODE_VARIANTS[q8_decode or Q8_DECODE]
     return COMPILE_OPTIONS + (f"-DSTRATA_DEC_ROWS={int(decode_rows_per_warp)}",
                               f"-DSTRATA_MISSES_FIRST={int(bool(DECODE_MISSES_FIRST))}",
-                              f"-DSTRATA_Q8_PRMT={prmt}", f"-DSTRATA_Q8_BLK={blk}", f"-DSTRATA_Q8_MINB={min_blocks}")
+                              f"-DSTRATA_Q8_PRMT={prmt}", f"-DSTRATA_Q8_MINB={min_blocks}")
 
 
 def precompile(decode_rows_per_warp: int = DECODE_ROWS_PER_WARP) -> None:
@@ -1510,7 +1518,9 @@ class FastMoE:
             rows = WARPS * pairs
             hq, hd = host_w13 if host_w13 else (0, 0)
             a = pool.arrays
-            self._dlaunch("strata_fast_decode_gate_up3_q8", ((f + rows - 1) // rows, kk), (THREADS,),
+            fourth = Q8_DECODE_VARIANTS[self.q8_decode][1] and h // 16 <= Q8_REG_MAX_X_CHUNKS
+            self._dlaunch("strata_fast_decode_gate_up4_q8" if fourth else "strata_fast_decode_gate_up3_q8",
+                          ((f + rows - 1) // rows, kk), (THREADS,),
                           (x, logits, np.int32(self.experts), np.int32(kk), slot_map, a["gate_up_q"], a["gate_up_d"],
                            np.uint64(hq), np.uint64(hd), np.int32(h), np.int32(f), b["act"], b["ids"], b["w"],
                            b["slots"] if slots_out is None else slots_out, land_arg))
@@ -1554,7 +1564,11 @@ class FastMoE:
         if self._third_form(pool, only_missing_in, skip_missing) and pool.dtype == "q8_0":
             hq, hd = host_w2 if host_w2 else (0, 0)
             a = pool.arrays
-            self._dlaunch("strata_fast_decode_down3_q8", ((h + WARPS - 1) // WARPS,), (THREADS,),
+            if Q8_DECODE_VARIANTS[self.q8_decode][1] and kk * f // 16 <= Q8_REG_MAX_DOWN_PAIRS:
+                name, rows = "strata_fast_decode_down4_q8", Q8_REG_DOWN_ROWS
+            else:
+                name, rows = "strata_fast_decode_down3_q8", WARPS
+            self._dlaunch(name, ((h + rows - 1) // rows,), (THREADS,),
                           (b["act"], b["ids"], b["w"], b["slots"] if slots is None else slots, a["down_q"], a["down_d"],
                            np.uint64(hq), np.uint64(hd), np.int32(h), np.int32(f), np.int32(kk), out,
                            np.int32(accumulate), land_arg))

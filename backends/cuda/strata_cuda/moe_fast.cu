@@ -1188,18 +1188,6 @@ strata_fast_decode_down_q8(const float* __restrict__ act, const int* __restrict_
 #ifndef STRATA_Q8_MINB
 #define STRATA_Q8_MINB 2  // blocks an SM the third-form Q8_0 pair is compiled for (FastMoE.q8_decode)
 #endif
-#ifndef STRATA_Q8_BLK
-#define STRATA_Q8_BLK 1  // FastMoE.q8_decode: a lane takes whole Q8_0 blocks (two 16-byte loads and one scale)
-#endif
-// STRATA_Q8_BLK: the lanes of a warp take whole Q8_0 blocks of a row, lane l blocks l, l + 32, ... (its two 16-quant
-// chunks, adjacent, and their one scale): a row of H = 2048 is 4 quant loads and 2 scale loads a lane instead of 4
-// and 4, as the loads of a trip, not their bytes, were seen to set the time (the cast's kernels read Q8_0's 1.06
-// bytes a weight in the time the f16 kernels read 2). Sums in block order: not the chunk-order kernels' bits.
-#define STRATA_GU3Q_BLOCKS (STRATA_GU3Q_GROUP / 2)
-__device__ __forceinline__ float q8_dot32(int4 a, int4 b, const float4* x4) {
-    return q8_dot16(a, x4) + q8_dot16(b, x4 + 4);
-}
-
 extern "C" __global__ void __launch_bounds__(STRATA_FAST_THREADS, STRATA_Q8_MINB)
 strata_fast_decode_gate_up3_q8(const float* __restrict__ x, const float* __restrict__ logits, int E, int K,
                                const int* __restrict__ slot_map, const signed char* __restrict__ q13,
@@ -1230,57 +1218,6 @@ strata_fast_decode_gate_up3_q8(const float* __restrict__ x, const float* __restr
     }
     const float4* x4 = (const float4*)x;
     const int h16 = H / 16, nd_row = H / 32;
-#if STRATA_Q8_BLK
-    if (!unread && H / 32 <= STRATA_GU3Q_BLOCKS * STRATA_WARP) {
-        const int nb = H / 32;
-        for (int row = blockIdx.x * STRATA_FAST_WARPS + warp; row < F; row += gridDim.x * STRATA_FAST_WARPS) {
-            const int4* g = (const int4*)(qb + (long long)row * H);
-            const int4* u = (const int4*)(qb + (long long)(F + row) * H);
-            const unsigned short* dg_row = db + (long long)row * nd_row;
-            const unsigned short* du_row = db + (long long)(F + row) * nd_row;
-            int4 vg[2 * STRATA_GU3Q_BLOCKS], vu[2 * STRATA_GU3Q_BLOCKS];
-            unsigned short sg[STRATA_GU3Q_BLOCKS], su[STRATA_GU3Q_BLOCKS];
-#pragma unroll
-            for (int j = 0; j < STRATA_GU3Q_BLOCKS; ++j) {
-                const int bj = min(j * STRATA_WARP + lane, nb - 1);
-                vg[2 * j] = g[2 * bj];
-                vg[2 * j + 1] = g[2 * bj + 1];
-                vu[2 * j] = u[2 * bj];
-                vu[2 * j + 1] = u[2 * bj + 1];
-                sg[j] = dg_row[bj];
-                su[j] = du_row[bj];
-            }
-            STRATA_ISSUE_FENCE();
-            if (land_q != 0) {  // after the fence, as in the chunk loop below
-#pragma unroll
-                for (int j = 0; j < STRATA_GU3Q_BLOCKS; ++j) {
-                    const int bj = j * STRATA_WARP + lane;
-                    if (bj < nb) {
-                        land_q[(long long)row * h16 + 2 * bj] = vg[2 * j];
-                        land_q[(long long)row * h16 + 2 * bj + 1] = vg[2 * j + 1];
-                        land_q[(long long)(F + row) * h16 + 2 * bj] = vu[2 * j];
-                        land_q[(long long)(F + row) * h16 + 2 * bj + 1] = vu[2 * j + 1];
-                        land_d[(long long)row * nd_row + bj] = sg[j];
-                        land_d[(long long)(F + row) * nd_row + bj] = su[j];
-                    }
-                }
-            }
-            float ag = 0.f, au = 0.f;
-#pragma unroll
-            for (int j = 0; j < STRATA_GU3Q_BLOCKS; ++j) {
-                const int b0 = j * STRATA_WARP + lane, bj = min(b0, nb - 1);
-                const float a = fh2f(sg[j]) * q8_dot32(vg[2 * j], vg[2 * j + 1], x4 + 8 * bj);
-                const float c = fh2f(su[j]) * q8_dot32(vu[2 * j], vu[2 * j + 1], x4 + 8 * bj);
-                ag += b0 < nb ? a : 0.f;
-                au += b0 < nb ? c : 0.f;
-            }
-            ag = warp_sum(ag);
-            au = warp_sum(au);
-            if (lane == 0) act[(long long)k * F + row] = silu(ag) * au;
-        }
-        return;
-    }
-#endif
     for (int row = blockIdx.x * STRATA_FAST_WARPS + warp; row < F; row += gridDim.x * STRATA_FAST_WARPS) {
         if (unread) {
             if (lane == 0) act[(long long)k * F + row] = __int_as_float(0x7fc00000);
@@ -1385,51 +1322,6 @@ strata_fast_decode_down3_q8(const float* __restrict__ act, const int* __restrict
     }
     const int per_row = F / 16, nd_row = F / 32, n = K * per_row;
     float acc = 0.f;
-#if STRATA_Q8_BLK
-    {
-        // whole Q8_0 blocks a lane (STRATA_Q8_BLK): (expert, block) pairs 32 apart, STRATA_D3Q_BATCH / 2 a trip
-        const int nb = K * nd_row;
-        for (int i0 = 0; i0 < nb; i0 += (STRATA_D3Q_BATCH / 2) * STRATA_WARP) {
-            int4 v[STRATA_D3Q_BATCH];
-            unsigned short sd[STRATA_D3Q_BATCH / 2];
-#pragma unroll
-            for (int j = 0; j < STRATA_D3Q_BATCH / 2; ++j) {
-                const int i = min(i0 + j * STRATA_WARP + lane, nb - 1);
-                const int q = i / nd_row, r = i - q * nd_row;
-                const int4* row = (const int4*)(s_q[q] + (long long)h * F);
-                v[2 * j] = row[2 * r];
-                v[2 * j + 1] = row[2 * r + 1];
-                sd[j] = s_d[q][(long long)h * nd_row + r];
-            }
-            STRATA_ISSUE_FENCE();
-#pragma unroll
-            for (int j = 0; j < STRATA_D3Q_BATCH / 2; ++j) {
-                const int i = i0 + j * STRATA_WARP + lane;
-                if (i < nb) {
-                    const int q = i / nd_row, r = i - q * nd_row;
-                    const long long ls = s_land[q];
-                    if (ls >= 0) {
-                        int4* row = (int4*)(const_cast<signed char*>(q2) + ls * nq + (long long)h * F);
-                        row[2 * r] = v[2 * j];
-                        row[2 * r + 1] = v[2 * j + 1];
-                        const_cast<unsigned short*>(d2)[ls * nd + (long long)h * nd_row + r] = sd[j];
-                    }
-                }
-            }
-#pragma unroll
-            for (int j = 0; j < STRATA_D3Q_BATCH / 2; ++j) {
-                const int i0j = i0 + j * STRATA_WARP + lane, i = min(i0j, nb - 1);
-                const int q = i / nd_row, r = i - q * nd_row;
-                const float d = s_w[q] * fh2f(sd[j]) *
-                                q8_dot32(v[2 * j], v[2 * j + 1], (const float4*)(act + (long long)q * F + 32 * r));
-                acc += i0j < nb ? d : 0.f;
-            }
-        }
-        acc = warp_sum(acc);
-        if (lane == 0) out[h] = accumulate ? out[h] + acc : acc;
-        return;
-    }
-#endif
     for (int i0 = 0; i0 < n; i0 += STRATA_D3Q_BATCH * STRATA_WARP) {  // the same trips for every lane
         int4 v[STRATA_D3Q_BATCH];
         unsigned short sd[STRATA_D3Q_BATCH];
@@ -1465,4 +1357,224 @@ strata_fast_decode_down3_q8(const float* __restrict__ act, const int* __restrict
     }
     acc = warp_sum(acc);
     if (lane == 0) out[h] = accumulate ? out[h] + acc : acc;
+}
+
+// Decode, fourth Q8_0 pair (FastMoE.q8_decode "...reg"): the third pair's loads with the activations held in
+// registers. Nsight Compute on the third pair (bench/results/s13_h200/call2_ncu_prmt.csv): 25% occupancy (128
+// registers), DRAM 36% (gate/up) and 20% (down) busy, L1 60% busy with hits: each 16 quants (16 bytes) came with 64
+// bytes of f32 activations read again from L1 for every row. Here a lane reads its activations once and keeps them.
+
+// Step 1: strata_fast_decode_gate_up3_q8 with the lane's x chunks (c = lane + 32 j, j < STRATA_GU3Q_GROUP) loaded
+// once into registers for all of the warp's row pairs: the same products summed in the same order (its bits).
+// Needs H <= 16 * STRATA_GU3Q_GROUP * warp (fast.py falls back to the third pair).
+extern "C" __global__ void __launch_bounds__(STRATA_FAST_THREADS, STRATA_Q8_MINB)
+strata_fast_decode_gate_up4_q8(const float* __restrict__ x, const float* __restrict__ logits, int E, int K,
+                               const int* __restrict__ slot_map, const signed char* __restrict__ q13,
+                               const unsigned short* __restrict__ d13, const signed char* __restrict__ host_q13,
+                               const unsigned short* __restrict__ host_d13, int H, int F, float* __restrict__ act,
+                               int* __restrict__ ids_out, float* __restrict__ w_out, int* __restrict__ slots_out,
+                               const int* __restrict__ land) {
+    const int warp = threadIdx.x / STRATA_WARP, lane = threadIdx.x % STRATA_WARP;
+    const RoutedBlock rb = route_block(logits, E, K, slot_map, land, ids_out, w_out, slots_out);
+    const int k = rb.rank, e = rb.e;
+    const long long slot = rb.slot;
+    const long long nq = 2LL * F * H, nd = nq / 32;
+    const signed char* qb = q13;
+    const unsigned short* db = d13;
+    const bool unread = slot < 0 && host_q13 == 0;
+    int4* land_q = 0;
+    unsigned short* land_d = 0;
+    if (slot >= 0) {
+        qb = q13 + slot * nq;
+        db = d13 + slot * nd;
+    } else if (host_q13 != 0) {
+        qb = host_q13 + (long long)e * nq;
+        db = host_d13 + (long long)e * nd;
+        if (rb.land >= 0) {
+            land_q = (int4*)(const_cast<signed char*>(q13) + rb.land * nq);
+            land_d = const_cast<unsigned short*>(d13) + rb.land * nd;
+        }
+    }
+    const int h16 = H / 16, nd_row = H / 32;
+    float4 xv[STRATA_GU3Q_GROUP][4];
+#pragma unroll
+    for (int j = 0; j < STRATA_GU3Q_GROUP; ++j) {
+        const float4* x4 = (const float4*)x + 4 * min(j * STRATA_WARP + lane, h16 - 1);
+        xv[j][0] = x4[0];
+        xv[j][1] = x4[1];
+        xv[j][2] = x4[2];
+        xv[j][3] = x4[3];
+    }
+    for (int row = blockIdx.x * STRATA_FAST_WARPS + warp; row < F; row += gridDim.x * STRATA_FAST_WARPS) {
+        if (unread) {
+            if (lane == 0) act[(long long)k * F + row] = __int_as_float(0x7fc00000);
+            continue;
+        }
+        const int4* g = (const int4*)(qb + (long long)row * H);
+        const int4* u = (const int4*)(qb + (long long)(F + row) * H);
+        const unsigned short* dg_row = db + (long long)row * nd_row;
+        const unsigned short* du_row = db + (long long)(F + row) * nd_row;
+        int4 vg[STRATA_GU3Q_GROUP], vu[STRATA_GU3Q_GROUP];
+        unsigned short sg[STRATA_GU3Q_GROUP], su[STRATA_GU3Q_GROUP];
+#pragma unroll
+        for (int j = 0; j < STRATA_GU3Q_GROUP; ++j) {
+            const int c = min(j * STRATA_WARP + lane, h16 - 1);
+            vg[j] = g[c];
+            vu[j] = u[c];
+            sg[j] = dg_row[c / 2];
+            su[j] = du_row[c / 2];
+        }
+        STRATA_ISSUE_FENCE();
+        if (land_q != 0) {
+#pragma unroll
+            for (int j = 0; j < STRATA_GU3Q_GROUP; ++j) {
+                const int cj = j * STRATA_WARP + lane;
+                if (cj < h16) {
+                    land_q[(long long)row * h16 + cj] = vg[j];
+                    land_q[(long long)(F + row) * h16 + cj] = vu[j];
+                    if ((cj & 1) == 0) {
+                        land_d[(long long)row * nd_row + cj / 2] = sg[j];
+                        land_d[(long long)(F + row) * nd_row + cj / 2] = su[j];
+                    }
+                }
+            }
+        }
+        float ag = 0.f, au = 0.f;
+#pragma unroll
+        for (int j = 0; j < STRATA_GU3Q_GROUP; ++j) {
+            const int cj = j * STRATA_WARP + lane;
+            const float a = fh2f(sg[j]) * q8_dot16(vg[j], xv[j]);
+            const float b = fh2f(su[j]) * q8_dot16(vu[j], xv[j]);
+            ag += cj < h16 ? a : 0.f;
+            au += cj < h16 ? b : 0.f;
+        }
+        ag = warp_sum(ag);
+        au = warp_sum(au);
+        if (lane == 0) act[(long long)k * F + row] = silu(ag) * au;
+    }
+}
+
+// Step 2: out[h] (+)= sum_k w_k * (Wd[slot_k, h] . act[k]) with the (expert, 16-quant chunk) pairs of a row split
+// over STRATA_D4_SLICES warps, STRATA_D4_J pairs a lane (i = 32 J slice + 32 j + lane), whose act chunks the lane
+// loads once and keeps for the STRATA_D4_ROWS rows its warp computes (STRATA_D4_TRIP rows' loads a trip); the
+// slices' sums of a row are added in slice order through shared memory. Block: 8 warps, two row groups of 4 slices;
+// grid ceil(H / (2 * STRATA_D4_ROWS)). Needs K * F / 16 <= 32 * STRATA_D4_SLICES * STRATA_D4_J (fast.py falls back to
+// the third pair). Sums in another order than the third pair's.
+#define STRATA_D4_SLICES 4
+#define STRATA_D4_J 3
+#define STRATA_D4_ROWS 4
+#define STRATA_D4_TRIP 2
+#define STRATA_D4_GROUPS (STRATA_FAST_WARPS / STRATA_D4_SLICES)
+extern "C" __global__ void __launch_bounds__(STRATA_FAST_THREADS, STRATA_Q8_MINB)
+strata_fast_decode_down4_q8(const float* __restrict__ act, const int* __restrict__ ids, const float* __restrict__ wts,
+                            const int* __restrict__ slots, const signed char* __restrict__ q2,
+                            const unsigned short* __restrict__ d2, const signed char* __restrict__ host_q2,
+                            const unsigned short* __restrict__ host_d2, int H, int F, int K, float* __restrict__ out,
+                            int accumulate, const int* __restrict__ land) {
+    __shared__ const signed char* s_q[STRATA_FAST_MAXK];
+    __shared__ const unsigned short* s_d[STRATA_FAST_MAXK];
+    __shared__ long long s_land[STRATA_FAST_MAXK];
+    __shared__ float s_w[STRATA_FAST_MAXK];
+    __shared__ float s_part[STRATA_FAST_WARPS][STRATA_D4_ROWS];
+    __shared__ int s_nan;
+    const int warp = threadIdx.x / STRATA_WARP, lane = threadIdx.x % STRATA_WARP;
+    STRATA_GRID_LAUNCH_DEPENDENTS();
+    STRATA_GRID_WAIT();
+    if (threadIdx.x == 0) s_nan = 0;
+    __syncthreads();
+    const long long nq = (long long)H * F, nd = nq / 32;
+    if (threadIdx.x < K) {
+        const int q = threadIdx.x;
+        const long long slot = slots[q];
+        const signed char* qb = q2;
+        const unsigned short* db = d2;
+        long long ls = -1;
+        if (slot >= 0) {
+            qb = q2 + slot * nq;
+            db = d2 + slot * nd;
+        } else if (host_q2 != 0) {
+            qb = host_q2 + (long long)ids[q] * nq;
+            db = host_d2 + (long long)ids[q] * nd;
+            ls = land != 0 ? (long long)land[ids[q]] : -1;
+        } else {
+            s_nan = 1;
+        }
+        s_q[q] = qb;
+        s_d[q] = db;
+        s_land[q] = ls;
+        s_w[q] = wts[q];
+    }
+    __syncthreads();
+    const int slice = warp % STRATA_D4_SLICES, group = warp / STRATA_D4_SLICES;
+    const int h0 = (blockIdx.x * STRATA_D4_GROUPS + group) * STRATA_D4_ROWS;
+    if (s_nan) {  // block-uniform
+        if (slice == 0 && lane < STRATA_D4_ROWS && h0 + lane < H) out[h0 + lane] = __int_as_float(0x7fc00000);
+        return;
+    }
+    const int per_row = F / 16, nd_row = F / 32, n = K * per_row;
+    float4 av[STRATA_D4_J][4];
+    const int4* pq[STRATA_D4_J];
+    const unsigned short* pd[STRATA_D4_J];
+    float wq[STRATA_D4_J];
+    int qj[STRATA_D4_J], cj[STRATA_D4_J];
+#pragma unroll
+    for (int j = 0; j < STRATA_D4_J; ++j) {
+        const int i = (slice * STRATA_D4_J + j) * STRATA_WARP + lane, ic = min(i, n - 1);
+        const int q = ic / per_row, c = ic - q * per_row;
+        const float4* a4 = (const float4*)(act + (long long)q * F) + 4 * c;
+        av[j][0] = a4[0];
+        av[j][1] = a4[1];
+        av[j][2] = a4[2];
+        av[j][3] = a4[3];
+        pq[j] = (const int4*)s_q[q] + c;
+        pd[j] = s_d[q] + c / 2;
+        wq[j] = i < n ? s_w[q] : 0.f;
+        qj[j] = i < n ? q : -1;
+        cj[j] = c;
+    }
+#pragma unroll
+    for (int r0 = 0; r0 < STRATA_D4_ROWS; r0 += STRATA_D4_TRIP) {
+        int4 v[STRATA_D4_TRIP][STRATA_D4_J];
+        unsigned short sd[STRATA_D4_TRIP][STRATA_D4_J];
+#pragma unroll
+        for (int t = 0; t < STRATA_D4_TRIP; ++t) {
+            const long long h = min(h0 + r0 + t, H - 1);
+#pragma unroll
+            for (int j = 0; j < STRATA_D4_J; ++j) {
+                v[t][j] = pq[j][h * (F / 16)];
+                sd[t][j] = pd[j][h * nd_row];
+            }
+        }
+        STRATA_ISSUE_FENCE();
+#pragma unroll
+        for (int t = 0; t < STRATA_D4_TRIP; ++t) {
+            const int h = h0 + r0 + t;
+#pragma unroll
+            for (int j = 0; j < STRATA_D4_J; ++j) {
+                const long long ls = qj[j] >= 0 ? s_land[qj[j]] : -1;
+                if (ls >= 0 && h < H) {
+                    ((int4*)(const_cast<signed char*>(q2) + ls * nq + (long long)h * F))[cj[j]] = v[t][j];
+                    if ((cj[j] & 1) == 0) const_cast<unsigned short*>(d2)[ls * nd + (long long)h * nd_row + cj[j] / 2] = sd[t][j];
+                }
+            }
+            float acc = 0.f;
+#pragma unroll
+            for (int j = 0; j < STRATA_D4_J; ++j) {
+                const float d = wq[j] * fh2f(sd[t][j]) * q8_dot16(v[t][j], av[j]);
+                acc += qj[j] >= 0 ? d : 0.f;
+            }
+            acc = warp_sum(acc);
+            if (lane == 0) s_part[warp][r0 + t] = acc;
+        }
+    }
+    __syncthreads();
+    if (threadIdx.x < STRATA_D4_GROUPS * STRATA_D4_ROWS) {
+        const int g = threadIdx.x / STRATA_D4_ROWS, r = threadIdx.x % STRATA_D4_ROWS, h = (blockIdx.x * STRATA_D4_GROUPS + g) * STRATA_D4_ROWS + r;
+        if (h < H) {
+            float sum = 0.f;
+#pragma unroll
+            for (int s = 0; s < STRATA_D4_SLICES; ++s) sum += s_part[g * STRATA_D4_SLICES + s][r];
+            out[h] = accumulate ? out[h] + sum : sum;
+        }
+    }
 }
