@@ -412,7 +412,10 @@ class Engine:
                 self.log.trace(f"elastic slots: {len(trimmed)} idle slots trimmed")
 
     def close(self) -> None:
-        """Release pinned memory and device arrays."""
+        """Wait for the device, then release pinned memory and device arrays."""
+        # copies queued on side streams (a decode admission's, a top-up's) may still read page-locked rows or write
+        # device slots: unlocking or freeing them first is an illegal access (seen once on the H200, 2026-12-03)
+        self.dm.synchronize()
         self.executor.close()
         self.share_pool.close()
         self.staging_pool.close()
