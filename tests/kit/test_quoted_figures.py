@@ -132,7 +132,7 @@ def test_readme_gpu_lane_figures_are_in_the_lane_logs():
 #: The README paragraph on `strata run` on the H200 starts with this; its figures are in the files it names.
 STRATA_RUN_PARA = "`strata run --backend cuda` itself on the H200"
 STRATA_RUN_FILES = ("strata_run_h200.json", "strata_run_h200_q8_0.json", "fidelity_h200.json",
-                    "lead_h200_s11/call1_decode_miss_order_h200.json")
+                    "s13_h200/call3_decode_q8_kernels_h200.json", "s13_h200/call3_strata_run_h200_q8_0.json")
 
 
 def _strata_run_values() -> set[float]:
@@ -164,7 +164,7 @@ def test_readme_strata_run_figures_are_in_the_files_it_names():
 def test_the_strata_run_figure_check_can_fail():
     """A table figure a little off the committed run's is not found."""
     values = _strata_run_values()
-    assert _found("78,699", values) and not _found("78,698", values) and not _found("554.2", values)
+    assert _found("81,459", values) and not _found("81,458", values) and not _found("308.7", values)
 
 
 def test_bench_readme_kit_run_is_in_kit_h200():

@@ -83,6 +83,9 @@ DECODE_FORM = 6
 Q8_DECODE_VARIANTS = {"cast": (0, 0, 2), "prmt": (1, 0, 2), "cast_reg": (0, 1, 2), "prmt_reg": (1, 1, 2)}
 #: The variants whose sums are the cast's, bit for bit.
 Q8_DECODE_CHUNK_ORDER = ("cast", "prmt")
+#: H200, Qwen3-30B-A3B's 48-layer stack (bench/results/s13_h200/call3_decode_q8_kernels_h200.json): prmt_reg 1.091 ms,
+#: cast_reg 1.239, prmt 1.404, cast 1.476; `strata run` Q8_0 half-cached decode 311.3 tok/s against prmt's 284.9
+#: (call 3), 308.8 against 289.2 (call 4).
 Q8_DECODE = "prmt_reg"
 #: The fourth Q8_0 pair's limits (moe_fast.cu): gate/up keeps H / 16 <= 4 * 32 chunks of x a lane group, down keeps
 #: K * F / 16 <= 4 slices * 3 * 32 (expert, chunk) pairs; past them a layer takes the third pair.
@@ -91,8 +94,7 @@ Q8_REG_MAX_DOWN_PAIRS = 4 * 3 * 32
 #: Rows a block of strata_fast_decode_down4_q8 computes (two row groups of STRATA_D4_ROWS).
 Q8_REG_DOWN_ROWS = 2 * 4
 #: Pool dtypes of the third forms: f16 (strata_fast_decode_gate_up3 and the DECODE_THIRD down kernel) and Q8_0
-#: (strata_fast_decode_gate_up3_q8 and strata_fast_decode_down3_q8 in every third form: the form's gate/up row pairs
-#: a warp, its own down kernel, no L2 hint). Before them a Q8_0 layer took the first Q8_0 kernels (routing in every
+#: (the Q8_DECODE pair in every third form: the form's gate/up row pairs a warp, its own down kernel, no L2 hint). Before them a Q8_0 layer took the first Q8_0 kernels (routing in every
 #: warp), 48.8 us a Qwen3-30B-A3B layer on the H200 against 36 in F16 (bench/results/strata_run_h200_q8_0.json).
 THIRD_FORM_DTYPES = ("f16", "q8_0")
 #: The third forms: (down kernel, its warps a hidden row, gate/up row pairs a warp, gate/up hints the routed down
