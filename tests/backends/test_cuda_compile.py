@@ -142,3 +142,33 @@ def test_the_third_decode_forms_issue_every_load_of_a_trip_before_the_fence():
         assert len(re.findall(r"ld\.[\w.]*v4\.u32", before)) == loads, name
         assert "cvt.f32.f16" not in before, f"{name}: a sum before the fence"
         assert not re.search(r"ld\.[\w.]*v4\.u32", after), f"{name}: a weight load after the fence"
+
+
+def _q8_pair_bodies(variant: str) -> dict[str, str]:
+    """The PTX bodies of the Q8_0 decode kernels, moe_fast.cu compiled as FastMoE compiles it for `variant`."""
+    from cupy_backends.cuda.libs import nvrtc
+    from strata_cuda import fast
+    prog = nvrtc.createProgram(fast.kernel_source(), fast.SOURCE_NAME, (), ())
+    nvrtc.compileProgram(prog, ("-arch=compute_90", *fast.module_options(fast.DECODE_ROWS_PER_WARP, variant)))
+    ptx = nvrtc.getPTX(prog).decode()
+    out = {}
+    for name in ("strata_fast_decode_gate_up3_q8", "strata_fast_decode_down3_q8", "strata_fast_decode_gate_up4_q8",
+                 "strata_fast_decode_down4_q8"):
+        body = ptx[ptx.index(f".entry {name}("):]
+        out[name] = body[:body.index("\n}\n")]
+    return out
+
+
+@pytest.mark.parametrize("variant", ["cast", "prmt", "cast_reg", "prmt_reg"])
+def test_each_q8_decode_variant_compiles_the_widening_it_names(variant):
+    """fast.Q8_DECODE_VARIANTS: the "prmt" variants widen quants by byte permutes (no int8 conversion left in the
+    Q8_0 decode kernels), the "cast" variants by conversions (no byte permute); both pairs are in every build."""
+    _nvrtc_or_skip()
+    from strata_cuda import fast
+    prmt = fast.Q8_DECODE_VARIANTS[variant][0]
+    for name, body in _q8_pair_bodies(variant).items():
+        casts, perms = len(re.findall(r"cvt\.rn\.f32\.s(8|16|32)", body)), body.count("prmt.b32")
+        if prmt:
+            assert casts == 0 and perms >= 64, (variant, name, casts, perms)
+        else:
+            assert perms == 0 and casts >= 64, (variant, name, casts, perms)
