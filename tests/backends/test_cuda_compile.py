@@ -134,8 +134,7 @@ def test_the_third_decode_forms_issue_every_load_of_a_trip_before_the_fence():
     assert {v[0] for v in fast.DECODE_THIRD.values()} | {"strata_fast_decode_gate_up3"} == set(THIRD_FORM_LOADS)
     ptx = fast.compile_to_ptx(arch="compute_90").decode()
     for name, loads in THIRD_FORM_LOADS.items():
-        body = ptx[ptx.index(f".entry {name}("):]
-        body = body[:body.index("\n}\n")]
+        body = _entry_body(ptx, name)
         fences = [m.start() for m in re.finditer(r"griddepcontrol\.launch_dependents", body)]
         assert len(fences) == 2, f"{name}: {len(fences)} launch_dependents (the start's and the issue fence)"
         before, after = body[fences[0]:fences[1]], body[fences[1]:]
@@ -144,19 +143,18 @@ def test_the_third_decode_forms_issue_every_load_of_a_trip_before_the_fence():
         assert not re.search(r"ld\.[\w.]*v4\.u32", after), f"{name}: a weight load after the fence"
 
 
+def _entry_body(ptx: str, name: str) -> str:
+    """The PTX of kernel `name`, from its .entry line to its closing brace."""
+    body = ptx[ptx.index(f".entry {name}("):]
+    return body[:body.index("\n}\n")]
+
+
 def _q8_pair_bodies(variant: str) -> dict[str, str]:
     """The PTX bodies of the Q8_0 decode kernels, moe_fast.cu compiled as FastMoE compiles it for `variant`."""
-    from cupy_backends.cuda.libs import nvrtc
     from strata_cuda import fast
-    prog = nvrtc.createProgram(fast.kernel_source(), fast.SOURCE_NAME, (), ())
-    nvrtc.compileProgram(prog, ("-arch=compute_90", *fast.module_options(fast.DECODE_ROWS_PER_WARP, variant)))
-    ptx = nvrtc.getPTX(prog).decode()
-    out = {}
-    for name in ("strata_fast_decode_gate_up3_q8", "strata_fast_decode_down3_q8", "strata_fast_decode_gate_up4_q8",
-                 "strata_fast_decode_down4_q8"):
-        body = ptx[ptx.index(f".entry {name}("):]
-        out[name] = body[:body.index("\n}\n")]
-    return out
+    ptx = fast.compile_to_ptx("compute_90", fast.module_options(fast.DECODE_ROWS_PER_WARP, variant)).decode()
+    return {name: _entry_body(ptx, name) for name in ("strata_fast_decode_gate_up3_q8", "strata_fast_decode_down3_q8",
+                                                      "strata_fast_decode_gate_up4_q8", "strata_fast_decode_down4_q8")}
 
 
 @pytest.mark.parametrize("variant", ["cast", "prmt", "cast_reg", "prmt_reg"])

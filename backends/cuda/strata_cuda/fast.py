@@ -187,13 +187,13 @@ def kernel_source() -> str:
     return files("strata_cuda").joinpath(SOURCE_NAME).read_text()
 
 
-def compile_to_ptx(arch: str = "compute_90") -> bytes:
+def compile_to_ptx(arch: str = "compute_90", options: tuple[str, ...] = COMPILE_OPTIONS) -> bytes:
     """Compile moe_fast.cu to PTX with NVRTC (no GPU needed); raises RuntimeError with NVRTC's log on failure."""
     from cupy_backends.cuda.libs import nvrtc
     prog = nvrtc.createProgram(kernel_source(), SOURCE_NAME, (), ())
     try:
         try:
-            nvrtc.compileProgram(prog, (f"-arch={arch}", *COMPILE_OPTIONS))
+            nvrtc.compileProgram(prog, (f"-arch={arch}", *options))
         except nvrtc.NVRTCError as e:
             raise RuntimeError(f"NVRTC failed on {SOURCE_NAME} ({e}):\n{nvrtc.getProgramLog(prog)}") from None
         return nvrtc.getPTX(prog)
