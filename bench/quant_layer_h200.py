@@ -214,6 +214,9 @@ def run(args, res: dict) -> None:
             for tok in flags:  # chunk / sb / st: the whole experts' dequantization kernel (quant_ffn.DEQUANT_KERNEL)
                 if tok in DEQUANT_KERNELS:
                     moe.dequant_kernel = tok
+            if "noahead" in flags:  # the device-table path without its first groups dequantized before the routing
+                moe.warm_device_ahead = False
+            v["warm_device_ahead"] = bool(moe.warm_device and moe.warm_device_ahead)
             if "highprio" in flags or "lowprio" in flags:
                 moe.set_dequant_priority("high" if "highprio" in flags else "default")
             v["dequant_priority"] = moe.dequant_priority
@@ -227,6 +230,10 @@ def run(args, res: dict) -> None:
             v["warm"] = time_ms(cp, lambda: moe.prefill_layer(xd, ld, pool, warm_map, out=out), moe.compute_stream,
                                 args.reps)
             v["warm_x_f16"] = v["warm"]["median_ms"] / res["warm_f16"]["median_ms"]
+            moe.trace = []  # one more warm call with the layer's stage marks (CUDA events), outside the timed runs
+            moe.prefill_layer(xd, ld, pool, warm_map, out=out)
+            v["warm_trace"] = [(n, round(ms, 4)) for n, ms in moe.trace_report()]
+            moe.trace = None
             v["warm_device_table"] = bool(moe.stats.device_table)
             # the first cached experts dequantized before the routing, and the blocks that used them
             v["warm_spec"] = dict(moe.spec_report)
@@ -276,6 +283,7 @@ def run(args, res: dict) -> None:
             v["dequant_layer_other_kernel"] = v["dequant_layer_by_kernel"][other]
             moe.dequant_kernel = kern
             v["dequant_kernel"] = kern
+            v["sbp_grid_blocks"] = moe._sbp_grid
             # bytes through HBM: the quant bytes read, the f16 written
             v["dequant_GB_per_s"] = (layer_bytes + res["f16_layer_expert_bytes"]) / v["dequant_layer"]["median_ms"] / 1e6
             v["targets"] = {"warm_prefill_le_1.5x_f16": v["warm_x_f16"] <= WARM_TARGET,

@@ -61,6 +61,7 @@ SBT_PAIRS = (("q4_k", "q6_k"), ("q5_k", "q6_k"), ("q6_k", "q6_k"), ("q4_k", "q4_
              ("q8_0", "q8_0"))
 FAST_KERNEL_NAMES = ("strata_qf_dequant_f16", "strata_qf_dequant_f16_part", "strata_qf_dequant_sb",
                      *(f"strata_qf_dequant_sbt_{a}_{b}" for a, b in SBT_PAIRS),
+                     *(f"strata_qf_dequant_sbp_{a}_{b}" for a, b in SBT_PAIRS),
                      "strata_qf_gemv_gate_up", "strata_qf_gemv_down", "strata_qf_decode_down",
                      "strata_qf_decode_down_wide")
 #: QF_THREADS, QF_WARPS of quant_fast.cu (a warp per output row)
@@ -105,7 +106,10 @@ DEQUANT_KERNEL = "sbt"
 #: 0.935): the rewrite took 0.770 ms (sb 0.772 there), the pass of 4 0.834, 8 blocks 0.712, both 0.736
 #: (lead_h200_s9/call3_quant_layer_h200.json); none is kept, and "sbt" is the source call 2 timed. That source's
 #: Q4_K_M kernel held to 32 registers (8 blocks an SM) took 0.590 ms against its 0.582 in call 4 (call4_), not kept.
-DEQUANT_KERNELS = ("chunk", "sb", "sbt")
+DEQUANT_KERNELS = ("chunk", "sb", "sbt", "sbp")
+#: QF_SBP_STAGE_BYTES of quant_fast.cu: the most quant bytes of one tile of strata_qf_dequant_sbp ("sbp": sbt's
+#: decode with each tile's bytes staged in shared memory by cp.async, the next tile's copies in flight meanwhile)
+SBP_STAGE_BYTES = 10240
 #: Formats strata_qf_dequant_sb decodes (256-weight super-blocks, or eight q8_0 blocks).
 SB_TYPES = frozenset({"q4_k", "q5_k", "q6_k", "q8_0"})
 #: Most blocks of a strata_qf_dequant_sb launch per expert (a warp per row, grid-stride beyond).
@@ -148,6 +152,10 @@ WARM_DEVICE = False
 #: 1.58-1.71x host-synced: each program decodes its tile's blocks again per row tile, and the decode (byte loads,
 #: the scales' six-bit unpacking) runs in the warps that issue the MMAs, so nothing hides it.
 WARM_FUSED = False
+#: With warm_device: the experts the scratch holds first (both halves' groups, expert order) are dequantized on the side
+#: stream as soon as the layer starts, beside its routing and gather (which leave most SMs idle), not after them; a
+#: warm layer on this path dequantizes every cached expert, routed to or not, so nothing is speculated.
+WARM_DEVICE_AHEAD = True
 #: The side stream's priority: "high" (the device's greatest: the dequantization takes SMs as the GEMMs free them) or
 #: "default"; "high" gained nothing measurable (1.852 against 1.823 ms, call4_), so "default".
 DEQUANT_PRIORITY = "default"
@@ -231,6 +239,30 @@ def ring_group_sizes(n: int, ring_slots: int, want: int, in_flight: int = RING_G
     head = n - sum(end)
     groups = -(-head // big) if head > 0 else 0
     return [head // groups + (1 if i < head % groups else 0) for i in range(groups)] + end
+
+
+def sbp_tiles(fmt: ExpertFormat, slot_bytes: int) -> tuple[int, int] | None:
+    """Rows a tile of strata_qf_dequant_sbp for (gate|up, down): the most rows whose bytes are a multiple of 16 and fit
+    SBP_STAGE_BYTES and that divide the matrix's rows; None where the kernel does not take the pool (a pair without an
+    entry point, or a slot or matrix off a 16-byte boundary: its copies are 16 bytes each)."""
+    if not sb_takes(fmt) or (fmt.gate_up, fmt.down) not in SBT_PAIRS or slot_bytes % 16 or fmt.down_offset % 16:
+        return None
+    out = []
+    for rb, rows in ((fmt.gate_up_row_bytes, 2 * fmt.ffn), (fmt.down_row_bytes, fmt.hidden)):
+        fit = [tr for tr in range(min(rows, SBP_STAGE_BYTES // rb), 0, -1) if (tr * rb) % 16 == 0 and rows % tr == 0]
+        if not fit:
+            return None
+        out.append(fit[0])
+    return out[0], out[1]
+
+
+def resident_blocks(cupy: Any, kernel: Any, threads: int) -> int:
+    """Blocks of `kernel` (a cupy Function) the whole device holds at once at `threads` a block (the driver's
+    occupancy figure times the SM count): a grid-stride kernel's grid, so no block waits for a second wave."""
+    from cupy_backends.cuda.api import driver
+    dev = cupy.cuda.Device()
+    per_sm = driver.occupancyMaxActiveBlocksPerMultiprocessor(kernel.ptr, threads, 0)
+    return max(1, int(per_sm)) * int(dev.attributes["MultiProcessorCount"])
 
 
 def sb_takes(fmt: ExpertFormat) -> bool:
@@ -476,6 +508,7 @@ class QuantMoE(FastMoE):
         #: (WARM_SPEC_HALVES; launched after the routing kernels with spec_after_route), and how hit_groups groups
         #: the rest (WARM_MERGE_SPEC, WARM_REST_WHOLE)
         self.dequant_kernel = DEQUANT_KERNEL
+        self._sbp_grid: int | None = None
         self.warm_spec_halves = WARM_SPEC_HALVES
         self.spec_after_route = False
         self.warm_merge_spec = WARM_MERGE_SPEC
@@ -484,6 +517,8 @@ class QuantMoE(FastMoE):
         #: decode inside the GEMMs (WARM_FUSED)
         self.warm_device = WARM_DEVICE
         self.warm_fused = WARM_FUSED
+        self.warm_device_ahead = WARM_DEVICE_AHEAD
+        self._ahead: list | None = None
         self._fused: dict = {}
         #: the last prefill's speculation: experts dequantized ahead, and blocks that used them (tests, benches)
         self.spec_report = {"speculated": 0, "used": 0}
@@ -569,14 +604,25 @@ class QuantMoE(FastMoE):
                 (fmt.down_offset, fmt.down_row_bytes, h, f, fmt.down, s2))
         pair = (fmt.gate_up, fmt.down)
         kern = self.dequant_kernel
-        if kern == "sbt" and sb_takes(fmt) and pair in SBT_PAIRS:
+        tiles = sbp_tiles(fmt, slot_b) if kern == "sbp" else None
+        if tiles is not None:
+            (oa, ra, rows_a, cols_a, _, da), (ob, rb_, rows_b, cols_b, _, db) = mats
+            k = self._qk[f"strata_qf_dequant_sbp_{fmt.gate_up}_{fmt.down}"]
+            if self._sbp_grid is None:
+                self._sbp_grid = resident_blocks(self._cp, k, FAST_THREADS)
+            n_tiles = m * (rows_a // tiles[0] + rows_b // tiles[1])
+            k((max(1, min(self._sbp_grid, n_tiles)),), (FAST_THREADS,),
+              (blob, np.int64(slot_b), np.uint64(table), np.int32(m), np.int64(oa), np.int64(ra), np.int32(rows_a),
+               np.int32(cols_a), np.int32(tiles[0]), np.uint64(da), np.int64(ob), np.int64(rb_), np.int32(rows_b),
+               np.int32(cols_b), np.int32(tiles[1]), np.uint64(db)))
+        elif kern in ("sbt", "sbp") and sb_takes(fmt) and pair in SBT_PAIRS:
             (oa, ra, rows_a, cols_a, _, da), (ob, rb_, rows_b, cols_b, _, db) = mats
             self._qk[f"strata_qf_dequant_{kern}_{fmt.gate_up}_{fmt.down}"](
                 (max(1, min(SB_MAX_BLOCKS, -(-(rows_a + rows_b) // (2 * FAST_WARPS)))), m), (FAST_THREADS,),
                 (blob, np.int64(slot_b), np.uint64(table), np.int32(m), np.int64(oa), np.int64(ra), np.int32(rows_a),
                  np.int32(cols_a), np.uint64(da), np.int64(ob), np.int64(rb_), np.int32(rows_b), np.int32(cols_b),
                  np.uint64(db)))
-        elif kern in ("sb", "sbt") and sb_takes(fmt):
+        elif kern in ("sb", "sbt", "sbp") and sb_takes(fmt):
             (oa, ra, rows_a, cols_a, ta, da), (ob, rb_, rows_b, cols_b, tb, db) = mats
             # a warp per row, two rows a warp: blockIdx.y is the expert
             self._qk["strata_qf_dequant_sb"](
@@ -733,11 +779,42 @@ class QuantMoE(FastMoE):
                 fmt.down_row_bytes, fmt.down_offset) if ok else None
         return self._fused[key]
 
+    def _prefill_device(self, x: Any, logits: Any, pool: ExpertPool, slot_of: np.ndarray, out: Any,
+                        accumulate: bool, on_counts: Any) -> Any:
+        """FastMoE._prefill_device; over a 'gguf' pool with warm_device_ahead the first two groups' dequantization is
+        queued on the side stream before the routing (_dequant_ahead)."""
+        if pool.dtype == "gguf" and self.warm_device_ahead and not self.warm_fused and self.layout.group_experts > 0:
+            self._ahead = self._dequant_ahead(pool, slot_of)
+        try:
+            return super()._prefill_device(x, logits, pool, slot_of, out, accumulate, on_counts)
+        finally:
+            self._ahead = None
+
+    def _dequant_ahead(self, pool: ExpertPool, slot_of: np.ndarray) -> list:
+        """Groups 0 and 1 of _device_experts (expert order, a scratch half each) dequantized on the side stream after
+        the compute stream's work so far (the last layer's readers of the scratch): [(w13, w2, ready event)]."""
+        cp, side, step = self._cp, self.dequant_stream, self.layout.group_experts
+        fork = cp.cuda.Event(disable_timing=True)
+        fork.record(self._cp.cuda.get_current_stream())
+        side.wait_event(fork)
+        got = []
+        with side:
+            for half, e_lo in enumerate(range(0, min(self.experts, 2 * step), step)):
+                e_hi = min(self.experts, e_lo + step)
+                table = self._upload_slots(np.asarray(slot_of[e_lo:e_hi], dtype=np.int32))
+                w13, w2 = self._dequant(pool, table, e_hi - e_lo, half)
+                ready = cp.cuda.Event(disable_timing=True)
+                ready.record(side)
+                got.append((w13, w2, ready))
+        self._mark("ahead_queued")
+        return got
+
     def _device_experts(self, pool: ExpertPool, slot_of: np.ndarray, xs: int, act: int, ys: int, counts: int,
                         row_of: int, slot_d: int, routed_rows: int) -> None:
         """Every cached expert in groups of a scratch half (expert order): group g dequantized on the side stream
         into half g % 2 once the GEMMs that read that half before are done, then its Triton launches on this
-        stream; the next group's dequantization is queued before this one's GEMMs run."""
+        stream; the next group's dequantization is queued before this one's GEMMs run (groups 0 and 1: before the
+        routing, where _prefill_device queued them)."""
         if pool.dtype != "gguf":
             return super()._device_experts(pool, slot_of, xs, act, ys, counts, row_of, slot_d, routed_rows)
         cp = self._cp
@@ -754,14 +831,18 @@ class QuantMoE(FastMoE):
         fork.record(main)  # the table, and the last layer's readers of the scratch
         side.wait_event(fork)
         read: list = [None, None]  # the event after the GEMMs that last read each half
+        ahead = self._ahead or []
         for g, e_lo in enumerate(range(0, self.experts, step)):
             e_hi, half = min(self.experts, e_lo + step), g % 2
-            if read[half] is not None:
-                side.wait_event(read[half])
-            with side:
-                w13, w2 = self._dequant(pool, table + 4 * e_lo, e_hi - e_lo, half)
-            ready = cp.cuda.Event(disable_timing=True)
-            ready.record(side)
+            if g < len(ahead):
+                w13, w2, ready = ahead[g]
+            else:
+                if read[half] is not None:
+                    side.wait_event(read[half])
+                with side:
+                    w13, w2 = self._dequant(pool, table + 4 * e_lo, e_hi - e_lo, half)
+                ready = cp.cuda.Event(disable_timing=True)
+                ready.record(side)
             main.wait_event(ready)
             self.device_gemm.layer(main.ptr, xs, act, ys, int(w13[0]), int(w2[0]), counts, row_of, None,
                                    routed_rows, (e_lo, e_hi))
