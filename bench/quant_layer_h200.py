@@ -284,6 +284,8 @@ def run(args, res: dict) -> None:
             moe.dequant_kernel = kern
             v["dequant_kernel"] = kern
             v["sbp_grid_blocks"] = moe._sbp_grid
+            k_sbp = moe._qk.get(f"strata_qf_dequant_sbp_{fmt.gate_up}_{fmt.down}")
+            v["sbp_registers"] = int(k_sbp.num_regs) if k_sbp is not None else None
             # bytes through HBM: the quant bytes read, the f16 written
             v["dequant_GB_per_s"] = (layer_bytes + res["f16_layer_expert_bytes"]) / v["dequant_layer"]["median_ms"] / 1e6
             v["targets"] = {"warm_prefill_le_1.5x_f16": v["warm_x_f16"] <= WARM_TARGET,

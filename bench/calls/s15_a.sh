@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# 2026-12-04 second session, H200 call 1: the staged dequantization kernel (quant_fast.cu strata_qf_dequant_sbp_*,
+# 2026-12-04 second session, H200 calls 1 and 2 (call 1 failed at resident_blocks: RawKernel has no .ptr): the staged dequantization kernel (quant_fast.cu strata_qf_dequant_sbp_*,
 # DEQUANT_KERNEL "sbp") and the device-table path's first groups dequantized before the routing
 # (quant_ffn.WARM_DEVICE_AHEAD): the GPU tests of the quant prefill, then the Q4_K_M layer bench with the host-synced
 # and device-table paths, each dequantization kernel, ahead or not. Files: gpu_tests.log, quant_layer_h200.json,

@@ -257,11 +257,11 @@ def sbp_tiles(fmt: ExpertFormat, slot_bytes: int) -> tuple[int, int] | None:
 
 
 def resident_blocks(cupy: Any, kernel: Any, threads: int) -> int:
-    """Blocks of `kernel` (a cupy Function) the whole device holds at once at `threads` a block (the driver's
+    """Blocks of `kernel` (a cupy RawKernel) the whole device holds at once at `threads` a block (the driver's
     occupancy figure times the SM count): a grid-stride kernel's grid, so no block waits for a second wave."""
     from cupy_backends.cuda.api import driver
     dev = cupy.cuda.Device()
-    per_sm = driver.occupancyMaxActiveBlocksPerMultiprocessor(kernel.ptr, threads, 0)
+    per_sm = driver.occupancyMaxActiveBlocksPerMultiprocessor(kernel.kernel.ptr, threads, 0)  # its CUfunction
     return max(1, int(per_sm)) * int(dev.attributes["MultiProcessorCount"])
 
 
