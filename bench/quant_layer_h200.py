@@ -170,7 +170,8 @@ def run(args, res: dict) -> None:
     except Exception:
         res["decode_f16_error"] = traceback.format_exc()
         log(f"f16 FastMoE decode_layer FAILED\n{res['decode_f16_error']}")
-    f16_pool = f16 = None  # 1.5 GB back before the quant runs
+    f16_keep = f16_pool  # for the variants that change the device-table GEMMs (the H200 has room for it)
+    f16_pool = f16 = None
     cp.get_default_memory_pool().free_all_blocks()
 
     # HBM's ceilings for the dequantization: writing the layer's f16 bytes (a memset), and a device-to-device copy
@@ -214,6 +215,25 @@ def run(args, res: dict) -> None:
             for tok in flags:  # chunk / sb / st: the whole experts' dequantization kernel (quant_ffn.DEQUANT_KERNEL)
                 if tok in DEQUANT_KERNELS:
                     moe.dequant_kernel = tok
+            for tok in flags:  # t<gate_up>/<down>: the device-table GEMMs' tiles (FastMoE.set_device_gemm); r<N>: their
+                # register cap (DeviceGroupedGEMM.maxnreg), so the next group's dequantization fits beside them
+                if tok.startswith("t") and tok[1:2].isdigit():  # t128-64-64-8-4_128-64-64-8-4 (":" splits specs)
+                    v["device_gemm_tiles"] = tok[1:].replace("-", ":").replace("_", "/")
+                    moe.set_device_gemm(v["device_gemm_tiles"])
+            for tok in flags:
+                if tok.startswith("r") and tok[1:].isdigit() and moe.device_gemm is not None:
+                    moe.device_gemm.maxnreg = int(tok[1:])
+                    v["device_gemm_maxnreg"] = int(tok[1:])
+            if ("device_gemm_tiles" in v or "device_gemm_maxnreg" in v) and f16_keep is not None:
+                # the f16 layer with the same GEMMs: what the tiles or the cap cost the GEMMs alone
+                f16b = FastMoE(E, K, H, F)
+                if "device_gemm_tiles" in v:
+                    f16b.set_device_gemm(v["device_gemm_tiles"])
+                if "device_gemm_maxnreg" in v and f16b.device_gemm is not None:
+                    f16b.device_gemm.maxnreg = v["device_gemm_maxnreg"]
+                v["warm_f16_same_gemm"] = time_ms(cp, lambda: f16b.prefill_layer(xd, ld, f16_keep, warm_map, out=out),
+                                                  f16b.compute_stream, args.reps)
+                f16b = None
             if "noahead" in flags:  # the device-table path without its first groups dequantized before the routing
                 moe.warm_device_ahead = False
             v["warm_device_ahead"] = bool(moe.warm_device and moe.warm_device_ahead)
