@@ -234,6 +234,9 @@ def run(args, res: dict) -> None:
                 v["warm_f16_same_gemm"] = time_ms(cp, lambda: f16b.prefill_layer(xd, ld, f16_keep, warm_map, out=out),
                                                   f16b.compute_stream, args.reps)
                 f16b = None
+            for tok in flags:  # c<percent>: the dequantization kernels' preferred shared-memory carveout
+                if tok.startswith("c") and tok[1:].isdigit():
+                    moe.dequant_carveout = v["dequant_carveout"] = int(tok[1:])
             if "noahead" in flags:  # the device-table path without its first groups dequantized before the routing
                 moe.warm_device_ahead = False
             v["warm_device_ahead"] = bool(moe.warm_device and moe.warm_device_ahead)

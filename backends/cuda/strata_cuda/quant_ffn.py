@@ -156,6 +156,9 @@ WARM_FUSED = False
 #: stream as soon as the layer starts, beside its routing and gather (which leave most SMs idle), not after them; a
 #: warm layer on this path dequantizes every cached expert, routed to or not, so nothing is speculated.
 WARM_DEVICE_AHEAD = True
+#: The dequantization kernels' preferred shared-memory carveout (percent of the unified L1; None: the driver's
+#: choice); see QuantMoE.dequant_carveout.
+DEQUANT_CARVEOUT: int | None = None
 #: The side stream's priority: "high" (the device's greatest: the dequantization takes SMs as the GEMMs free them) or
 #: "default"; "high" gained nothing measurable (1.852 against 1.823 ms, call4_), so "default".
 DEQUANT_PRIORITY = "default"
@@ -509,6 +512,10 @@ class QuantMoE(FastMoE):
         #: the rest (WARM_MERGE_SPEC, WARM_REST_WHOLE)
         self.dequant_kernel = DEQUANT_KERNEL
         self._sbp_grid: int | None = None
+        #: the dequantization kernels' preferred shared-memory carveout (None: the driver's choice). An SM runs one
+        #: L1/shared split at a time, so a kernel whose split differs from the GEMM programs' cannot share their SMs
+        self.dequant_carveout: int | None = DEQUANT_CARVEOUT
+        self._carved: dict[str, int] = {}
         self.warm_spec_halves = WARM_SPEC_HALVES
         self.spec_after_route = False
         self.warm_merge_spec = WARM_MERGE_SPEC
@@ -607,7 +614,7 @@ class QuantMoE(FastMoE):
         tiles = sbp_tiles(fmt, slot_b) if kern == "sbp" else None
         if tiles is not None:
             (oa, ra, rows_a, cols_a, _, da), (ob, rb_, rows_b, cols_b, _, db) = mats
-            k = self._qk[f"strata_qf_dequant_sbp_{fmt.gate_up}_{fmt.down}"]
+            k = self._dq_kernel(f"strata_qf_dequant_sbp_{fmt.gate_up}_{fmt.down}")
             if self._sbp_grid is None:
                 self._sbp_grid = resident_blocks(self._cp, k, FAST_THREADS)
             n_tiles = m * (rows_a // tiles[0] + rows_b // tiles[1])
@@ -617,7 +624,7 @@ class QuantMoE(FastMoE):
                np.int32(cols_b), np.int32(tiles[1]), np.uint64(db)))
         elif kern in ("sbt", "sbp") and sb_takes(fmt) and pair in SBT_PAIRS:
             (oa, ra, rows_a, cols_a, _, da), (ob, rb_, rows_b, cols_b, _, db) = mats
-            self._qk[f"strata_qf_dequant_{kern}_{fmt.gate_up}_{fmt.down}"](
+            self._dq_kernel(f"strata_qf_dequant_sbt_{fmt.gate_up}_{fmt.down}")(
                 (max(1, min(SB_MAX_BLOCKS, -(-(rows_a + rows_b) // (2 * FAST_WARPS)))), m), (FAST_THREADS,),
                 (blob, np.int64(slot_b), np.uint64(table), np.int32(m), np.int64(oa), np.int64(ra), np.int32(rows_a),
                  np.int32(cols_a), np.uint64(da), np.int64(ob), np.int64(rb_), np.int32(rows_b), np.int32(cols_b),
@@ -625,7 +632,7 @@ class QuantMoE(FastMoE):
         elif kern in ("sb", "sbt", "sbp") and sb_takes(fmt):
             (oa, ra, rows_a, cols_a, ta, da), (ob, rb_, rows_b, cols_b, tb, db) = mats
             # a warp per row, two rows a warp: blockIdx.y is the expert
-            self._qk["strata_qf_dequant_sb"](
+            self._dq_kernel("strata_qf_dequant_sb")(
                 (max(1, min(SB_MAX_BLOCKS, -(-(rows_a + rows_b) // (2 * FAST_WARPS)))), m), (FAST_THREADS,),
                 (blob, np.int64(slot_b), np.uint64(table), np.int32(m), np.int64(oa), np.int64(ra), np.int32(rows_a),
                  np.int32(cols_a), np.int32(GGML_TYPES[ta]), np.uint64(da), np.int64(ob), np.int64(rb_),
@@ -633,12 +640,21 @@ class QuantMoE(FastMoE):
         else:
             for off, rb, rows, cols, typ, dst in mats:
                 chunks = rows * (cols // 32)  # of one expert: blockIdx.y is the expert
-                self._qk["strata_qf_dequant_f16"](
+                self._dq_kernel("strata_qf_dequant_f16")(
                     (max(1, min(4096, -(-chunks // FAST_THREADS))), m), (FAST_THREADS,),
                     (blob, np.int64(slot_b), np.uint64(table), np.int32(m), np.int64(off), np.int64(rb),
                      np.int32(rows), np.int32(cols), np.int32(GGML_TYPES[typ]), np.uint64(dst)))
         idx = np.arange(m, dtype=np.int64)
         return s13 + idx * (2 * n13), s2 + idx * (2 * n2)
+
+    def _dq_kernel(self, name: str) -> Any:
+        """A dequantization kernel, given dequant_carveout (the shared-memory share of the SM's L1 it asks the driver
+        for, percent) before its first launch."""
+        k = self._qk[name]
+        if self.dequant_carveout is not None and self._carved.get(name) != self.dequant_carveout:
+            k.preferred_shared_memory_carveout = int(self.dequant_carveout)
+            self._carved[name] = self.dequant_carveout
+        return k
 
     def _weights_f16(self, pool: ExpertPool, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         if pool.dtype != "gguf":
