@@ -44,6 +44,8 @@ E, K, H, F, T = 128, 8, 2048, 768, 4096
 RING = 32
 #: back-to-back replays of the decode graph per timed run
 REPLAYS = 50
+#: warm layer calls timed back to back (the *_stack figures)
+STACK = 8
 COLD_TARGET, WARM_TARGET, DECODE_TARGET_US = 1.10, 1.5, 50.0
 #: ||out - ref|| / ||ref|| bounds: f16 weights, activations and intermediates (the cuda-fused path's --check bound);
 #: exact weights and f32 sums (GEMV, tiled SIMT)
@@ -69,6 +71,11 @@ def time_ms(cp, fn, stream, reps: int, warmup: int = 2) -> dict:
         b.synchronize()
         ts.append(cp.cuda.get_elapsed_time(a, b))
     return {"median_ms": float(np.median(ts)), "min_ms": float(np.min(ts)), "max_ms": float(np.max(ts)), "reps": reps}
+
+
+def per_layer(t: dict) -> dict:
+    """time_ms's figures of STACK layer calls, per layer."""
+    return {**{k: v / STACK for k, v in t.items() if k.endswith("_ms")}, "reps": t["reps"], "layers": STACK}
 
 
 def build(args):
@@ -159,7 +166,12 @@ def run(args, res: dict) -> None:
     res["f16_rel_err"] = r64.relative_error(y16[:8], want)
     res["warm_f16"] = time_ms(cp, lambda: f16.prefill_layer(xd, ld, f16_pool, warm_map, out=out), f16.compute_stream,
                               args.reps)
+    # STACK layer calls back to back, as a model's layers run (the host queues a layer while the device runs the one
+    # before): the time of the whole stack / STACK, so a call's host latency before its first kernel is not counted
+    res["warm_f16_stack"] = per_layer(time_ms(cp, lambda: [f16.prefill_layer(xd, ld, f16_pool, warm_map, out=out)
+                                                           for _ in range(STACK)], f16.compute_stream, args.reps))
     log(f"f16 FastMoE warm prefill {res['warm_f16']['median_ms']:.3f} ms (rel err {res['f16_rel_err']:.2e})")
+    log(f"f16 FastMoE warm prefill, {STACK} layers back to back: {res['warm_f16_stack']['median_ms']:.3f} ms a layer")
     x1, l1 = xd[:1].copy(), ld[:1].copy()
     smap = cp.asarray(np.arange(E, dtype=np.int32))
     try:  # FastMoE's own decode: a figure beside ours, so a failure there leaves the quant figures to run
@@ -253,6 +265,11 @@ def run(args, res: dict) -> None:
             v["warm"] = time_ms(cp, lambda: moe.prefill_layer(xd, ld, pool, warm_map, out=out), moe.compute_stream,
                                 args.reps)
             v["warm_x_f16"] = v["warm"]["median_ms"] / res["warm_f16"]["median_ms"]
+            v["warm_stack"] = per_layer(time_ms(cp, lambda: [moe.prefill_layer(xd, ld, pool, warm_map, out=out)
+                                                             for _ in range(STACK)], moe.compute_stream, args.reps))
+            v["warm_stack_x_f16_stack"] = v["warm_stack"]["median_ms"] / res["warm_f16_stack"]["median_ms"]
+            log(f"QuantMoE {spec}: warm, {STACK} layers back to back, {v['warm_stack']['median_ms']:.3f} ms a layer "
+                f"x{v['warm_stack_x_f16_stack']:.3f} of f16's")
             moe.trace = []  # one more warm call with the layer's stage marks (CUDA events), outside the timed runs
             moe.prefill_layer(xd, ld, pool, warm_map, out=out)
             v["warm_trace"] = [(n, round(ms, 4)) for n, ms in moe.trace_report()]
