@@ -227,28 +227,17 @@ def run(args, res: dict) -> None:
             for tok in flags:  # chunk / sb / st: the whole experts' dequantization kernel (quant_ffn.DEQUANT_KERNEL)
                 if tok in DEQUANT_KERNELS:
                     moe.dequant_kernel = tok
-            for tok in flags:  # t<gate_up>/<down>: the device-table GEMMs' tiles (FastMoE.set_device_gemm); r<N>: their
-                # register cap (DeviceGroupedGEMM.maxnreg), so the next group's dequantization fits beside them
+            for tok in flags:  # t<gate_up>_<down>: the device-table GEMMs' tiles (FastMoE.set_device_gemm)
                 if tok.startswith("t") and tok[1:2].isdigit():  # t128-64-64-8-4_128-64-64-8-4 (":" splits specs)
                     v["device_gemm_tiles"] = tok[1:].replace("-", ":").replace("_", "/")
                     moe.set_device_gemm(v["device_gemm_tiles"])
-            for tok in flags:
-                if tok.startswith("r") and tok[1:].isdigit() and moe.device_gemm is not None:
-                    moe.device_gemm.maxnreg = int(tok[1:])
-                    v["device_gemm_maxnreg"] = int(tok[1:])
-            if ("device_gemm_tiles" in v or "device_gemm_maxnreg" in v) and f16_keep is not None:
-                # the f16 layer with the same GEMMs: what the tiles or the cap cost the GEMMs alone
+            if "device_gemm_tiles" in v and f16_keep is not None:
+                # the f16 layer with the same GEMMs: what the tiles cost the GEMMs alone
                 f16b = FastMoE(E, K, H, F)
-                if "device_gemm_tiles" in v:
-                    f16b.set_device_gemm(v["device_gemm_tiles"])
-                if "device_gemm_maxnreg" in v and f16b.device_gemm is not None:
-                    f16b.device_gemm.maxnreg = v["device_gemm_maxnreg"]
+                f16b.set_device_gemm(v["device_gemm_tiles"])
                 v["warm_f16_same_gemm"] = time_ms(cp, lambda: f16b.prefill_layer(xd, ld, f16_keep, warm_map, out=out),
                                                   f16b.compute_stream, args.reps)
                 f16b = None
-            for tok in flags:  # c<percent>: the dequantization kernels' preferred shared-memory carveout
-                if tok.startswith("c") and tok[1:].isdigit():
-                    moe.dequant_carveout = v["dequant_carveout"] = int(tok[1:])
             if "noahead" in flags:  # the device-table path without its first groups dequantized before the routing
                 moe.warm_device_ahead = False
             v["warm_device_ahead"] = bool(moe.warm_device and moe.warm_device_ahead)
@@ -323,9 +312,6 @@ def run(args, res: dict) -> None:
             v["dequant_layer_other_kernel"] = v["dequant_layer_by_kernel"][other]
             moe.dequant_kernel = kern
             v["dequant_kernel"] = kern
-            v["sbp_grid_blocks"] = moe._sbp_grid
-            k_sbp = moe._qk.get(f"strata_qf_dequant_sbp_{fmt.gate_up}_{fmt.down}")
-            v["sbp_registers"] = int(k_sbp.num_regs) if k_sbp is not None else None
             # bytes through HBM: the quant bytes read, the f16 written
             v["dequant_GB_per_s"] = (layer_bytes + res["f16_layer_expert_bytes"]) / v["dequant_layer"]["median_ms"] / 1e6
             v["targets"] = {"warm_prefill_le_1.5x_f16": v["warm_x_f16"] <= WARM_TARGET,

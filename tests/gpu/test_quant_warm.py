@@ -19,8 +19,9 @@ pytestmark = [pytest.mark.gpu, pytest.mark.requires_cuda]
 F16_BOUND = 1e-3
 
 #: QuantMoE attributes of each variant the bench times (bench/q2_diag_h200.py), the product's default ({}: the
-#: host-synced path, quant_ffn.WARM_DEVICE off) first, then the device-table path (where Triton is there) at each
-#: side-stream priority; the rest are the host-synced path's variants, warm_device off whatever the default
+#: device-table path where Triton is there, quant_ffn.WARM_DEVICE, its first two groups dequantized before the routing,
+#: WARM_DEVICE_AHEAD) first, then the device-table path at each side-stream priority and without the groups ahead;
+#: the rest are the host-synced path's variants, warm_device off whatever the default
 _HOST = dict(warm_device=False)
 CONFIGS = {
     "default": {},
@@ -32,8 +33,6 @@ CONFIGS = {
     "sbt-kernel-whole": dict(_HOST, dequant_kernel="sbt", warm_spec_halves=0),
     "sbt-device": dict(warm_device=True, dequant_kernel="sbt"),
     "sbt-device-no-ahead": dict(warm_device=True, dequant_kernel="sbt", warm_device_ahead=False),
-    "sbp-kernel-whole": dict(_HOST, dequant_kernel="sbp", warm_spec_halves=0),
-    "sbp-device": dict(warm_device=True, dequant_kernel="sbp"),
     "sb-no-spec-halves": dict(_HOST, dequant_kernel="sb", warm_spec_halves=0, warm_rest_whole=False),
     "spec1-halves": dict(_HOST, dequant_kernel="sb", warm_spec_halves=1, warm_rest_whole=False),
     "spec2-split-halves": dict(_HOST, dequant_kernel="sb", warm_spec_halves=2, warm_merge_spec=False,
@@ -316,38 +315,3 @@ def test_the_gpu_q4_k_m_dequant_is_numpys_f16_of_the_oracle_bit_for_bit():
     for fmt, q, out, cols in (("q4_k", qa, out_a, cols_a), ("q6_k", qb, out_b, cols_b)):
         want = quants.dequantize(fmt, q[order], cols).astype(np.float16).view(np.uint16)
         assert int(np.count_nonzero(cp.asnumpy(out) != want)) == 0, (kernel, fmt)
-
-
-@pytest.mark.parametrize("grid", ["three_blocks", "resident"])
-@pytest.mark.parametrize("fmt_a,fmt_b", [("q4_k", "q6_k"), ("q5_k", "q6_k"), ("q8_0", "q8_0")])
-def test_the_gpu_staged_dequant_is_numpys_f16_of_the_oracle_bit_for_bit(fmt_a, fmt_b, grid):
-    """strata_qf_dequant_sbp_<a>_<b> on the GPU (cp.async into shared memory, the next tile's copies in flight):
-    slots laid out as ExpertFormat lays them (rows of 9 super-blocks), the tiles quant_ffn.sbp_tiles picks, 3 slots
-    out of order, with 3 blocks (each strides over many tiles, both stages in turn) and with the grid QuantMoE
-    launches (quant_ffn.resident_blocks), equal numpy's float16 of quants.dequantize."""
-    import cupy as cp
-    from strata_core.api.kernels import ExpertFormat
-    from strata_core.reference import quants
-    from strata_cuda.quant_ffn import FAST_THREADS, fast_kernels, resident_blocks, sbp_tiles
-    fmt = ExpertFormat(fmt_a, fmt_b, 9 * 256, 256)
-    tiles = sbp_tiles(fmt, fmt.nbytes)
-    assert tiles is not None
-    rng = np.random.default_rng(19)
-    m, f, h = 3, fmt.ffn, fmt.hidden
-    qa = quants.quantize(fmt_a, rng.standard_normal((m, 2 * f, h)).astype(np.float32) * np.float32(0.05))
-    qb = quants.quantize(fmt_b, rng.standard_normal((m, h, f)).astype(np.float32) * np.float32(0.05))
-    blob_h = np.zeros((m, fmt.nbytes), np.uint8)
-    blob_h[:, :fmt.down_offset] = qa.reshape(m, -1)
-    blob_h[:, fmt.down_offset:fmt.bias_offset] = qb.reshape(m, -1)
-    order = np.array([2, 0, 1], np.int32)
-    out_a = cp.full((m, 2 * f, h), 0x7e00, cp.uint16)  # poisoned
-    out_b = cp.full((m, h, f), 0x7e00, cp.uint16)
-    k = fast_kernels(cp)[f"strata_qf_dequant_sbp_{fmt_a}_{fmt_b}"]
-    gx = 3 if grid == "three_blocks" else resident_blocks(cp, k, FAST_THREADS)
-    k((gx,), (FAST_THREADS,), (cp.asarray(blob_h), np.int64(fmt.nbytes), cp.asarray(order), np.int32(m), np.int64(0),
-                               np.int64(fmt.gate_up_row_bytes), np.int32(2 * f), np.int32(h), np.int32(tiles[0]), out_a,
-                               np.int64(fmt.down_offset), np.int64(fmt.down_row_bytes), np.int32(h), np.int32(f),
-                               np.int32(tiles[1]), out_b))
-    for name, q, out, cols in ((fmt_a, qa, out_a, h), (fmt_b, qb, out_b, f)):
-        want = quants.dequantize(name, q[order], cols).astype(np.float16).view(np.uint16)
-        assert int(np.count_nonzero(cp.asnumpy(out) != want)) == 0, (name, grid)

@@ -44,20 +44,11 @@ extern "C" void host_dequant_{v}_{a}_{b}(unsigned gx, const unsigned char* blob,
 }}
 """ for v, a, b in [("sbt", a, b) for a, b in SBT_PAIRS])
 
-SBP_WRAPPERS = "".join(f"""
-extern "C" void host_dequant_sbp_{a}_{b}(unsigned gx, const unsigned char* blob, long long sb, const int* slots, int m,
-        long long off_a, long long rb_a, int rows_a, int cols_a, int tr_a, void* out_a, long long off_b, long long rb_b,
-        int rows_b, int cols_b, int tr_b, void* out_b) {{
-    qf_launch(gx, 1, [&] {{ strata_qf_dequant_sbp_{a}_{b}(blob, sb, slots, m, off_a, rb_a, rows_a, cols_a, tr_a,
-                                                   (uint4*)out_a, off_b, rb_b, rows_b, cols_b, tr_b, (uint4*)out_b); }});
-}}
-""" for a, b in SBT_PAIRS)
-
 
 @pytest.fixture(scope="module")
 def sb_lib(tmp_path_factory):
     """quant_fast.cu built for the host with the super-block kernels' wrappers."""
-    text = FAST_SHIM + (CUDA_DIR / "quant_fast.cu").read_text() + SB_WRAPPERS + SBT_WRAPPERS + SBP_WRAPPERS
+    text = FAST_SHIM + (CUDA_DIR / "quant_fast.cu").read_text() + SB_WRAPPERS + SBT_WRAPPERS
     return build_host_library(tmp_path_factory, "quant_fast_sb_host", text, CUDA_DIR,
                               includes=[CUDA_DIR / "quants.cuh"])
 
@@ -150,49 +141,3 @@ def test_the_fixed_format_kernels_are_the_f16_of_the_oracle_bit_for_bit(sb_lib, 
     for fmt, q, out, cols in ((fmt_a, qa, out_a, cols_a), (fmt_b, qb, out_b, cols_b)):
         want = quants.dequantize(fmt, q[slots], cols).astype(np.float16).view(np.uint16)
         assert int(np.count_nonzero(out != want)) == 0, fmt
-
-
-@pytest.mark.parametrize("gx", [1, 3, 500], ids=["one_block", "three_blocks", "more_blocks_than_tiles"])
-@pytest.mark.parametrize("fmt_a,fmt_b,hidden", [(a, b, 512) for a, b in SBT_PAIRS] + [("q4_k", "q6_k", 9 * 256)])
-def test_the_staged_kernels_are_the_f16_of_the_oracle_bit_for_bit(sb_lib, fmt_a, fmt_b, hidden, gx):
-    """strata_qf_dequant_sbp_<a>_<b> (tiles of rows staged in shared memory, the next tile's copies in flight) over
-    slots laid out as ExpertFormat lays them, with the tiles quant_ffn.sbp_tiles picks, equal numpy's float16 of
-    quants.dequantize bit for bit: one block (every tile through both stages in turn), three (each block strides
-    over the experts' tiles), and more blocks than tiles; rows of 9 super-blocks (a last pass of one)."""
-    from strata_core.api.kernels import ExpertFormat
-    from strata_cuda.quant_ffn import sbp_tiles
-    fmt = ExpertFormat(fmt_a, fmt_b, hidden, 256)
-    tiles = sbp_tiles(fmt, fmt.nbytes)
-    assert tiles is not None
-    rng = np.random.default_rng(7)
-    m, f = 2, fmt.ffn
-    qa, qb = _matrix(rng, fmt_a, m + 1, 2 * f, hidden), _matrix(rng, fmt_b, m + 1, hidden, f)
-    blob = np.zeros((m + 1, fmt.nbytes), np.uint8)
-    blob[:, :fmt.down_offset] = qa.reshape(m + 1, -1)
-    blob[:, fmt.down_offset:fmt.bias_offset] = qb.reshape(m + 1, -1)
-    slots = np.array([2, 0], np.int32)  # slot 1 is not in the table
-    out_a = np.full((m, 2 * f, hidden), 0x7e00, np.uint16)  # poisoned: every element must be written
-    out_b = np.full((m, hidden, f), 0x7e00, np.uint16)
-    ll, i32 = ctypes.c_longlong, ctypes.c_int
-    getattr(sb_lib, f"host_dequant_sbp_{fmt_a}_{fmt_b}")(
-        ctypes.c_uint(gx), pointer(blob), ll(fmt.nbytes), pointer(slots), i32(m), ll(0), ll(fmt.gate_up_row_bytes),
-        i32(2 * f), i32(hidden), i32(tiles[0]), pointer(out_a), ll(fmt.down_offset), ll(fmt.down_row_bytes),
-        i32(hidden), i32(f), i32(tiles[1]), pointer(out_b))
-    for name, q, out, cols in ((fmt_a, qa, out_a, hidden), (fmt_b, qb, out_b, f)):
-        want = quants.dequantize(name, q[slots], cols).astype(np.float16).view(np.uint16)
-        mism = int(np.count_nonzero(out != want))
-        assert mism == 0, f"{name}: {mism} of {out.size} f16 weights differ"
-
-
-def test_staged_tiles_fit_the_stage_and_refuse_unaligned_pools():
-    """sbp_tiles: each tile's bytes a multiple of 16 within the stage and its rows a divisor of the matrix's; a slot
-    size or a pair the kernel cannot take gives None (the caller falls back to sbt / sb)."""
-    from strata_core.api.kernels import ExpertFormat
-    from strata_cuda.quant_ffn import SBP_STAGE_BYTES, sbp_tiles
-    fmt = ExpertFormat("q4_k", "q6_k", 2048, 768)  # Qwen3-30B-A3B's Q4_K_M layer
-    assert sbp_tiles(fmt, fmt.nbytes) == (8, 16)
-    for (rb, rows), tr in zip(((fmt.gate_up_row_bytes, 2 * fmt.ffn), (fmt.down_row_bytes, fmt.hidden)),
-                              sbp_tiles(fmt, fmt.nbytes)):
-        assert (tr * rb) % 16 == 0 and tr * rb <= SBP_STAGE_BYTES and rows % tr == 0
-    assert sbp_tiles(fmt, fmt.nbytes + 8) is None
-    assert sbp_tiles(ExpertFormat("q4_k", "q8_0", 2048, 768), 10 ** 6) is None

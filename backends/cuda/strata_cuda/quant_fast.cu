@@ -252,31 +252,25 @@ strata_qf_dequant_f16_part(const unsigned char* __restrict__ blob, long long slo
 
 // n bytes (n = 8 or 16) at p of any alignment as n/4 little-endian words: one vector load where p is n-aligned,
 // else n/4 + 1 aligned words funnel-shifted into place (every word loaded holds a byte of [p, p + n)).
-// SH: p is in shared memory (strata_qf_dequant_sbp's staged tiles), read with plain loads, not the read-only path.
-#if defined(QF_HOST)
-#define QF_LDX(SH, p) (*(p))
-#else
-#define QF_LDX(SH, p) ((SH) ? *(p) : __ldg(p))
-#endif
-template <int N, bool SH = false>
+template <int N>
 __device__ __forceinline__ void qf_loadw(const unsigned char* p, unsigned int w[N]) {
     const unsigned long long a = (unsigned long long)p;
     if (N == 4 && (a & 15ull) == 0ull) {
-        const uint4 x = QF_LDX(SH, (const uint4*)p);
+        const uint4 x = QF_LDG((const uint4*)p);
         w[0] = x.x; w[1] = x.y; w[2 % N] = x.z; w[3 % N] = x.w;
         return;
     }
     if (N == 2 && (a & 7ull) == 0ull) {
-        const unsigned long long x = QF_LDX(SH, (const unsigned long long*)p);
+        const unsigned long long x = QF_LDG((const unsigned long long*)p);
         w[0] = (unsigned int)x; w[1 % N] = (unsigned int)(x >> 32);
         return;
     }
     const unsigned int* q = (const unsigned int*)(a & ~3ull);
     const unsigned int sh = 8u * (unsigned int)(a & 3ull);
-    unsigned int lo = QF_LDX(SH, q);
+    unsigned int lo = QF_LDG(q);
 #pragma unroll
     for (int i = 0; i < N; ++i) {
-        const unsigned int hi = (sh == 0u && i == N - 1) ? 0u : QF_LDX(SH, q + i + 1);
+        const unsigned int hi = (sh == 0u && i == N - 1) ? 0u : QF_LDG(q + i + 1);
         w[i] = sh == 0u ? lo : (unsigned int)((((unsigned long long)hi << 32) | lo) >> sh);
         lo = hi;
     }
@@ -309,25 +303,24 @@ __device__ __forceinline__ int qf_sb_bytes(int fmt) {
          : fmt == DQ_TYPE_Q6_K ? DQ_Q6_K_BYTES : fmt == DQ_TYPE_Q8_0 ? 8 * DQ_Q8_0_BYTES : 0;
 }
 
-template <bool SH = false>
 __device__ __forceinline__ void qf_sb_load(const unsigned char* b, int fmt, int lane, qf_sb_raw* r) {
     const int j = lane >> 2, q4 = lane & 3;  // the lane's 32-weight sub-block and its quarter of it
     if (fmt == DQ_TYPE_Q4_K || fmt == DQ_TYPE_Q5_K) {
-        qf_loadw<4, SH>(b, r->h);  // d, dmin, scales[12]
-        qf_loadw<2, SH>(b + (fmt == DQ_TYPE_Q5_K ? 48 : 16) + 32 * (j >> 1) + 8 * q4, r->a);  // qs
-        if (fmt == DQ_TYPE_Q5_K) qf_loadw<2, SH>(b + 16 + 8 * q4, r->b);  // qh
+        qf_loadw<4>(b, r->h);  // d, dmin, scales[12]
+        qf_loadw<2>(b + (fmt == DQ_TYPE_Q5_K ? 48 : 16) + 32 * (j >> 1) + 8 * q4, r->a);  // qs
+        if (fmt == DQ_TYPE_Q5_K) qf_loadw<2>(b + 16 + 8 * q4, r->b);  // qh
     } else if (fmt == DQ_TYPE_Q6_K) {
         const int hh = j >> 2, g = j & 3;
-        qf_loadw<2, SH>(b + 64 * hh + 32 * (g & 1) + 8 * q4, r->a);  // ql
-        qf_loadw<2, SH>(b + 128 + 32 * hh + 8 * q4, r->b);  // qh
+        qf_loadw<2>(b + 64 * hh + 32 * (g & 1) + 8 * q4, r->a);  // ql
+        qf_loadw<2>(b + 128 + 32 * hh + 8 * q4, r->b);  // qh
         // the scale of the lane's 8 weights, and d: two bytes each, read as such (210-byte blocks: any alignment)
         const unsigned char* s = b + 192 + 2 * j + (q4 >> 1);
-        r->h[0] = QF_LDX(SH, s);
-        r->h[1] = (unsigned int)QF_LDX(SH, b + 208) | ((unsigned int)QF_LDX(SH, b + 209) << 8);
+        r->h[0] = QF_LDG(s);
+        r->h[1] = (unsigned int)QF_LDG(b + 208) | ((unsigned int)QF_LDG(b + 209) << 8);
     } else {  // q8_0: the lane's block j of eight, its d and 8 quants
         const unsigned char* blk = b + DQ_Q8_0_BYTES * j;
-        r->h[0] = (unsigned int)QF_LDX(SH, blk) | ((unsigned int)QF_LDX(SH, blk + 1) << 8);
-        qf_loadw<2, SH>(blk + 2 + 8 * q4, r->a);
+        r->h[0] = (unsigned int)QF_LDG(blk) | ((unsigned int)QF_LDG(blk + 1) << 8);
+        qf_loadw<2>(blk + 2 + 8 * q4, r->a);
     }
 }
 
@@ -459,142 +452,6 @@ QF_SBT_KERNEL(strata_qf_dequant_sbt_q6_k_q6_k, DQ_TYPE_Q6_K, DQ_TYPE_Q6_K)
 QF_SBT_KERNEL(strata_qf_dequant_sbt_q4_k_q4_k, DQ_TYPE_Q4_K, DQ_TYPE_Q4_K)
 QF_SBT_KERNEL(strata_qf_dequant_sbt_q5_k_q5_k, DQ_TYPE_Q5_K, DQ_TYPE_Q5_K)
 QF_SBT_KERNEL(strata_qf_dequant_sbt_q8_0_q8_0, DQ_TYPE_Q8_0, DQ_TYPE_Q8_0)
-
-// ---- staged super-block dequantization (DEQUANT_KERNEL "sbp") -------------------------------------------------
-// sbt's decode and stores, its quant bytes first copied into shared memory a tile at a time by cp.async, the next
-// tile's copies in flight while this one is decoded: sbt's warps load 24 bytes a lane, wait, decode and store, so an
-// SM holds only its few warps' loads in flight (Nsight Compute: 46% of them stalled on loads); here each block keeps
-// a whole tile (up to QF_SBP_STAGE_BYTES) of reads in flight without registers for it. A tile is tr_a rows of matrix
-// a or tr_b rows of matrix b of one expert (tr * row bytes a multiple of 16 and at most QF_SBP_STAGE_BYTES, rows a
-// multiple of tr, every matrix 16-byte aligned: quant_ffn.sbp_tiles checks); a 1-D grid strides over every
-// (expert, tile) of the m experts, a warp per row of the tile. The f16 of every weight is sbt's.
-#if !defined(QF_HOST) || defined(QF_HOST_SYNCTHREADS)
-#define QF_SBP_STAGE_BYTES 10240
-
-__device__ __forceinline__ void qf_cp16(void* smem, const void* gmem) {
-#if defined(QF_HOST)
-    std::memcpy(smem, gmem, 16);
-#else
-    const unsigned int d = (unsigned int)__cvta_generic_to_shared(smem);
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(d), "l"(gmem));
-#endif
-}
-
-__device__ __forceinline__ void qf_cp_commit() {
-#if !defined(QF_HOST)
-    asm volatile("cp.async.commit_group;\n" ::);
-#endif
-}
-
-// Wait until at most one group of this thread's copies is still in flight (the newest).
-__device__ __forceinline__ void qf_cp_wait_all_but_one() {
-#if !defined(QF_HOST)
-    asm volatile("cp.async.wait_group 1;\n" ::);
-#endif
-}
-
-template <int FMT>
-__device__ __forceinline__ void qf_sbp_row(const unsigned char* src, uint4* dst, int spr, int lane) {
-    constexpr int bsz = FMT == DQ_TYPE_Q4_K ? DQ_Q4_K_BYTES : FMT == DQ_TYPE_Q5_K ? DQ_Q5_K_BYTES
-                      : FMT == DQ_TYPE_Q6_K ? DQ_Q6_K_BYTES : 8 * DQ_Q8_0_BYTES;
-    for (int k = 0; k < spr; k += 2) {
-        qf_sb_raw r0, r1;
-        const bool two = k + 1 < spr;
-        qf_sb_load<true>(src + k * bsz, FMT, lane, &r0);
-        if (two) qf_sb_load<true>(src + (k + 1) * bsz, FMT, lane, &r1);
-        dst[32 * k] = qf_sb_decode(r0, FMT, lane);
-        if (two) dst[32 * (k + 1)] = qf_sb_decode(r1, FMT, lane);
-    }
-}
-
-// Where tile g (of m experts' ta + tb tiles each) lies: its source bytes, rows, row bytes and output rows.
-struct qf_sbp_tile {
-    const unsigned char* src;
-    uint4* dst;
-    int rows, bytes, b;
-};
-
-__device__ __forceinline__ qf_sbp_tile qf_sbp_at(int g, const unsigned char* blob, long long slot_bytes,
-                                                 const int* slots, int ta, int tb, long long off_a, long long rb_a,
-                                                 int tr_a, int rows_a, int cols_a, uint4* out_a, long long off_b,
-                                                 long long rb_b, int tr_b, int rows_b, int cols_b, uint4* out_b) {
-    const int per = ta + tb, e = g / per, t = g - e * per;
-    const unsigned char* slot = blob + (long long)slots[e] * slot_bytes;
-    qf_sbp_tile r;
-    r.b = t >= ta;
-    if (!r.b) {
-        r.rows = tr_a;
-        r.bytes = (int)(tr_a * rb_a);
-        r.src = slot + off_a + (long long)t * tr_a * rb_a;
-        r.dst = out_a + ((long long)e * rows_a + (long long)t * tr_a) * (cols_a / 8);
-    } else {
-        const int tt = t - ta;
-        r.rows = tr_b;
-        r.bytes = (int)(tr_b * rb_b);
-        r.src = slot + off_b + (long long)tt * tr_b * rb_b;
-        r.dst = out_b + ((long long)e * rows_b + (long long)tt * tr_b) * (cols_b / 8);
-    }
-    return r;
-}
-
-template <int FA, int FB>
-__device__ __forceinline__ void qf_dequant_sbp(const unsigned char* __restrict__ blob, long long slot_bytes,
-                                               const int* __restrict__ slots, int m, long long off_a, long long rb_a,
-                                               int rows_a, int cols_a, int tr_a, uint4* __restrict__ out_a,
-                                               long long off_b, long long rb_b, int rows_b, int cols_b, int tr_b,
-                                               uint4* __restrict__ out_b) {
-    __shared__ uint4 stage[2][QF_SBP_STAGE_BYTES / 16];
-    const int warp = threadIdx.x / QF_WARP, lane = threadIdx.x % QF_WARP;
-    const int ta = rows_a / tr_a, tb = rows_b > 0 ? rows_b / tr_b : 0, total = m * (ta + tb);
-    int g = blockIdx.x;
-    if (g >= total) return;
-    qf_sbp_tile cur = qf_sbp_at(g, blob, slot_bytes, slots, ta, tb, off_a, rb_a, tr_a, rows_a, cols_a, out_a, off_b,
-                                rb_b, tr_b, rows_b, cols_b, out_b);
-    for (int c = threadIdx.x; c < cur.bytes / 16; c += QF_THREADS) qf_cp16(&stage[0][c], cur.src + 16 * c);
-    qf_cp_commit();
-    for (int i = 0; g < total; ++i, g += gridDim.x) {
-        const int gn = g + (int)gridDim.x;
-        qf_sbp_tile nxt = cur;
-        if (gn < total) {  // the next tile's copies go out before this one is decoded
-            nxt = qf_sbp_at(gn, blob, slot_bytes, slots, ta, tb, off_a, rb_a, tr_a, rows_a, cols_a, out_a, off_b,
-                            rb_b, tr_b, rows_b, cols_b, out_b);
-            for (int c = threadIdx.x; c < nxt.bytes / 16; c += QF_THREADS)
-                qf_cp16(&stage[(i + 1) & 1][c], nxt.src + 16 * c);
-        }
-        qf_cp_commit();  // an empty group past the last tile keeps the wait below counting right
-        qf_cp_wait_all_but_one();
-        __syncthreads();  // every thread's copies of this tile have landed
-        const unsigned char* buf = (const unsigned char*)stage[i & 1];
-        if (!cur.b) {
-            const int spr = cols_a / 256;
-            for (int r = warp; r < cur.rows; r += QF_WARPS)
-                qf_sbp_row<FA>(buf + r * rb_a, cur.dst + (long long)r * (32 * spr) + lane, spr, lane);
-        } else {
-            const int spr = cols_b / 256;
-            for (int r = warp; r < cur.rows; r += QF_WARPS)
-                qf_sbp_row<FB>(buf + r * rb_b, cur.dst + (long long)r * (32 * spr) + lane, spr, lane);
-        }
-        __syncthreads();  // this stage is read before the tile after next is copied into it
-        cur = nxt;
-    }
-}
-
-// strata_qf_dequant_sbp_<a>_<b>: sbt's arguments and each matrix's rows a tile (tr_a, tr_b); a 1-D grid.
-#define QF_SBP_KERNEL(NAME, FA, FB)                                                                            \
-    extern "C" __global__ void __launch_bounds__(QF_THREADS)                                                   \
-    NAME(const unsigned char* __restrict__ blob, long long slot_bytes, const int* __restrict__ slots, int m,    \
-         long long off_a, long long rb_a, int rows_a, int cols_a, int tr_a, uint4* __restrict__ out_a,          \
-         long long off_b, long long rb_b, int rows_b, int cols_b, int tr_b, uint4* __restrict__ out_b) {        \
-        qf_dequant_sbp<FA, FB>(blob, slot_bytes, slots, m, off_a, rb_a, rows_a, cols_a, tr_a, out_a, off_b, rb_b, \
-                               rows_b, cols_b, tr_b, out_b);                                                   \
-    }
-QF_SBP_KERNEL(strata_qf_dequant_sbp_q4_k_q6_k, DQ_TYPE_Q4_K, DQ_TYPE_Q6_K)
-QF_SBP_KERNEL(strata_qf_dequant_sbp_q5_k_q6_k, DQ_TYPE_Q5_K, DQ_TYPE_Q6_K)
-QF_SBP_KERNEL(strata_qf_dequant_sbp_q6_k_q6_k, DQ_TYPE_Q6_K, DQ_TYPE_Q6_K)
-QF_SBP_KERNEL(strata_qf_dequant_sbp_q4_k_q4_k, DQ_TYPE_Q4_K, DQ_TYPE_Q4_K)
-QF_SBP_KERNEL(strata_qf_dequant_sbp_q5_k_q5_k, DQ_TYPE_Q5_K, DQ_TYPE_Q5_K)
-QF_SBP_KERNEL(strata_qf_dequant_sbp_q8_0_q8_0, DQ_TYPE_Q8_0, DQ_TYPE_Q8_0)
-#endif
 
 // The group of blockIdx.y: its rows [r0, r1) and slot. offsets null: group g is row g alone (decode: act row k);
 // ids not null: the slot is slot_map[ids[g]], else slots[g].

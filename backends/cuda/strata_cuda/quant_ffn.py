@@ -61,7 +61,6 @@ SBT_PAIRS = (("q4_k", "q6_k"), ("q5_k", "q6_k"), ("q6_k", "q6_k"), ("q4_k", "q4_
              ("q8_0", "q8_0"))
 FAST_KERNEL_NAMES = ("strata_qf_dequant_f16", "strata_qf_dequant_f16_part", "strata_qf_dequant_sb",
                      *(f"strata_qf_dequant_sbt_{a}_{b}" for a, b in SBT_PAIRS),
-                     *(f"strata_qf_dequant_sbp_{a}_{b}" for a, b in SBT_PAIRS),
                      "strata_qf_gemv_gate_up", "strata_qf_gemv_down", "strata_qf_decode_down",
                      "strata_qf_decode_down_wide")
 #: QF_THREADS, QF_WARPS of quant_fast.cu (a warp per output row)
@@ -97,6 +96,10 @@ RING_TAIL = (4, 2, 2)
 #: 1.499 ms (1.60x f16) against 1.658, cold 1.074x the floor against 1.091 (bench/results/lead_h200_s9/
 #: call2_quant_layer_h200.json; Nsight Compute, call2_ncu_dequant.txt: 48 registers against 64, 54% occupancy, the
 #: warps stalled on their loads 46% of the time), so it is the default.
+#: Tried 2026-12-04 and removed: "sbp", sbt's decode with each tile's quant bytes (8 gate|up or 16 down rows)
+#: copied into shared memory by cp.async, the next tile's copies in flight while this one decodes, bit for bit sbt's
+#: f16 on the H200: 0.585-0.628 ms against sbt's 0.576-0.620 for the layer (s15_h200/call2_-call6_, kernel
+#: strata_qf_dequant_sbp_* of commit d73d7e9), so the reads' latency is not what holds sbt at ~2.7 TB/s.
 DEQUANT_KERNEL = "sbt"
 #: Whole experts' dequantization kernels. Tried and removed: the sb kernel with each warp's row segment (up to 8
 #: super-blocks) staged in shared memory by 16-byte loads first, bit for bit the same f16 but no faster, 0.743 ms
@@ -106,10 +109,7 @@ DEQUANT_KERNEL = "sbt"
 #: 0.935): the rewrite took 0.770 ms (sb 0.772 there), the pass of 4 0.834, 8 blocks 0.712, both 0.736
 #: (lead_h200_s9/call3_quant_layer_h200.json); none is kept, and "sbt" is the source call 2 timed. That source's
 #: Q4_K_M kernel held to 32 registers (8 blocks an SM) took 0.590 ms against its 0.582 in call 4 (call4_), not kept.
-DEQUANT_KERNELS = ("chunk", "sb", "sbt", "sbp")
-#: QF_SBP_STAGE_BYTES of quant_fast.cu: the most quant bytes of one tile of strata_qf_dequant_sbp ("sbp": sbt's
-#: decode with each tile's bytes staged in shared memory by cp.async, the next tile's copies in flight meanwhile)
-SBP_STAGE_BYTES = 10240
+DEQUANT_KERNELS = ("chunk", "sb", "sbt")
 #: Formats strata_qf_dequant_sb decodes (256-weight super-blocks, or eight q8_0 blocks).
 SB_TYPES = frozenset({"q4_k", "q5_k", "q6_k", "q8_0"})
 #: Most blocks of a strata_qf_dequant_sb launch per expert (a warp per row, grid-stride beyond).
@@ -136,14 +136,16 @@ WARM_REST_WHOLE = True
 #: A warm layer (every expert cached, a chunk of at least SPEC_MIN_ROWS_PER_EXPERT rows an expert) of a 'gguf' pool
 #: on FastMoE's device-table path: no host sync; the cached experts dequantized group by group (expert order, the
 #: scratch halves in turn) on the side stream, each group's two Triton launches (triton_moe, its experts' rows only)
-#: on the compute stream as soon as its f16 has landed, so one group dequantizes while the one before computes
-#: (QuantMoE._device_experts). False: the host-synced path above (counts, hit_groups, cuBLAS classes), the default:
-#: on the H200 the dequantization and the GEMMs did not overlap on this path either, and with a host of normal speed
-#: the Qwen3-30B-A3B Q4_K_M warm layer took 1.852 ms on it (1.823 with the side stream at default priority, 1.808 in
-#: groups of 16) against 1.771 host-synced (bench/results/lead_h200_s7/call4_quant_layer_h200.json); only a slow
-#: host made it the faster (1.803 against 2.066, call3_). Issue 14's warm target needs the dequantization inside the
-#: GEMM's K loop.
-WARM_DEVICE = False
+#: on the compute stream as soon as its f16 has landed (QuantMoE._device_experts), the first two groups queued before
+#: the routing (WARM_DEVICE_AHEAD). The default since 2026-12-04: the Qwen3-30B-A3B Q4_K_M warm layer took 1.542 ms
+#: a layer on it with 8 layers back to back against 1.923 host-synced (the host-synced path waits for each layer's
+#: counts, so the host cannot queue the next layer meanwhile), and 1.620 against 1.624 one call at a time
+#: (bench/results/s15_h200/call6_quant_layer_h200.json; calls 2-5 there: 1.556-1.58 against 1.73). A group's
+#: dequantization still runs beside the GEMMs before it only by taking SMs from them (each group takes the sum of
+#: the two): neither a 192-register cap on the GEMMs (room for a dequantization block beside each program), the side
+#: stream at the greatest priority, nor the dequantization given the GEMMs' shared-memory carveout changed that
+#: (calls 3-5). False: the host-synced path above (counts, hit_groups, cuBLAS classes).
+WARM_DEVICE = True
 #: With warm_device: the warm layer's GEMMs read the pool's own blocks and decode them inside the K loop
 #: (triton_moe.DeviceQuantGEMM, q4_k/q5_k/q6_k/q8_0 rows; the CPU tests hold its decode, triton_moe.step_weights,
 #: against the oracle bit for bit): no scratch, no dequantization pass. Off: on the H200 it matched the scratch
@@ -155,10 +157,8 @@ WARM_FUSED = False
 #: With warm_device: the experts the scratch holds first (both halves' groups, expert order) are dequantized on the side
 #: stream as soon as the layer starts, beside its routing and gather (which leave most SMs idle), not after them; a
 #: warm layer on this path dequantizes every cached expert, routed to or not, so nothing is speculated.
+#: Measured: 1.558 ms against 1.621 without (s15_h200/call2_), 1.542 against 1.549 a layer back to back (call6_).
 WARM_DEVICE_AHEAD = True
-#: The dequantization kernels' preferred shared-memory carveout (percent of the unified L1; None: the driver's
-#: choice); see QuantMoE.dequant_carveout.
-DEQUANT_CARVEOUT: int | None = None
 #: The side stream's priority: "high" (the device's greatest: the dequantization takes SMs as the GEMMs free them) or
 #: "default"; "high" gained nothing measurable (1.852 against 1.823 ms, call4_), so "default".
 DEQUANT_PRIORITY = "default"
@@ -242,30 +242,6 @@ def ring_group_sizes(n: int, ring_slots: int, want: int, in_flight: int = RING_G
     head = n - sum(end)
     groups = -(-head // big) if head > 0 else 0
     return [head // groups + (1 if i < head % groups else 0) for i in range(groups)] + end
-
-
-def sbp_tiles(fmt: ExpertFormat, slot_bytes: int) -> tuple[int, int] | None:
-    """Rows a tile of strata_qf_dequant_sbp for (gate|up, down): the most rows whose bytes are a multiple of 16 and fit
-    SBP_STAGE_BYTES and that divide the matrix's rows; None where the kernel does not take the pool (a pair without an
-    entry point, or a slot or matrix off a 16-byte boundary: its copies are 16 bytes each)."""
-    if not sb_takes(fmt) or (fmt.gate_up, fmt.down) not in SBT_PAIRS or slot_bytes % 16 or fmt.down_offset % 16:
-        return None
-    out = []
-    for rb, rows in ((fmt.gate_up_row_bytes, 2 * fmt.ffn), (fmt.down_row_bytes, fmt.hidden)):
-        fit = [tr for tr in range(min(rows, SBP_STAGE_BYTES // rb), 0, -1) if (tr * rb) % 16 == 0 and rows % tr == 0]
-        if not fit:
-            return None
-        out.append(fit[0])
-    return out[0], out[1]
-
-
-def resident_blocks(cupy: Any, kernel: Any, threads: int) -> int:
-    """Blocks of `kernel` (a cupy RawKernel) the whole device holds at once at `threads` a block (the driver's
-    occupancy figure times the SM count): a grid-stride kernel's grid, so no block waits for a second wave."""
-    from cupy_backends.cuda.api import driver
-    dev = cupy.cuda.Device()
-    per_sm = driver.occupancyMaxActiveBlocksPerMultiprocessor(kernel.kernel.ptr, threads, 0)  # its CUfunction
-    return max(1, int(per_sm)) * int(dev.attributes["MultiProcessorCount"])
 
 
 def sb_takes(fmt: ExpertFormat) -> bool:
@@ -511,11 +487,6 @@ class QuantMoE(FastMoE):
         #: (WARM_SPEC_HALVES; launched after the routing kernels with spec_after_route), and how hit_groups groups
         #: the rest (WARM_MERGE_SPEC, WARM_REST_WHOLE)
         self.dequant_kernel = DEQUANT_KERNEL
-        self._sbp_grid: int | None = None
-        #: the dequantization kernels' preferred shared-memory carveout (None: the driver's choice). An SM runs one
-        #: L1/shared split at a time, so a kernel whose split differs from the GEMM programs' cannot share their SMs
-        self.dequant_carveout: int | None = DEQUANT_CARVEOUT
-        self._carved: dict[str, int] = {}
         self.warm_spec_halves = WARM_SPEC_HALVES
         self.spec_after_route = False
         self.warm_merge_spec = WARM_MERGE_SPEC
@@ -611,28 +582,17 @@ class QuantMoE(FastMoE):
                 (fmt.down_offset, fmt.down_row_bytes, h, f, fmt.down, s2))
         pair = (fmt.gate_up, fmt.down)
         kern = self.dequant_kernel
-        tiles = sbp_tiles(fmt, slot_b) if kern == "sbp" else None
-        if tiles is not None:
+        if kern == "sbt" and sb_takes(fmt) and pair in SBT_PAIRS:
             (oa, ra, rows_a, cols_a, _, da), (ob, rb_, rows_b, cols_b, _, db) = mats
-            k = self._dq_kernel(f"strata_qf_dequant_sbp_{fmt.gate_up}_{fmt.down}")
-            if self._sbp_grid is None:
-                self._sbp_grid = resident_blocks(self._cp, k, FAST_THREADS)
-            n_tiles = m * (rows_a // tiles[0] + rows_b // tiles[1])
-            k((max(1, min(self._sbp_grid, n_tiles)),), (FAST_THREADS,),
-              (blob, np.int64(slot_b), np.uint64(table), np.int32(m), np.int64(oa), np.int64(ra), np.int32(rows_a),
-               np.int32(cols_a), np.int32(tiles[0]), np.uint64(da), np.int64(ob), np.int64(rb_), np.int32(rows_b),
-               np.int32(cols_b), np.int32(tiles[1]), np.uint64(db)))
-        elif kern in ("sbt", "sbp") and sb_takes(fmt) and pair in SBT_PAIRS:
-            (oa, ra, rows_a, cols_a, _, da), (ob, rb_, rows_b, cols_b, _, db) = mats
-            self._dq_kernel(f"strata_qf_dequant_sbt_{fmt.gate_up}_{fmt.down}")(
+            self._qk[f"strata_qf_dequant_{kern}_{fmt.gate_up}_{fmt.down}"](
                 (max(1, min(SB_MAX_BLOCKS, -(-(rows_a + rows_b) // (2 * FAST_WARPS)))), m), (FAST_THREADS,),
                 (blob, np.int64(slot_b), np.uint64(table), np.int32(m), np.int64(oa), np.int64(ra), np.int32(rows_a),
                  np.int32(cols_a), np.uint64(da), np.int64(ob), np.int64(rb_), np.int32(rows_b), np.int32(cols_b),
                  np.uint64(db)))
-        elif kern in ("sb", "sbt", "sbp") and sb_takes(fmt):
+        elif kern in ("sb", "sbt") and sb_takes(fmt):
             (oa, ra, rows_a, cols_a, ta, da), (ob, rb_, rows_b, cols_b, tb, db) = mats
             # a warp per row, two rows a warp: blockIdx.y is the expert
-            self._dq_kernel("strata_qf_dequant_sb")(
+            self._qk["strata_qf_dequant_sb"](
                 (max(1, min(SB_MAX_BLOCKS, -(-(rows_a + rows_b) // (2 * FAST_WARPS)))), m), (FAST_THREADS,),
                 (blob, np.int64(slot_b), np.uint64(table), np.int32(m), np.int64(oa), np.int64(ra), np.int32(rows_a),
                  np.int32(cols_a), np.int32(GGML_TYPES[ta]), np.uint64(da), np.int64(ob), np.int64(rb_),
@@ -640,21 +600,12 @@ class QuantMoE(FastMoE):
         else:
             for off, rb, rows, cols, typ, dst in mats:
                 chunks = rows * (cols // 32)  # of one expert: blockIdx.y is the expert
-                self._dq_kernel("strata_qf_dequant_f16")(
+                self._qk["strata_qf_dequant_f16"](
                     (max(1, min(4096, -(-chunks // FAST_THREADS))), m), (FAST_THREADS,),
                     (blob, np.int64(slot_b), np.uint64(table), np.int32(m), np.int64(off), np.int64(rb),
                      np.int32(rows), np.int32(cols), np.int32(GGML_TYPES[typ]), np.uint64(dst)))
         idx = np.arange(m, dtype=np.int64)
         return s13 + idx * (2 * n13), s2 + idx * (2 * n2)
-
-    def _dq_kernel(self, name: str) -> Any:
-        """A dequantization kernel, given dequant_carveout (the shared-memory share of the SM's L1 it asks the driver
-        for, percent) before its first launch."""
-        k = self._qk[name]
-        if self.dequant_carveout is not None and self._carved.get(name) != self.dequant_carveout:
-            k.preferred_shared_memory_carveout = int(self.dequant_carveout)
-            self._carved[name] = self.dequant_carveout
-        return k
 
     def _weights_f16(self, pool: ExpertPool, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         if pool.dtype != "gguf":

@@ -407,10 +407,6 @@ class DeviceGroupedGEMM:
         self._streams: dict[int, Any] = {}
         self._kernel = _kernels()
         self._f16, self._i32, self._i8 = torch.float16, torch.int32, torch.int8
-        #: registers a thread of the f16 launches may use (ptxas .maxnreg; None: Triton's choice, 255 for the
-        #: default tiles, which fills an SM's register file with one program): fewer leave room on each SM for
-        #: another kernel's blocks beside a GEMM program (QuantMoE's dequantization of the next group)
-        self.maxnreg: int | None = None
 
     @staticmethod
     def takes(hidden: int, ffn: int, gate_up: TileConfig | None = None, down: TileConfig | None = None) -> bool:
@@ -436,8 +432,7 @@ class DeviceGroupedGEMM:
                            _Ptr(counts, self._i32), _Ptr(row0, self._i32), _Ptr(slots or counts, self._i32), n, k,
                            w_slot, e_lo, e_hi, _Ptr(scales if q8 else w, self._f16), EP=self._ep, SWIGLU=swiglu,
                            SLOTS=slots is not None, Q8=q8, BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, num_warps=cfg.warps,
-                           num_stages=cfg.stages, enable_fp_fusion=True,
-                           **({"maxnreg": self.maxnreg} if self.maxnreg else {}))
+                           num_stages=cfg.stages, enable_fp_fusion=True)
 
     def layer(self, stream_ptr: int, xs: int, act: int, ys: int, w_gate_up: int, w_down: int, counts: int,
               row0: int, slots: int | None, routed_rows: int, experts: tuple[int, int] | None = None,
