@@ -132,6 +132,48 @@ def test_warm_layers_queued_back_to_back_keep_their_own_scratch(tmp_path):
         assert err <= F16_BOUND, (i, err)
 
 
+#: a kernel of one thread that spins for `cycles` SM clocks: holds a stream back while later work queues behind it
+SPIN_SOURCE = r"""
+extern "C" __global__ void strata_test_spin(long long cycles) {
+    const long long t0 = clock64();
+    while (clock64() - t0 < cycles) {}
+}
+"""
+
+
+def test_groups_ahead_wait_for_the_last_layers_readers_of_the_scratch(tmp_path):
+    """The first groups a warm layer dequantizes before its routing (WARM_DEVICE_AHEAD) go into the scratch halves
+    the layer before reads: with the compute stream held back by a spinning kernel while two layers of different
+    experts queue, the second layer's groups ahead must still wait for the first layer's GEMMs (a side stream that
+    did not wait would overwrite the halves during the spin, and the first layer would compute with the second's
+    weights)."""
+    import cupy as cp
+    from strata_cuda.quant_ffn import QuantMoE, scratch_bytes
+    e_n, k, t = 16, 2, 300
+    lp, pool, _ = _layer(tmp_path, e_n, down="q6_k")
+    h = lp.fmt.hidden
+    moe = QuantMoE(e_n, k, lp.fmt, group_experts=4, scratch_budget_bytes=scratch_bytes(h, lp.fmt.ffn, 4))
+    moe.warm_device, moe.warm_device_ahead = True, True
+    if moe.device_gemm is None:
+        pytest.skip("no device-table path here (Triton or torch missing)")
+    rng = np.random.default_rng(29)
+    runs = []
+    for slot_of in (2 * e_n + np.arange(e_n), e_n + np.arange(e_n)):  # layers 2 and 1 of the file
+        x = rng.standard_normal((t, h)).astype(np.float32)
+        logits = rng.standard_normal((t, e_n)).astype(np.float32)
+        runs.append((x, logits, slot_of, cp.asarray(x), cp.asarray(logits), cp.full((t, h), np.nan, cp.float32)))
+    cp.cuda.Device().synchronize()
+    spin = cp.RawKernel(SPIN_SOURCE, "strata_test_spin")
+    spin((1,), (1,), (np.int64(50_000_000),), stream=moe.compute_stream)  # ~25 ms at the H200's clock
+    for _, _, slot_of, xd, ld, out in runs:
+        moe.prefill_layer(xd, ld, pool, slot_of, out=out)
+        assert moe.stats.device_table
+    moe.compute_stream.synchronize()
+    for i, (x, logits, slot_of, _, _, out) in enumerate(runs):
+        err = r64.relative_error(cp.asnumpy(out), r64.moe_layer(x, logits, lp, slot_of, k))
+        assert err <= F16_BOUND, (i, err)
+
+
 @pytest.mark.parametrize("gate_up,down", [("q4_k", "q6_k"), ("q4_k", "q4_k"), ("q5_k", "q5_k"), ("q8_0", "q6_k"),
                                           ("q6_k", "q8_0")])
 @pytest.mark.parametrize("t", [5, 300])
