@@ -19,9 +19,9 @@ pytestmark = [pytest.mark.gpu, pytest.mark.requires_cuda]
 F16_BOUND = 1e-3
 
 #: QuantMoE attributes of each variant the bench times (bench/q2_diag_h200.py), the product's default ({}: the
-#: device-table path where Triton is there, quant_ffn.WARM_DEVICE, its first two groups dequantized before the routing,
-#: WARM_DEVICE_AHEAD) first, then the device-table path at each side-stream priority and without the groups ahead;
-#: the rest are the host-synced path's variants, warm_device off whatever the default
+#: host-synced path, quant_ffn.WARM_DEVICE off) first, then the device-table path (where Triton is there, its first
+#: two groups dequantized before the routing: WARM_DEVICE_AHEAD) at each side-stream priority and without the groups
+#: ahead; the rest are the host-synced path's variants, warm_device off whatever the default
 _HOST = dict(warm_device=False)
 CONFIGS = {
     "default": {},

@@ -137,15 +137,15 @@ WARM_REST_WHOLE = True
 #: on FastMoE's device-table path: no host sync; the cached experts dequantized group by group (expert order, the
 #: scratch halves in turn) on the side stream, each group's two Triton launches (triton_moe, its experts' rows only)
 #: on the compute stream as soon as its f16 has landed (QuantMoE._device_experts), the first two groups queued before
-#: the routing (WARM_DEVICE_AHEAD). The default since 2026-12-04: the Qwen3-30B-A3B Q4_K_M warm layer took 1.542 ms
-#: a layer on it with 8 layers back to back against 1.923 host-synced (the host-synced path waits for each layer's
-#: counts, so the host cannot queue the next layer meanwhile), and 1.620 against 1.624 one call at a time
-#: (bench/results/s15_h200/call6_quant_layer_h200.json; calls 2-5 there: 1.556-1.58 against 1.73). A group's
-#: dequantization still runs beside the GEMMs before it only by taking SMs from them (each group takes the sum of
-#: the two): neither a 192-register cap on the GEMMs (room for a dequantization block beside each program), the side
-#: stream at the greatest priority, nor the dequantization given the GEMMs' shared-memory carveout changed that
-#: (calls 3-5). False: the host-synced path above (counts, hit_groups, cuBLAS classes).
-WARM_DEVICE = True
+#: the routing (WARM_DEVICE_AHEAD). False: the host-synced path above (counts, hit_groups, cuBLAS classes), the
+#: default: on the H200 the two measured the same for the Qwen3-30B-A3B Q4_K_M warm layer, 8 layers back to back
+#: 1.523 ms a layer on this path against 1.498 and 1.515 host-synced timed before and after it, one call at a time
+#: 1.586 against 1.574 and 1.602 (bench/results/s15_h200/call8_quant_layer_h200.json; call7_: 1.523 / 1.518 and
+#: 1.619 / 1.604). A group's dequantization runs beside the GEMMs before it only by taking SMs from them (each group
+#: takes the sum of the two): neither a 192-register cap on the GEMMs (room for a dequantization block beside each
+#: program), the side stream at the greatest priority, nor the dequantization given the GEMMs' shared-memory
+#: carveout changed that (calls 3-5). Issue 14's warm target needs the dequantization inside the GEMM's K loop.
+WARM_DEVICE = False
 #: With warm_device: the warm layer's GEMMs read the pool's own blocks and decode them inside the K loop
 #: (triton_moe.DeviceQuantGEMM, q4_k/q5_k/q6_k/q8_0 rows; the CPU tests hold its decode, triton_moe.step_weights,
 #: against the oracle bit for bit): no scratch, no dequantization pass. Off: on the H200 it matched the scratch
