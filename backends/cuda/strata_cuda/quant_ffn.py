@@ -496,7 +496,7 @@ class QuantMoE(FastMoE):
         self.warm_device = WARM_DEVICE
         self.warm_fused = WARM_FUSED
         self.warm_device_ahead = WARM_DEVICE_AHEAD
-        self._ahead: list | None = None
+        self._ahead: tuple | None = None
         self._fused: dict = {}
         #: the last prefill's speculation: experts dequantized ahead, and blocks that used them (tests, benches)
         self.spec_report = {"speculated": 0, "used": 0}
@@ -757,24 +757,29 @@ class QuantMoE(FastMoE):
         finally:
             self._ahead = None
 
-    def _dequant_ahead(self, pool: ExpertPool, slot_of: np.ndarray) -> list:
+    def _dequant_ahead(self, pool: ExpertPool, slot_of: np.ndarray) -> tuple[int, list]:
         """Groups 0 and 1 of _device_experts (expert order, a scratch half each) dequantized on the side stream after
-        the compute stream's work so far (the last layer's readers of the scratch): [(w13, w2, ready event)]."""
+        the compute stream's work so far (the last layer's readers of the scratch): (the slot table, uploaded on
+        the side stream for every expert, and [(w13, w2, ready event)] of those groups)."""
         cp, side, step = self._cp, self.dequant_stream, self.layout.group_experts
         fork = cp.cuda.Event(disable_timing=True)
-        fork.record(self._cp.cuda.get_current_stream())
+        fork.record(cp.cuda.get_current_stream())
         side.wait_event(fork)
-        got = []
         with side:
-            for half, e_lo in enumerate(range(0, min(self.experts, 2 * step), step)):
-                e_hi = min(self.experts, e_lo + step)
-                table = self._upload_slots(np.asarray(slot_of[e_lo:e_hi], dtype=np.int32))
-                w13, w2 = self._dequant(pool, table, e_hi - e_lo, half)
-                ready = cp.cuda.Event(disable_timing=True)
-                ready.record(side)
-                got.append((w13, w2, ready))
+            table = self._upload_slots(np.asarray(slot_of, dtype=np.int32))
+            got = [self._dequant_group(pool, table, e_lo, half)
+                   for half, e_lo in enumerate(range(0, min(self.experts, 2 * step), step))]
         self._mark("ahead_queued")
-        return got
+        return table, got
+
+    def _dequant_group(self, pool: ExpertPool, table: int, e_lo: int, half: int) -> tuple:
+        """The group of _device_experts from expert e_lo dequantized into scratch half `half` on the current (side)
+        stream: (w13, w2, the event after it)."""
+        m = min(self.experts, e_lo + self.layout.group_experts) - e_lo
+        w13, w2 = self._dequant(pool, table + 4 * e_lo, m, half)
+        ready = self._cp.cuda.Event(disable_timing=True)
+        ready.record(self._cp.cuda.get_current_stream())
+        return w13, w2, ready
 
     def _device_experts(self, pool: ExpertPool, slot_of: np.ndarray, xs: int, act: int, ys: int, counts: int,
                         row_of: int, slot_d: int, routed_rows: int) -> None:
@@ -793,12 +798,12 @@ class QuantMoE(FastMoE):
             return
         main, side = cp.cuda.get_current_stream(), self.dequant_stream
         step = self.layout.group_experts
-        table = self._upload_slots(np.asarray(slot_of, dtype=np.int32))
+        # the slot table: uploaded with the groups ahead (on the side stream, before them), else here
+        table, ahead = self._ahead or (self._upload_slots(np.asarray(slot_of, dtype=np.int32)), [])
         fork = cp.cuda.Event(disable_timing=True)
         fork.record(main)  # the table, and the last layer's readers of the scratch
         side.wait_event(fork)
         read: list = [None, None]  # the event after the GEMMs that last read each half
-        ahead = self._ahead or []
         for g, e_lo in enumerate(range(0, self.experts, step)):
             e_hi, half = min(self.experts, e_lo + step), g % 2
             if g < len(ahead):
@@ -807,9 +812,7 @@ class QuantMoE(FastMoE):
                 if read[half] is not None:
                     side.wait_event(read[half])
                 with side:
-                    w13, w2 = self._dequant(pool, table + 4 * e_lo, e_hi - e_lo, half)
-                ready = cp.cuda.Event(disable_timing=True)
-                ready.record(side)
+                    w13, w2, ready = self._dequant_group(pool, table, e_lo, half)
             main.wait_event(ready)
             self.device_gemm.layer(main.ptr, xs, act, ys, int(w13[0]), int(w2[0]), counts, row_of, None,
                                    routed_rows, (e_lo, e_hi))
