@@ -154,6 +154,10 @@ WARM_DEVICE = False
 #: 1.58-1.71x host-synced: each program decodes its tile's blocks again per row tile, and the decode (byte loads,
 #: the scales' six-bit unpacking) runs in the warps that issue the MMAs, so nothing hides it.
 WARM_FUSED = False
+#: The fused GEMMs of warm_fused: "mma", quant_mma.cu's tensor-core kernels (q4_k and q6_k rows: each weight decoded
+#: once per block into a shared f16 tile between the MMAs of the step before), where they take the format, else
+#: "triton" (triton_moe.DeviceQuantGEMM, above).
+FUSED_KERNEL = "mma"
 #: With warm_device: the experts the scratch holds first (both halves' groups, expert order) are dequantized on the side
 #: stream as soon as the layer starts, beside its routing and gather (which leave most SMs idle), not after them; a
 #: warm layer on this path dequantizes every cached expert, routed to or not, so nothing is speculated.
@@ -495,6 +499,8 @@ class QuantMoE(FastMoE):
         #: decode inside the GEMMs (WARM_FUSED)
         self.warm_device = WARM_DEVICE
         self.warm_fused = WARM_FUSED
+        #: which fused GEMMs (FUSED_KERNEL): "mma" (quant_mma.cu) where it takes the format, else "triton"
+        self.fused_kernel = FUSED_KERNEL
         self.warm_device_ahead = WARM_DEVICE_AHEAD
         self._ahead: tuple | None = None
         self._fused: dict = {}
@@ -735,15 +741,21 @@ class QuantMoE(FastMoE):
                     and tokens * self.top_k >= SPEC_MIN_ROWS_PER_EXPERT * self.experts)
 
     def _fused_gemm(self, fmt: ExpertFormat) -> Any:
-        """triton_moe.DeviceQuantGEMM for this format (built once), or None where its launches do not run it."""
-        from . import triton_moe
-        key = (fmt.gate_up, fmt.down, fmt.bias)
+        """The GEMMs that decode this format's blocks in their K loop (built once): quant_mma.QuantMmaGEMM where
+        fused_kernel is "mma" and it takes the format, else triton_moe.DeviceQuantGEMM where Triton runs it; None
+        where neither does."""
+        from . import quant_mma, triton_moe
+        key = (fmt.gate_up, fmt.down, fmt.bias, self.fused_kernel)
         if key not in self._fused:
-            ok = self.device_gemm is not None and triton_moe.quant_takes(fmt.gate_up, fmt.down, fmt.hidden,
-                                                                         fmt.ffn, fmt.bias)
-            self._fused[key] = triton_moe.DeviceQuantGEMM(
-                fmt.hidden, fmt.ffn, self.experts, fmt.gate_up, fmt.down, fmt.gate_up_row_bytes,
-                fmt.down_row_bytes, fmt.down_offset) if ok else None
+            args = (fmt.hidden, fmt.ffn, self.experts, fmt.gate_up, fmt.down, fmt.gate_up_row_bytes,
+                    fmt.down_row_bytes, fmt.down_offset)
+            if self.fused_kernel == "mma" and quant_mma.takes(fmt.gate_up, fmt.down, fmt.hidden, fmt.ffn, fmt.bias):
+                self._fused[key] = quant_mma.QuantMmaGEMM(*args)
+            elif self.device_gemm is not None and triton_moe.quant_takes(fmt.gate_up, fmt.down, fmt.hidden,
+                                                                         fmt.ffn, fmt.bias):
+                self._fused[key] = triton_moe.DeviceQuantGEMM(*args)
+            else:
+                self._fused[key] = None
         return self._fused[key]
 
     def _prefill_device(self, x: Any, logits: Any, pool: ExpertPool, slot_of: np.ndarray, out: Any,

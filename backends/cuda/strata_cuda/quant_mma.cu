@@ -1,0 +1,441 @@
+// Grouped expert GEMMs on tensor cores that read a 'gguf' pool's own q4_k / q6_k rows and decode them per tile
+// (CUDA only: mma.sync, ldmatrix, cp.async; sm_80 and newer). strata_cuda/quant_mma.py launches them.
+//
+// One launch is a layer's gate|up with the SwiGLU fused in (act = silu(x Wg^T) * (x Wu^T)), another its down
+// projection (y = act Wd^T), for every routed expert at once. Tables as triton_moe's: expert e's rows are rows
+// row0[e] .. row0[e] + counts[e] of the f16 input, its weights the pool slot slots[e] (slot s at blob + s *
+// slot_bytes, the matrix's rows at mat_off, row_bytes each). A block finds its expert from the counts (blockIdx.y
+// walks every expert's ceil(count / QM_BM) row tiles in expert order; a block past the last returns at once), so no
+// launch needs the counts on the host.
+//
+// A block computes QM_BM rows x QM_BN weight rows (gate|up: 128 gate rows and the same 128 up rows, 128 act columns;
+// down: 256 output columns) in K steps of 64 weights: the input tile comes by cp.async (three stages), each thread
+// decodes one weight row's 64 weights of the next step from its quant bytes (read into registers a step or two
+// ahead) into a shared f16 tile between the current step's MMAs, and eight warps (2 x 4, 64 x 64 each) run
+// m16n8k16 MMAs (f32 sums) from ldmatrix fragments. So each weight is decoded once per block, never written to
+// global memory, and the decode's integer and float work issues beside the tensor cores' work.
+//
+// Decoded weights are the oracle's float32 (strata_core/reference/quants.py, quants.cuh) rounded once to f16: a
+// quant q becomes the float 2^23 + q by its bits, fma(2^23 + q, scale, -2^23 * scale) is q * scale exactly, and the
+// q4_k min (or q6_k's 32 * scale) is subtracted with one rounding, as numpy does.
+
+#define QM_BM 128
+#define QM_BN 256
+#define QM_BK 64
+#define QM_THREADS 256
+#define QM_XSTAGES 3
+#define QM_XTILE (QM_BM * QM_BK * 2)
+#define QM_BTILE (QM_BN * QM_BK * 2)
+#define QM_SMEM (QM_XSTAGES * QM_XTILE + 2 * QM_BTILE)
+
+#define QM_Q4_K 12
+#define QM_Q6_K 14
+
+typedef unsigned int u32;
+
+__device__ __forceinline__ u32 qm_smem(const void* p) {
+    u32 r;
+    asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(r) : "l"(p));
+    return r;
+}
+
+__device__ __forceinline__ void qm_cp16(u32 dst, const void* src, u32 bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(bytes) : "memory");
+}
+
+__device__ __forceinline__ void qm_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+
+__device__ __forceinline__ void qm_wait1() { asm volatile("cp.async.wait_group 1;" ::: "memory"); }
+
+__device__ __forceinline__ void qm_ldm4(u32 addr, u32& r0, u32& r1, u32& r2, u32& r3) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+                 : "r"(addr)
+                 : "memory");
+}
+
+__device__ __forceinline__ void qm_mma(float* c, const u32* a, u32 b0, u32 b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ float qm_half(u32 bits) {
+    float f;
+    asm("{ .reg .b16 h; cvt.u16.u32 h, %1; cvt.f32.f16 %0, h; }" : "=f"(f) : "r"(bits));
+    return f;
+}
+
+__device__ __forceinline__ u32 qm_pack(float lo, float hi) {
+    u32 r;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+
+// Byte b of w as the float 2^23 + byte.
+__device__ __forceinline__ float qm_magic(u32 w, int b) {
+    return __uint_as_float(__byte_perm(w, 0x4B000000u, 0x7650u | (u32)b));
+}
+
+// Four weights from the four bytes of u (each a quant value times 1 or 16): fma(2^23 + u, s, nb) - c, packed.
+__device__ __forceinline__ uint2 qm_four(u32 u, float s, float nb, float c) {
+    float w[4];
+#pragma unroll
+    for (int b = 0; b < 4; ++b) w[b] = __fsub_rn(__fmaf_rn(qm_magic(u, b), s, nb), c);
+    return make_uint2(qm_pack(w[0], w[1]), qm_pack(w[2], w[3]));
+}
+
+__device__ __forceinline__ void qm_store(char* bt, int n, int chunk, uint2 a, uint2 b) {
+    *(uint4*)(bt + n * 128 + ((chunk ^ (n & 7)) << 4)) = make_uint4(a.x, a.y, b.x, b.y);
+}
+
+// ---- q4_k: a step is a quarter g of a super-block: sub-blocks 2g (low nibbles of qs[32g..+32]) and 2g+1 (high).
+struct QmRawQ4 {
+    uint4 hdr, q0, q1;
+};
+
+__device__ __forceinline__ void qm_load(QmRawQ4& r, const unsigned char* row, int step) {
+    const unsigned char* b = row + (long long)(step >> 2) * 144;
+    const int g = step & 3;
+    r.hdr = *(const uint4*)b;
+    r.q0 = *(const uint4*)(b + 16 + 32 * g);
+    r.q1 = *(const uint4*)(b + 32 + 32 * g);
+}
+
+struct QmScaleQ4 {
+    float s0, nb0, m0, s1, nb1, m1;
+};
+
+__device__ __forceinline__ u32 qm_byte(const uint4& h, int i) {  // byte i of the 12 scale bytes (h.y, h.z, h.w)
+    const u32 w = i < 4 ? h.y : (i < 8 ? h.z : h.w);
+    return (w >> (8 * (i & 3))) & 255u;
+}
+
+__device__ __forceinline__ void qm_scale_min(const uint4& h, int j, u32& sc, u32& m) {
+    if (j < 4) {
+        sc = qm_byte(h, j) & 63u;
+        m = qm_byte(h, j + 4) & 63u;
+    } else {
+        sc = (qm_byte(h, j + 4) & 15u) | ((qm_byte(h, j - 4) >> 6) << 4);
+        m = (qm_byte(h, j + 4) >> 4) | ((qm_byte(h, j) >> 6) << 4);
+    }
+}
+
+__device__ __forceinline__ QmScaleQ4 qm_scales(const QmRawQ4& r, int step) {
+    const int g = step & 3;
+    const float d = qm_half(r.hdr.x & 0xffffu), dmin = qm_half(r.hdr.x >> 16);
+    u32 sc0, m0, sc1, m1;
+    qm_scale_min(r.hdr, 2 * g, sc0, m0);
+    qm_scale_min(r.hdr, 2 * g + 1, sc1, m1);
+    QmScaleQ4 s;
+    s.s0 = __fmul_rn(d, (float)sc0);
+    s.m0 = __fmul_rn(dmin, (float)m0);
+    s.nb0 = __fmul_rn(s.s0, -8388608.0f);
+    s.s1 = __fmul_rn(__fmul_rn(d, (float)sc1), 0.0625f);  // the high nibbles are read as 16 * q
+    s.m1 = __fmul_rn(dmin, (float)m1);
+    s.nb1 = __fmul_rn(s.s1, -8388608.0f);
+    return s;
+}
+
+// Chunk kk (weights 8kk..8kk+7 of sub 2g, and 32+8kk.. of sub 2g+1) of row n's step into the f16 tile.
+__device__ __forceinline__ void qm_decode(const QmRawQ4& r, const QmScaleQ4& s, int kk, char* bt, int n) {
+    const u32 w0 = kk == 0 ? r.q0.x : kk == 1 ? r.q0.z : kk == 2 ? r.q1.x : r.q1.z;
+    const u32 w1 = kk == 0 ? r.q0.y : kk == 1 ? r.q0.w : kk == 2 ? r.q1.y : r.q1.w;
+    qm_store(bt, n, kk, qm_four(w0 & 0x0f0f0f0fu, s.s0, s.nb0, s.m0), qm_four(w1 & 0x0f0f0f0fu, s.s0, s.nb0, s.m0));
+    qm_store(bt, n, 4 + kk, qm_four(w0 & 0xf0f0f0f0u, s.s1, s.nb1, s.m1),
+             qm_four(w1 & 0xf0f0f0f0u, s.s1, s.nb1, s.m1));
+}
+
+// ---- q6_k: a step is a quarter q of a 210-byte super-block (half h = q / 2, odd = q % 2): weights
+// 128h + 64odd + l (l < 32) from nibble `odd` of ql[64h + l] and bits 4odd.. of qh[32h + l], weights
+// 128h + 64odd + 32 + l from ql[64h + 32 + l] and bits 4odd + 2.. of qh[32h + l]. Rows are 2-byte aligned, so the
+// words are read aligned and funnel-shifted at decode. Both quarters of a half read the same bytes.
+struct QmRawQ6 {
+    u32 ql[17], qh[9], sc[3], sh;
+    unsigned short d;
+};
+
+__device__ __forceinline__ void qm_load(QmRawQ6& r, const unsigned char* row, int step) {
+    const unsigned long long p = (unsigned long long)(row + (long long)(step >> 2) * 210);
+    const int h = (step >> 1) & 1;
+    r.sh = (u32)(p & 3u) * 8u;
+    const u32* ql = (const u32*)((p + 64 * h) & ~3ull);
+    const u32* qh = (const u32*)((p + 128 + 32 * h) & ~3ull);
+    const u32* sc = (const u32*)((p + 192 + 8 * h) & ~3ull);
+#pragma unroll
+    for (int i = 0; i < 17; ++i) r.ql[i] = ql[i];
+#pragma unroll
+    for (int i = 0; i < 9; ++i) r.qh[i] = qh[i];
+    r.sc[0] = sc[0];
+    r.sc[1] = sc[1];
+    r.sc[2] = r.sh ? sc[2] : 0u;  // only a shifted row needs it (an aligned one would read past the block)
+    r.d = *(const unsigned short*)(p + 208);
+}
+
+struct QmScaleQ6 {
+    float d;
+};
+
+__device__ __forceinline__ QmScaleQ6 qm_scales(const QmRawQ6& r, int) {
+    QmScaleQ6 s;
+    s.d = qm_half(r.d);
+    return s;
+}
+
+__device__ __forceinline__ u32 qm_word(const u32* w, int i, u32 sh) { return __funnelshift_r(w[i], w[i + 1], sh); }
+
+__device__ __forceinline__ void qm_decode_q6_part(const QmRawQ6& r, float d, int kk, int odd, int second, char* bt,
+                                                  int n) {
+    const int qo = second ? 8 : 0;
+    const u32 sh = r.sh, nsh = 4u * (u32)odd, hsh = 4u * (u32)odd + 2u * (u32)second;
+    const u32 s_lo = qm_word(r.sc, 0, sh), s_hi = qm_word(r.sc, 1, sh);
+    const int si = 4 * odd + 2 * second + (kk >> 1);  // scale index within the half's eight
+    const u32 sb = ((si < 4 ? s_lo : s_hi) >> (8 * (si & 3))) & 255u;
+    const float s = __fmul_rn(d, (float)(int)(signed char)sb);
+    const float nb = __fmul_rn(s, -8388608.0f), c = __fmul_rn(s, 32.0f);
+    uint2 out[2];
+#pragma unroll
+    for (int t = 0; t < 2; ++t) {
+        const u32 lw = qm_word(r.ql, qo + 2 * kk + t, sh), hw = qm_word(r.qh, 2 * kk + t, sh);
+        const u32 u = ((lw >> nsh) & 0x0f0f0f0fu) | (((hw >> hsh) & 0x03030303u) << 4);
+        out[t] = qm_four(u, s, nb, c);
+    }
+    qm_store(bt, n, (second ? 4 : 0) + kk, out[0], out[1]);
+}
+
+__device__ __forceinline__ void qm_decode(const QmRawQ6& r, const QmScaleQ6& s, int kk, int odd, char* bt, int n) {
+    qm_decode_q6_part(r, s.d, kk, odd, 0, bt, n);
+    qm_decode_q6_part(r, s.d, kk, odd, 1, bt, n);
+}
+
+template <int FMT>
+struct QmFmt;
+template <>
+struct QmFmt<QM_Q4_K> {
+    typedef QmRawQ4 Raw;
+    typedef QmScaleQ4 Scale;
+    static constexpr int UNIT_SHIFT = 0;  // a raw unit per step
+    __device__ __forceinline__ static void decode(const Raw& r, const Scale& s, int kk, int, char* bt, int n) {
+        qm_decode(r, s, kk, bt, n);
+    }
+};
+template <>
+struct QmFmt<QM_Q6_K> {
+    typedef QmRawQ6 Raw;
+    typedef QmScaleQ6 Scale;
+    static constexpr int UNIT_SHIFT = 1;  // a raw unit per two steps (a half super-block)
+    __device__ __forceinline__ static void decode(const Raw& r, const Scale& s, int kk, int odd, char* bt, int n) {
+        qm_decode(r, s, kk, odd, bt, n);
+    }
+};
+
+template <int FMT, bool SWIGLU>
+struct QmBlock {
+    typedef typename QmFmt<FMT>::Raw Raw;
+    typedef typename QmFmt<FMT>::Scale Scale;
+
+    char* xs;  // QM_XSTAGES input tiles
+    char* bs;  // two f16 weight tiles
+    const unsigned short* a;
+    const unsigned char* wrow;  // this thread's weight row
+    long long arow0;            // first input row of the tile
+    int rows, K, S, tid, lane, wm, wn;
+    bool active;  // whether this warp's 64 rows hold any routed row
+    float acc[4][8][4];
+    Raw raw[2];
+
+    __device__ __forceinline__ void load_x(int step) {
+        if (step >= S) return;
+        char* dst = xs + (step % QM_XSTAGES) * QM_XTILE;
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const int idx = tid + i * QM_THREADS, r = idx >> 3, ch = idx & 7;
+            const bool live = r < rows;
+            const unsigned short* src = a + (arow0 + (live ? r : 0)) * K + step * QM_BK + ch * 8;
+            qm_cp16(qm_smem(dst + r * 128 + ((ch ^ (r & 7)) << 4)), src, live ? 16u : 0u);
+        }
+    }
+
+    __device__ __forceinline__ int pair_row(int p) const {
+        return SWIGLU ? (p >> 1) * 128 + 32 * wn + 16 * (p & 1) : 64 * wn + 16 * p;
+    }
+
+    // The MMAs of sub-step kk of the tile in xs stage xt and weight tile bt.
+    __device__ __forceinline__ void mma_sub(const char* xt, const char* bt, int kk) {
+        if (!active) return;
+        u32 af[4][4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const int r = 64 * wm + 16 * i + (lane & 15), ch = 2 * kk + (lane >> 4);
+            qm_ldm4(qm_smem(xt + r * 128 + ((ch ^ (r & 7)) << 4)), af[i][0], af[i][1], af[i][2], af[i][3]);
+        }
+#pragma unroll
+        for (int p = 0; p < 4; ++p) {
+            const int n = pair_row(p) + (lane & 7) + ((lane >> 4) << 3), ch = 2 * kk + ((lane >> 3) & 1);
+            u32 b0, b1, b2, b3;
+            qm_ldm4(qm_smem(bt + n * 128 + ((ch ^ (n & 7)) << 4)), b0, b1, b2, b3);
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                qm_mma(acc[i][2 * p], af[i], b0, b1);
+                qm_mma(acc[i][2 * p + 1], af[i], b2, b3);
+            }
+        }
+    }
+
+    // Step k (KP = k % 4): the MMAs over stage k, and the decode of step k + 1 into the other weight tile.
+    template <int KP>
+    __device__ __forceinline__ void step(int k) {
+        constexpr int US = QmFmt<FMT>::UNIT_SHIFT;
+        qm_wait1();
+        __syncthreads();
+        load_x(k + 2);
+        qm_commit();
+        // the raw unit of step k + 2 (q4_k) or of steps k + 2, k + 3 (q6_k, at even k) into the free buffer
+        if (US == 0 || (KP & 1) == 0) {
+            constexpr int buf = ((KP + 2) >> US) & 1;
+            qm_load(raw[buf], wrow, min(k + 2, S - 1));
+        }
+        constexpr int dbuf = ((KP + 1) >> US) & 1;  // the raw unit of step k + 1
+        const int dstep = min(k + 1, S - 1);
+        const Scale s = qm_scales(raw[dbuf], dstep);
+        const char* xt = xs + (k % QM_XSTAGES) * QM_XTILE;
+        const char* bt = bs + (KP & 1) * QM_BTILE;
+        char* bn = bs + ((KP + 1) & 1) * QM_BTILE;
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk) {
+            mma_sub(xt, bt, kk);
+            QmFmt<FMT>::decode(raw[dbuf], s, kk, dstep & 1, bn, tid);
+        }
+    }
+
+    __device__ __forceinline__ void run() {
+        load_x(0);
+        qm_commit();
+        load_x(1);
+        qm_commit();
+        qm_load(raw[0], wrow, 0);
+        if (QmFmt<FMT>::UNIT_SHIFT == 0) qm_load(raw[1], wrow, min(1, S - 1));
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+#pragma unroll
+            for (int j = 0; j < 8; ++j)
+#pragma unroll
+                for (int q = 0; q < 4; ++q) acc[i][j][q] = 0.0f;
+        {
+            const Scale s = qm_scales(raw[0], 0);
+#pragma unroll
+            for (int kk = 0; kk < 4; ++kk) QmFmt<FMT>::decode(raw[0], s, kk, 0, bs, tid);
+        }
+        for (int k = 0; k < S; k += 4) {
+            step<0>(k);
+            step<1>(k + 1);
+            step<2>(k + 2);
+            step<3>(k + 3);
+        }
+    }
+};
+
+// The expert of row tile blockIdx.y and its first row (e = -1 past the last tile), by warp 0.
+__device__ __forceinline__ void qm_expert_of_tile(const int* counts, int e_lo, int e_hi, int* s_e, int* s_rin) {
+    if (threadIdx.x >= 32) return;
+    const int lane = threadIdx.x, tile = blockIdx.y;
+    int base = 0, found = -1, rin = 0;
+    for (int e0 = e_lo; e0 < e_hi; e0 += 32) {
+        const int e = e0 + lane;
+        const int t = e < e_hi ? (counts[e] + QM_BM - 1) / QM_BM : 0;
+        int s = t;
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+            const int v = __shfl_up_sync(0xffffffffu, s, o);
+            if (lane >= o) s += v;
+        }
+        const int total = __shfl_sync(0xffffffffu, s, 31);
+        if (tile < base + total) {
+            const int L = __ffs(__ballot_sync(0xffffffffu, tile < base + s)) - 1;
+            const int excl = __shfl_sync(0xffffffffu, s - t, L);
+            found = e0 + L;
+            rin = (tile - base - excl) * QM_BM;
+            break;
+        }
+        base += total;
+    }
+    if (lane == 0) {
+        *s_e = found;
+        *s_rin = rin;
+    }
+}
+
+template <int FMT, bool SWIGLU>
+__device__ __forceinline__ void qm_kernel(const unsigned short* __restrict__ a, const unsigned char* __restrict__ blob,
+                                          unsigned short* __restrict__ c, const int* __restrict__ counts,
+                                          const int* __restrict__ row0, const int* __restrict__ slots, int N, int K,
+                                          long long slot_bytes, long long mat_off, long long row_bytes, int e_lo,
+                                          int e_hi) {
+    extern __shared__ __align__(128) char qm_shared[];
+    __shared__ int s_e, s_rin;
+    qm_expert_of_tile(counts, e_lo, e_hi, &s_e, &s_rin);
+    __syncthreads();
+    const int e = s_e;
+    if (e < 0) return;
+    QmBlock<FMT, SWIGLU> blk;
+    blk.xs = qm_shared;
+    blk.bs = qm_shared + QM_XSTAGES * QM_XTILE;
+    blk.a = a;
+    blk.tid = threadIdx.x;
+    blk.lane = threadIdx.x & 31;
+    const int warp = threadIdx.x >> 5;
+    blk.wm = warp & 1;
+    blk.wn = warp >> 1;
+    const int count = counts[e];
+    blk.rows = min(QM_BM, count - s_rin);
+    blk.arow0 = (long long)row0[e] + s_rin;
+    blk.K = K;
+    blk.S = K / QM_BK;
+    blk.active = 64 * blk.wm < blk.rows;
+    // this thread's weight row of the tile: gate|up rows n0.. then the same up rows (F + n0..); down rows n0..
+    const int n = threadIdx.x;
+    const long long wr = SWIGLU ? (n < 128 ? (long long)blockIdx.x * 128 + n : (long long)N + blockIdx.x * 128 + n - 128)
+                                : (long long)blockIdx.x * QM_BN + n;
+    blk.wrow = blob + (long long)slots[e] * slot_bytes + mat_off + wr * row_bytes;
+    blk.run();
+    if (!blk.active) return;
+    const int lane = blk.lane;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+            const int r = 64 * blk.wm + 16 * i + (lane >> 2) + 8 * hh;
+            if (r >= blk.rows) continue;
+            unsigned short* out = c + (blk.arow0 + r) * N;
+            if (SWIGLU) {
+#pragma unroll
+                for (int j = 0; j < 4; ++j) {
+                    const float g0 = blk.acc[i][j][2 * hh], g1 = blk.acc[i][j][2 * hh + 1];
+                    const float u0 = blk.acc[i][j + 4][2 * hh], u1 = blk.acc[i][j + 4][2 * hh + 1];
+                    const float a0 = g0 / (1.0f + __expf(-g0)) * u0, a1 = g1 / (1.0f + __expf(-g1)) * u1;
+                    const int col = blockIdx.x * 128 + 32 * blk.wn + 8 * j + 2 * (lane & 3);
+                    *(u32*)(out + col) = qm_pack(a0, a1);
+                }
+            } else {
+#pragma unroll
+                for (int j = 0; j < 8; ++j) {
+                    const int col = blockIdx.x * QM_BN + 64 * blk.wn + 8 * j + 2 * (lane & 3);
+                    *(u32*)(out + col) = qm_pack(blk.acc[i][j][2 * hh], blk.acc[i][j][2 * hh + 1]);
+                }
+            }
+        }
+    }
+}
+
+#define QM_ENTRY(NAME, FMT, SWIGLU)                                                                                 \
+    extern "C" __global__ void __launch_bounds__(QM_THREADS, 1)                                                     \
+        NAME(const unsigned short* a, const unsigned char* blob, unsigned short* c, const int* counts,              \
+             const int* row0, const int* slots, int N, int K, long long slot_bytes, long long mat_off,              \
+             long long row_bytes, int e_lo, int e_hi) {                                                             \
+        qm_kernel<FMT, SWIGLU>(a, blob, c, counts, row0, slots, N, K, slot_bytes, mat_off, row_bytes, e_lo, e_hi); \
+    }
+
+QM_ENTRY(strata_qm_gate_up_q4_k, QM_Q4_K, true)
+QM_ENTRY(strata_qm_gate_up_q6_k, QM_Q6_K, true)
+QM_ENTRY(strata_qm_down_q4_k, QM_Q4_K, false)
+QM_ENTRY(strata_qm_down_q6_k, QM_Q6_K, false)

@@ -1,0 +1,113 @@
+"""Tensor-core grouped GEMMs over a 'gguf' pool's own q4_k / q6_k rows (quant_mma.cu), for QuantMoE's warm layer.
+
+The two launches of a layer (gate|up with the SwiGLU fused in, then down) read the device tables FastMoE's
+device-table path builds (counts, row0, slots: int32 [E] each) and the pool's blob; every weight is decoded once per
+block into a shared f16 tile between the MMAs of the step before (the file's header says how), so no f16 copy of any
+expert is written and no host sync is needed. The weights are the oracle's float32 rounded once to f16, as the
+scratch path's, so the two differ only in the order of the f32 sums. CUDA only (mma.sync, ldmatrix, cp.async:
+sm_80 and newer); cupy is imported by the constructor.
+"""
+
+from __future__ import annotations
+
+from importlib.resources import files
+from typing import Any
+
+import numpy as np
+
+SOURCE_NAME = "quant_mma.cu"
+#: ggml types the kernels decode (either matrix may be either).
+TYPES = ("q4_k", "q6_k")
+#: QM_BM, QM_BK, QM_THREADS of quant_mma.cu; the weight rows of a block: 128 act columns of gate|up (the 128 gate
+#: rows and the same 128 up rows), 256 output columns of down.
+BM = 128
+BK = 64
+THREADS = 256
+GATE_UP_COLUMNS = 128
+DOWN_COLUMNS = 256
+#: QM_SMEM: three input stages of BM x BK f16 and two decoded tiles of 256 x BK f16.
+SMEM_BYTES = 3 * BM * BK * 2 + 2 * 256 * BK * 2
+#: K steps per unrolled loop trip (a q6_k raw unit spans two steps, and the buffers alternate every trip of two).
+STEP_UNROLL = 4
+
+_MODULE: dict[str, Any] = {}
+
+
+def kernel_source() -> str:
+    """The text of strata_cuda/quant_mma.cu."""
+    return files("strata_cuda").joinpath(SOURCE_NAME).read_text()
+
+
+def kernel_names(gate_up: str, down: str) -> tuple[str, str]:
+    """The gate|up and down kernels for these types."""
+    return f"strata_qm_gate_up_{gate_up}", f"strata_qm_down_{down}"
+
+
+def takes(gate_up: str, down: str, hidden: int, ffn: int, biased: bool = False) -> bool:
+    """Whether the kernels run experts of these types and shape: no biases, whole K steps in trips of STEP_UNROLL,
+    whole column tiles."""
+    steps_ok = all(k % (BK * STEP_UNROLL) == 0 for k in (hidden, ffn))
+    return (not biased and gate_up in TYPES and down in TYPES and steps_ok and ffn % GATE_UP_COLUMNS == 0
+            and hidden % DOWN_COLUMNS == 0)
+
+
+def max_row_tiles(routed_rows: int, experts: int) -> int:
+    """Most BM-row tiles any routing of routed_rows rows over `experts` experts can need."""
+    return -(-int(routed_rows) // BM) + int(experts)
+
+
+def row_tiles(counts: np.ndarray) -> int:
+    """The row tiles these counts give (the blocks of a launch that do work, per column tile)."""
+    return int(sum(-(-int(c) // BM) for c in np.asarray(counts).reshape(-1)))
+
+
+class QuantMmaGEMM:
+    """The two launches for one layer shape and pair of types; quant_layer has triton_moe.DeviceQuantGEMM's
+    signature, so QuantMoE takes either."""
+
+    def __init__(self, hidden: int, ffn: int, experts: int, gate_up: str, down: str, gate_up_row_bytes: int,
+                 down_row_bytes: int, down_offset: int):
+        import cupy as cp
+        if not takes(gate_up, down, hidden, ffn):
+            raise ValueError(f"quant_mma: no launches for {gate_up}/{down} at hidden {hidden}, ffn {ffn}")
+        self._cp = cp
+        self.hidden, self.ffn, self.experts = int(hidden), int(ffn), int(experts)
+        self.types = (gate_up, down)
+        self._rows = (int(gate_up_row_bytes), int(down_row_bytes))
+        self._down_offset = int(down_offset)
+        mod = _MODULE.get("m")
+        if mod is None:
+            mod = _MODULE["m"] = cp.RawModule(code=kernel_source(), options=("-std=c++17",))
+        self._gate_up, self._down = (mod.get_function(n) for n in kernel_names(gate_up, down))
+        for k in (self._gate_up, self._down):
+            k.max_dynamic_shared_size_bytes = SMEM_BYTES
+        self._streams: dict[int, Any] = {}
+
+    def _stream(self, ptr: int) -> Any:
+        s = self._streams.get(ptr)
+        if s is None:
+            cp = self._cp
+            s = self._streams[ptr] = cp.cuda.Stream.null if ptr == 0 else cp.cuda.ExternalStream(ptr)
+        return s
+
+    def quant_layer(self, stream_ptr: int, xs: int, act: int, ys: int, blob: int, slot_bytes: int, counts: int,
+                    row0: int, slots: int, routed_rows: int, experts: tuple[int, int] | None = None) -> None:
+        """Queue gate|up with SwiGLU (xs [rows, H] f16 -> act [rows, F]) and down (act -> ys [rows, H]) for the
+        experts e_lo <= e < e_hi (default: all) on the stream at stream_ptr; slot s of the pool at blob + s *
+        slot_bytes (gate|up rows first, down rows at the down offset). ValueError where the addresses are not 16-byte
+        aligned (the q4_k rows are read 16 bytes at a time)."""
+        h, f = self.hidden, self.ffn
+        e_lo, e_hi = experts or (0, self.experts)
+        q4_rows = [r for r, t in zip(self._rows, self.types) if t == "q4_k"]
+        if any(int(v) % 16 for v in (xs, act, ys, blob, slot_bytes, self._down_offset, *q4_rows)):
+            raise ValueError("quant_mma: stacks, blob, slot bytes and offsets must be 16-byte aligned")
+        tiles = max_row_tiles(routed_rows, e_hi - e_lo)
+        u64, i32, i64 = np.uint64, np.int32, np.int64
+        tables = (u64(counts), u64(row0), u64(slots))
+        with self._stream(int(stream_ptr)):
+            self._gate_up((f // GATE_UP_COLUMNS, tiles), (THREADS,),
+                          (u64(xs), u64(blob), u64(act), *tables, i32(f), i32(h), i64(slot_bytes), i64(0),
+                           i64(self._rows[0]), i32(e_lo), i32(e_hi)), shared_mem=SMEM_BYTES)
+            self._down((h // DOWN_COLUMNS, tiles), (THREADS,),
+                       (u64(act), u64(blob), u64(ys), *tables, i32(h), i32(f), i64(slot_bytes),
+                        i64(self._down_offset), i64(self._rows[1]), i32(e_lo), i32(e_hi)), shared_mem=SMEM_BYTES)
