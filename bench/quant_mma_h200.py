@@ -36,6 +36,9 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="bench/results")
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--profile", action="store_true", help="one launch of each kernel (for ncu), nothing timed")
+    ap.add_argument("--ablations", action="store_true",
+                    help="also time the kernels built without the decode (-DQM_SKIP_DECODE) and without the MMAs")
     args = ap.parse_args()
     import cupy as cp
     from strata_core.api.kernels import ExpertFormat
@@ -63,9 +66,13 @@ def main() -> None:
                  "device": cp.cuda.runtime.getDeviceProperties(0)["name"].decode(), "shape":
                  dict(experts=E, hidden=H, ffn=F, tokens=T, top_k=K), "reps": args.reps,
                  "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "routing": {}}
-    mma = quant_mma.QuantMmaGEMM(H, F, E, "q4_k", "q6_k", fmt.gate_up_row_bytes, fmt.down_row_bytes,
-                                 fmt.down_offset)
-    f16 = triton_moe.DeviceGroupedGEMM(H, F, E) if triton_moe.available() else None
+    def build(options=()):
+        return quant_mma.QuantMmaGEMM(H, F, E, "q4_k", "q6_k", fmt.gate_up_row_bytes, fmt.down_row_bytes,
+                                      fmt.down_offset, options)
+    mma = build()
+    variants = {"quant_mma_no_decode": build(("-DQM_SKIP_DECODE",)),
+                "quant_mma_no_mma": build(("-DQM_SKIP_MMA",))} if args.ablations else {}
+    f16 = triton_moe.DeviceGroupedGEMM(H, F, E) if triton_moe.available() and not args.profile else None
     st = cp.cuda.Stream(non_blocking=True)
     flops = 2.0 * T * K * (2 * F * H + H * F)
     for skew in (False, True):
@@ -78,16 +85,29 @@ def main() -> None:
         counts_d, row0_d = cp.asarray(c.astype(np.int32)), cp.asarray(row0.astype(np.int32))
         slots_d = cp.arange(E, dtype=cp.int32)
 
-        def ours():
-            mma.quant_layer(st.ptr, xs.data.ptr, act.data.ptr, ys.data.ptr, blob.data.ptr, slot_bytes,
-                            counts_d.data.ptr, row0_d.data.ptr, slots_d.data.ptr, rows)
+        tables = (counts_d.data.ptr, row0_d.data.ptr, slots_d.data.ptr)
+
+        def ours(g=mma, which="both"):
+            if which in ("both", "gate_up"):
+                g.gate_up(st.ptr, xs.data.ptr, act.data.ptr, blob.data.ptr, slot_bytes, tables, rows)
+            if which in ("both", "down"):
+                g.down(st.ptr, act.data.ptr, ys.data.ptr, blob.data.ptr, slot_bytes, tables, rows)
+
+        if args.profile:
+            ours()
+            st.synchronize()
+            continue
 
         def theirs():
             f16.layer(st.ptr, xs.data.ptr, act16.data.ptr, ys16.data.ptr, w13_all.data.ptr, w2_all.data.ptr,
                       counts_d.data.ptr, row0_d.data.ptr, None, rows)
 
         r: dict = {"counts_max": int(c.max()), "counts_min": int(c.min()), "row_tiles": quant_mma.row_tiles(c)}
-        for name, fn in (("quant_mma", ours), ("f16_device_gemm", theirs if f16 else None)):
+        timed = [("quant_mma", ours), ("quant_mma_gate_up", lambda: ours(which="gate_up")),
+                 ("quant_mma_down", lambda: ours(which="down")), ("f16_device_gemm", theirs if f16 else None)]
+        for vname, g in variants.items():
+            timed += [(f"{vname}_gate_up", lambda g=g: ours(g, "gate_up")), (f"{vname}_down", lambda g=g: ours(g, "down"))]
+        for name, fn in timed:
             if fn is None:
                 continue
             fn()
@@ -101,7 +121,10 @@ def main() -> None:
                 b.synchronize()
                 times.append(cp.cuda.get_elapsed_time(a, b))
             med = float(np.median(times))
-            r[name] = {"median_ms": med, "min_ms": float(min(times)), "TFLOP_per_s": flops / med / 1e9}
+            part = 2 / 3 if name.endswith("gate_up") else 1 / 3 if name.endswith("down") else 1.0
+            r[name] = {"median_ms": med, "min_ms": float(min(times)), "TFLOP_per_s": part * flops / med / 1e9}
+        if variants:  # the ablations ran last: the outputs again from the full kernels
+            ours()
         if f16 is not None:  # the same weights (f16 of the same blocks), so the outputs agree to f16 rounding
             d_act = float(cp.linalg.norm((act - act16).astype(cp.float32)) / cp.linalg.norm(act16.astype(cp.float32)))
             d_y = float(cp.linalg.norm((ys - ys16).astype(cp.float32)) / cp.linalg.norm(ys16.astype(cp.float32)))
@@ -109,6 +132,8 @@ def main() -> None:
             r["x_f16"] = r["quant_mma"]["median_ms"] / r["f16_device_gemm"]["median_ms"]
         res["routing"]["skewed" if skew else "uniform"] = r
         print(("skewed " if skew else "uniform ") + json.dumps(r), flush=True)
+    if args.profile:
+        return
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "quant_mma_h200.json").write_text(json.dumps(res, indent=1))
 

@@ -256,12 +256,17 @@ struct QmBlock {
         }
     }
 
+    __device__ __forceinline__ int bn_unused(int kp) const { return kp; }
+
     __device__ __forceinline__ int pair_row(int p) const {
         return SWIGLU ? (p >> 1) * 128 + 32 * wn + 16 * (p & 1) : 64 * wn + 16 * p;
     }
 
     // The MMAs of sub-step kk of the tile in xs stage xt and weight tile bt.
     __device__ __forceinline__ void mma_sub(const char* xt, const char* bt, int kk) {
+#ifdef QM_SKIP_MMA  // bench/quant_mma_h200.py's ablation: the loads and the decode alone
+        return;
+#endif
         if (!active) return;
         u32 af[4][4];
 #pragma unroll
@@ -291,6 +296,7 @@ struct QmBlock {
         load_x(k + 2);
         qm_commit();
         // the raw unit of step k + 2 (q4_k) or of steps k + 2, k + 3 (q6_k, at even k) into the free buffer
+#ifndef QM_SKIP_DECODE  // the ablation of the MMAs and the input tiles alone (the weight tiles left as they are)
         if (US == 0 || (KP & 1) == 0) {
             constexpr int buf = ((KP + 2) >> US) & 1;
             qm_load(raw[buf], wrow, min(k + 2, S - 1));
@@ -306,6 +312,13 @@ struct QmBlock {
             mma_sub(xt, bt, kk);
             QmFmt<FMT>::decode(raw[dbuf], s, kk, dstep & 1, bn, tid);
         }
+#else
+        (void)bn_unused(KP);
+        const char* xt = xs + (k % QM_XSTAGES) * QM_XTILE;
+        const char* bt = bs + (KP & 1) * QM_BTILE;
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk) mma_sub(xt, bt, kk);
+#endif
     }
 
     __device__ __forceinline__ void run() {

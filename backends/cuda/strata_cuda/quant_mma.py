@@ -66,7 +66,7 @@ class QuantMmaGEMM:
     signature, so QuantMoE takes either."""
 
     def __init__(self, hidden: int, ffn: int, experts: int, gate_up: str, down: str, gate_up_row_bytes: int,
-                 down_row_bytes: int, down_offset: int):
+                 down_row_bytes: int, down_offset: int, options: tuple[str, ...] = ()):
         import cupy as cp
         if not takes(gate_up, down, hidden, ffn):
             raise ValueError(f"quant_mma: no launches for {gate_up}/{down} at hidden {hidden}, ffn {ffn}")
@@ -75,9 +75,10 @@ class QuantMmaGEMM:
         self.types = (gate_up, down)
         self._rows = (int(gate_up_row_bytes), int(down_row_bytes))
         self._down_offset = int(down_offset)
-        mod = _MODULE.get("m")
+        # options: extra NVRTC options (bench/quant_mma_h200.py's ablations, -DQM_SKIP_MMA / -DQM_SKIP_DECODE)
+        mod = _MODULE.get(options)
         if mod is None:
-            mod = _MODULE["m"] = cp.RawModule(code=kernel_source(), options=("-std=c++17",))
+            mod = _MODULE[options] = cp.RawModule(code=kernel_source(), options=("-std=c++17", *options))
         self._gate_up, self._down = (mod.get_function(n) for n in kernel_names(gate_up, down))
         for k in (self._gate_up, self._down):
             k.max_dynamic_shared_size_bytes = SMEM_BYTES
@@ -90,24 +91,41 @@ class QuantMmaGEMM:
             s = self._streams[ptr] = cp.cuda.Stream.null if ptr == 0 else cp.cuda.ExternalStream(ptr)
         return s
 
+    def _check(self, *addresses: int) -> None:
+        q4_rows = [r for r, t in zip(self._rows, self.types) if t == "q4_k"]
+        if any(int(v) % 16 for v in (*addresses, self._down_offset, *q4_rows)):
+            raise ValueError("quant_mma: stacks, blob, slot bytes and offsets must be 16-byte aligned")
+
+    def gate_up(self, stream_ptr: int, xs: int, act: int, blob: int, slot_bytes: int, tables: tuple[int, int, int],
+                routed_rows: int, experts: tuple[int, int] | None = None) -> None:
+        """Queue gate|up with SwiGLU, xs [rows, H] f16 -> act [rows, F], for experts e_lo <= e < e_hi; tables: the
+        device addresses of counts, row0 and slots."""
+        self._launch(self._gate_up, self.ffn // GATE_UP_COLUMNS, stream_ptr, xs, act, blob, slot_bytes, tables,
+                     self.ffn, self.hidden, 0, self._rows[0], routed_rows, experts)
+
+    def down(self, stream_ptr: int, act: int, ys: int, blob: int, slot_bytes: int, tables: tuple[int, int, int],
+             routed_rows: int, experts: tuple[int, int] | None = None) -> None:
+        """Queue down, act [rows, F] f16 -> ys [rows, H], as gate_up."""
+        self._launch(self._down, self.hidden // DOWN_COLUMNS, stream_ptr, act, ys, blob, slot_bytes, tables,
+                     self.hidden, self.ffn, self._down_offset, self._rows[1], routed_rows, experts)
+
+    def _launch(self, kernel: Any, col_tiles: int, stream_ptr: int, a: int, c: int, blob: int, slot_bytes: int,
+                tables: tuple, n: int, k: int, mat_off: int, row_bytes: int, routed_rows: int,
+                experts: tuple[int, int] | None) -> None:
+        e_lo, e_hi = experts or (0, self.experts)
+        self._check(a, c, blob, slot_bytes)
+        u64, i32, i64 = np.uint64, np.int32, np.int64
+        with self._stream(int(stream_ptr)):
+            kernel((col_tiles, max_row_tiles(routed_rows, e_hi - e_lo)), (THREADS,),
+                   (u64(a), u64(blob), u64(c), *(u64(t) for t in tables), i32(n), i32(k), i64(slot_bytes),
+                    i64(mat_off), i64(row_bytes), i32(e_lo), i32(e_hi)), shared_mem=SMEM_BYTES)
+
     def quant_layer(self, stream_ptr: int, xs: int, act: int, ys: int, blob: int, slot_bytes: int, counts: int,
                     row0: int, slots: int, routed_rows: int, experts: tuple[int, int] | None = None) -> None:
         """Queue gate|up with SwiGLU (xs [rows, H] f16 -> act [rows, F]) and down (act -> ys [rows, H]) for the
         experts e_lo <= e < e_hi (default: all) on the stream at stream_ptr; slot s of the pool at blob + s *
         slot_bytes (gate|up rows first, down rows at the down offset). ValueError where the addresses are not 16-byte
         aligned (the q4_k rows are read 16 bytes at a time)."""
-        h, f = self.hidden, self.ffn
-        e_lo, e_hi = experts or (0, self.experts)
-        q4_rows = [r for r, t in zip(self._rows, self.types) if t == "q4_k"]
-        if any(int(v) % 16 for v in (xs, act, ys, blob, slot_bytes, self._down_offset, *q4_rows)):
-            raise ValueError("quant_mma: stacks, blob, slot bytes and offsets must be 16-byte aligned")
-        tiles = max_row_tiles(routed_rows, e_hi - e_lo)
-        u64, i32, i64 = np.uint64, np.int32, np.int64
-        tables = (u64(counts), u64(row0), u64(slots))
-        with self._stream(int(stream_ptr)):
-            self._gate_up((f // GATE_UP_COLUMNS, tiles), (THREADS,),
-                          (u64(xs), u64(blob), u64(act), *tables, i32(f), i32(h), i64(slot_bytes), i64(0),
-                           i64(self._rows[0]), i32(e_lo), i32(e_hi)), shared_mem=SMEM_BYTES)
-            self._down((h // DOWN_COLUMNS, tiles), (THREADS,),
-                       (u64(act), u64(blob), u64(ys), *tables, i32(h), i32(f), i64(slot_bytes),
-                        i64(self._down_offset), i64(self._rows[1]), i32(e_lo), i32(e_hi)), shared_mem=SMEM_BYTES)
+        tables = (counts, row0, slots)
+        self.gate_up(stream_ptr, xs, act, blob, slot_bytes, tables, routed_rows, experts)
+        self.down(stream_ptr, act, ys, blob, slot_bytes, tables, routed_rows, experts)
