@@ -26,7 +26,16 @@
 #define QM_XSTAGES 3
 #define QM_XTILE (QM_BM * QM_BK * 2)
 #define QM_BTILE (QM_BN * QM_BK * 2)
-#define QM_SMEM (QM_XSTAGES * QM_XTILE + 2 * QM_BTILE)
+// tiles 1024-byte aligned (the 128-byte swizzle's period, which wgmma's descriptors assume): one KiB of slack
+#define QM_SMEM (QM_XSTAGES * QM_XTILE + 2 * QM_BTILE + 1024)
+
+// sm_90a (wgmma): each warpgroup's 64 x 256 block by wgmma.mma_async from the shared tiles, the decode of the next
+// step issued while it runs; elsewhere (sm_80..sm_89, or sm_90 without the a) mma.sync from ldmatrix fragments.
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define QM_WGMMA 1
+#else
+#define QM_WGMMA 0
+#endif
 
 #define QM_Q4_K 12
 #define QM_Q6_K 14
@@ -59,6 +68,25 @@ __device__ __forceinline__ void qm_mma(float* c, const u32* a, u32 b0, u32 b1) {
         : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
+
+// D[64 x 256] += A[64 x 16] B[16 x 256]^T from two shared-memory descriptors (K-major, 128-byte swizzle).
+__device__ __forceinline__ void qm_wgmma(float* d, unsigned long long da, unsigned long long db) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n256k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, %128, %129, p, 1, 1, 0, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]), "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]), "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]), "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+        : "l"(da), "l"(db), "r"(1));
+}
+
+__device__ __forceinline__ unsigned long long qm_desc(u32 addr) {  // K-major, 128-byte swizzle, 8-row groups 1 KiB apart
+    return (unsigned long long)((addr & 0x3ffffu) >> 4) | (1ull << 16) | (64ull << 32) | (1ull << 62);
+}
+
+__device__ __forceinline__ void qm_wg_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void qm_wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void qm_wg_wait0() { asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory"); }
+// the generic proxy's shared-memory writes (cp.async, the decode's stores) made visible to wgmma's async proxy
+__device__ __forceinline__ void qm_fence_async() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
 
 __device__ __forceinline__ float qm_half(u32 bits) {
     float f;
@@ -240,8 +268,12 @@ struct QmBlock {
     const unsigned char* wrow;  // this thread's weight row
     long long arow0;            // first input row of the tile
     int rows, K, S, tid, lane, wm, wn;
-    bool active;  // whether this warp's 64 rows hold any routed row
+    bool active;  // whether this warp's (warpgroup's) 64 rows hold any routed row
+#if QM_WGMMA
+    float acc[128];  // n8 tile j: acc[4j..4j+3] (rows l/4 and l/4 + 8 of the warp's 16, columns 8j + 2(l%4), +1)
+#else
     float acc[4][8][4];
+#endif
     Raw raw[2];
 
     __device__ __forceinline__ void load_x(int step) {
@@ -262,6 +294,37 @@ struct QmBlock {
         return SWIGLU ? (p >> 1) * 128 + 32 * wn + 16 * (p & 1) : 64 * wn + 16 * p;
     }
 
+#if QM_WGMMA
+    __device__ __forceinline__ void fence_acc() {
+#pragma unroll
+        for (int i = 0; i < 128; ++i) asm volatile("" : "+f"(acc[i])::"memory");
+    }
+
+    // This warpgroup's four wgmmas of a step (k16 sub-steps 32 bytes apart in the swizzled rows), committed.
+    __device__ __forceinline__ void wg_issue(const char* xt, const char* bt) {
+#ifdef QM_SKIP_MMA
+        return;
+#endif
+        if (!active) return;
+        const u32 xa = qm_smem(xt) + 64 * wm * 128, ba = qm_smem(bt);
+        fence_acc();
+        qm_wg_fence();
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk) qm_wgmma(acc, qm_desc(xa + 32 * kk), qm_desc(ba + 32 * kk));
+        qm_wg_commit();
+    }
+
+    __device__ __forceinline__ void wg_wait() {
+#ifdef QM_SKIP_MMA
+        return;
+#endif
+        if (!active) return;
+        qm_wg_wait0();
+        fence_acc();
+    }
+#endif
+
+#if !QM_WGMMA
     // The MMAs of sub-step kk of the tile in xs stage xt and weight tile bt.
     __device__ __forceinline__ void mma_sub(const char* xt, const char* bt, int kk) {
 #ifdef QM_SKIP_MMA  // bench/quant_mma_h200.py's ablation: the loads and the decode alone
@@ -286,12 +349,16 @@ struct QmBlock {
             }
         }
     }
+#endif
 
     // Step k (KP = k % 4): the MMAs over stage k, and the decode of step k + 1 into the other weight tile.
     template <int KP>
     __device__ __forceinline__ void step(int k) {
         constexpr int US = QmFmt<FMT>::UNIT_SHIFT;
         qm_wait1();
+#if QM_WGMMA
+        qm_fence_async();
+#endif
         __syncthreads();
         load_x(k + 2);
         qm_commit();
@@ -307,17 +374,29 @@ struct QmBlock {
         const char* xt = xs + (k % QM_XSTAGES) * QM_XTILE;
         const char* bt = bs + (KP & 1) * QM_BTILE;
         char* bn = bs + ((KP + 1) & 1) * QM_BTILE;
+#if QM_WGMMA
+        wg_issue(xt, bt);
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk) QmFmt<FMT>::decode(raw[dbuf], s, kk, dstep & 1, bn, tid);
+        wg_wait();
+#else
 #pragma unroll
         for (int kk = 0; kk < 4; ++kk) {
             mma_sub(xt, bt, kk);
             QmFmt<FMT>::decode(raw[dbuf], s, kk, dstep & 1, bn, tid);
         }
+#endif
 #else
         (void)bn_unused(KP);
         const char* xt = xs + (k % QM_XSTAGES) * QM_XTILE;
         const char* bt = bs + (KP & 1) * QM_BTILE;
+#if QM_WGMMA
+        wg_issue(xt, bt);
+        wg_wait();
+#else
 #pragma unroll
         for (int kk = 0; kk < 4; ++kk) mma_sub(xt, bt, kk);
+#endif
 #endif
     }
 
@@ -328,12 +407,17 @@ struct QmBlock {
         qm_commit();
         qm_load(raw[0], wrow, 0);
         if (QmFmt<FMT>::UNIT_SHIFT == 0) qm_load(raw[1], wrow, min(1, S - 1));
+#if QM_WGMMA
+#pragma unroll
+        for (int i = 0; i < 128; ++i) acc[i] = 0.0f;
+#else
 #pragma unroll
         for (int i = 0; i < 4; ++i)
 #pragma unroll
             for (int j = 0; j < 8; ++j)
 #pragma unroll
                 for (int q = 0; q < 4; ++q) acc[i][j][q] = 0.0f;
+#endif
         {
             const Scale s = qm_scales(raw[0], 0);
 #pragma unroll
@@ -391,14 +475,20 @@ __device__ __forceinline__ void qm_kernel(const unsigned short* __restrict__ a, 
     const int e = s_e;
     if (e < 0) return;
     QmBlock<FMT, SWIGLU> blk;
-    blk.xs = qm_shared;
-    blk.bs = qm_shared + QM_XSTAGES * QM_XTILE;
+    char* base = (char*)(((unsigned long long)qm_shared + 1023ull) & ~1023ull);
+    blk.xs = base;
+    blk.bs = base + QM_XSTAGES * QM_XTILE;
     blk.a = a;
     blk.tid = threadIdx.x;
     blk.lane = threadIdx.x & 31;
     const int warp = threadIdx.x >> 5;
+#if QM_WGMMA
+    blk.wm = warp >> 2;  // the warpgroup: rows 64 wm ..
+    blk.wn = warp & 3;   // the warp in it: rows 16 wn .. of those
+#else
     blk.wm = warp & 1;
     blk.wn = warp >> 1;
+#endif
     const int count = counts[e];
     blk.rows = min(QM_BM, count - s_rin);
     blk.arow0 = (long long)row0[e] + s_rin;
@@ -413,6 +503,28 @@ __device__ __forceinline__ void qm_kernel(const unsigned short* __restrict__ a, 
     blk.run();
     if (!blk.active) return;
     const int lane = blk.lane;
+#if QM_WGMMA
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+        const int r = 64 * blk.wm + 16 * blk.wn + (lane >> 2) + 8 * hh;
+        if (r >= blk.rows) continue;
+        unsigned short* out = c + (blk.arow0 + r) * N;
+        if (SWIGLU) {
+#pragma unroll
+            for (int j = 0; j < 16; ++j) {
+                const float g0 = blk.acc[4 * j + 2 * hh], g1 = blk.acc[4 * j + 2 * hh + 1];
+                const float u0 = blk.acc[64 + 4 * j + 2 * hh], u1 = blk.acc[64 + 4 * j + 2 * hh + 1];
+                const float a0 = g0 / (1.0f + __expf(-g0)) * u0, a1 = g1 / (1.0f + __expf(-g1)) * u1;
+                *(u32*)(out + blockIdx.x * 128 + 8 * j + 2 * (lane & 3)) = qm_pack(a0, a1);
+            }
+        } else {
+#pragma unroll
+            for (int j = 0; j < 32; ++j)
+                *(u32*)(out + blockIdx.x * QM_BN + 8 * j + 2 * (lane & 3)) =
+                    qm_pack(blk.acc[4 * j + 2 * hh], blk.acc[4 * j + 2 * hh + 1]);
+        }
+    }
+#else
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
 #pragma unroll
@@ -438,6 +550,7 @@ __device__ __forceinline__ void qm_kernel(const unsigned short* __restrict__ a, 
             }
         }
     }
+#endif
 }
 
 #define QM_ENTRY(NAME, FMT, SWIGLU)                                                                                 \

@@ -4,8 +4,9 @@ The two launches of a layer (gate|up with the SwiGLU fused in, then down) read t
 device-table path builds (counts, row0, slots: int32 [E] each) and the pool's blob; every weight is decoded once per
 block into a shared f16 tile between the MMAs of the step before (the file's header says how), so no f16 copy of any
 expert is written and no host sync is needed. The weights are the oracle's float32 rounded once to f16, as the
-scratch path's, so the two differ only in the order of the f32 sums. CUDA only (mma.sync, ldmatrix, cp.async:
-sm_80 and newer); cupy is imported by the constructor.
+scratch path's, so the two differ only in the order of the f32 sums. CUDA only: on the H200 (compute capability 9.0)
+the kernels are built for sm_90a and run wgmma from the shared tiles, the decode of the next step issued while it
+runs; elsewhere (sm_80 and newer) mma.sync from ldmatrix fragments. cupy is imported by the constructor.
 """
 
 from __future__ import annotations
@@ -25,12 +26,15 @@ BK = 64
 THREADS = 256
 GATE_UP_COLUMNS = 128
 DOWN_COLUMNS = 256
-#: QM_SMEM: three input stages of BM x BK f16 and two decoded tiles of 256 x BK f16.
-SMEM_BYTES = 3 * BM * BK * 2 + 2 * 256 * BK * 2
+#: QM_SMEM: three input stages of BM x BK f16, two decoded tiles of 256 x BK f16, 1 KiB to align them.
+SMEM_BYTES = 3 * BM * BK * 2 + 2 * 256 * BK * 2 + 1024
 #: K steps per unrolled loop trip (a q6_k raw unit spans two steps, and the buffers alternate every trip of two).
 STEP_UNROLL = 4
 
-_MODULE: dict[str, Any] = {}
+#: The architecture of the wgmma path (quant_mma.cu's QM_WGMMA: sm_90a's arch-specific instructions).
+WGMMA_ARCH = "sm_90a"
+
+_MODULE: dict[Any, Any] = {}
 
 
 def kernel_source() -> str:
@@ -61,6 +65,35 @@ def row_tiles(counts: np.ndarray) -> int:
     return int(sum(-(-int(c) // BM) for c in np.asarray(counts).reshape(-1)))
 
 
+def compile_cubin(arch: str = WGMMA_ARCH, options: tuple[str, ...] = ()) -> bytes:
+    """quant_mma.cu compiled by NVRTC to a cubin for `arch` (no GPU needed); RuntimeError with NVRTC's log."""
+    from cupy_backends.cuda.libs import nvrtc
+    prog = nvrtc.createProgram(kernel_source(), SOURCE_NAME, (), ())
+    try:
+        try:
+            nvrtc.compileProgram(prog, (f"-arch={arch}", "-std=c++17", *options))
+        except nvrtc.NVRTCError as e:
+            raise RuntimeError(f"NVRTC failed on {SOURCE_NAME} ({e}):\n{nvrtc.getProgramLog(prog)}") from None
+        return nvrtc.getCUBIN(prog)
+    finally:
+        nvrtc.destroyProgram(prog)
+
+
+def _load_module(cp: Any, options: tuple[str, ...]) -> Any:
+    """The kernels for the current device: on compute capability 9.0 a cubin for sm_90a (the wgmma path; cupy's own
+    compile targets sm_90, without it), loaded from a file in a temporary folder; elsewhere cupy's RawModule."""
+    if cp.cuda.Device().compute_capability == "90":
+        import hashlib
+        import tempfile
+        from pathlib import Path
+        cubin = compile_cubin(WGMMA_ARCH, options)
+        folder = _MODULE.setdefault("dir", Path(tempfile.mkdtemp(prefix="strata_quant_mma_")))
+        path = folder / f"{hashlib.sha1(cubin).hexdigest()}.cubin"
+        path.write_bytes(cubin)
+        return cp.RawModule(path=str(path))
+    return cp.RawModule(code=kernel_source(), options=("-std=c++17", *options))
+
+
 class QuantMmaGEMM:
     """The two launches for one layer shape and pair of types; quant_layer has triton_moe.DeviceQuantGEMM's
     signature, so QuantMoE takes either."""
@@ -78,7 +111,7 @@ class QuantMmaGEMM:
         # options: extra NVRTC options (bench/quant_mma_h200.py's ablations, -DQM_SKIP_MMA / -DQM_SKIP_DECODE)
         mod = _MODULE.get(options)
         if mod is None:
-            mod = _MODULE[options] = cp.RawModule(code=kernel_source(), options=("-std=c++17", *options))
+            mod = _MODULE[options] = _load_module(cp, options)
         self._gate_up, self._down = (mod.get_function(n) for n in kernel_names(gate_up, down))
         for k in (self._gate_up, self._down):
             k.max_dynamic_shared_size_bytes = SMEM_BYTES

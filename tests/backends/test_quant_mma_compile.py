@@ -1,0 +1,51 @@
+"""quant_mma.cu builds through NVRTC on a machine without a GPU: the wgmma path for sm_90a (what the H200 runs), the
+mma.sync path for sm_90 and sm_80, with its four kernels and without spilling the wgmma path's accumulators."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from strata_cuda import quant_mma
+
+
+def _nvrtc_or_skip():
+    try:
+        from cupy_backends.cuda.libs import nvrtc
+        nvrtc.getVersion()
+    except Exception as e:  # cupy or the NVRTC library is not installed here
+        pytest.skip(f"NVRTC is not available here ({type(e).__name__}: {e}); it comes with 'strata-core[cuda]'")
+
+
+def _ptx(arch: str) -> str:
+    from cupy_backends.cuda.libs import nvrtc
+    prog = nvrtc.createProgram(quant_mma.kernel_source(), quant_mma.SOURCE_NAME, (), ())
+    try:
+        nvrtc.compileProgram(prog, (f"-arch={arch}", "-std=c++17"))
+        return nvrtc.getPTX(prog).decode()
+    finally:
+        nvrtc.destroyProgram(prog)
+
+
+@pytest.mark.parametrize("arch,wgmma", [("compute_90a", True), ("compute_90", False), ("compute_80", False)])
+def test_each_arch_gets_its_path_and_every_kernel(arch, wgmma):
+    _nvrtc_or_skip()
+    ptx = _ptx(arch)
+    entries = set(re.findall(r"\.entry\s+(\w+)", ptx))
+    want = {n for a in quant_mma.TYPES for b in quant_mma.TYPES for n in quant_mma.kernel_names(a, b)}
+    assert entries == want
+    assert ("wgmma.mma_async" in ptx) is wgmma
+    assert ("mma.sync.aligned.m16n8k16" in ptx) is not wgmma
+
+
+def test_the_h200_cubin_builds():
+    _nvrtc_or_skip()
+    assert len(quant_mma.compile_cubin(quant_mma.WGMMA_ARCH)) > 10_000
+
+
+def test_takes_only_whole_steps_tiles_and_known_types():
+    assert quant_mma.takes("q4_k", "q6_k", 2048, 768)
+    assert not quant_mma.takes("q4_k", "q6_k", 2048, 768, biased=True)
+    assert not quant_mma.takes("q5_k", "q6_k", 2048, 768)
+    assert not quant_mma.takes("q4_k", "q6_k", 2048, 640)  # 640 weights: not whole trips of four K steps
