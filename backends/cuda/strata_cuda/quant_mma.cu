@@ -9,9 +9,10 @@
 // launch needs the counts on the host.
 //
 // A block computes QM_BM rows x QM_BN weight rows (gate|up: 128 gate rows and the same 128 up rows, 128 act columns;
-// down: 256 output columns) in K steps of 64 weights: the input tile comes by cp.async (three stages), each thread
-// decodes one weight row's 64 weights of the next step from its quant bytes (read into registers a step or two
-// ahead) into a shared f16 tile between the current step's MMAs, and eight warps (2 x 4, 64 x 64 each) run
+// down: 256 output columns) in K steps of 64 weights: the input tile comes by cp.async (four stages, two ahead), each
+// thread decodes one weight row's 64 weights of the next step from its quant bytes (read into registers a step or two
+// ahead) into one of three shared f16 tiles while the current step's MMAs run (on sm_90a the wgmmas of a step run on
+// into the next: a step waits only for the step before's), and eight warps (2 x 4, 64 x 64 each) run
 // m16n8k16 MMAs (f32 sums) from ldmatrix fragments. So each weight is decoded once per block, never written to
 // global memory, and the decode's integer and float work issues beside the tensor cores' work.
 //
@@ -23,11 +24,12 @@
 #define QM_BN 256
 #define QM_BK 64
 #define QM_THREADS 256
-#define QM_XSTAGES 3
+#define QM_XSTAGES 4
+#define QM_BSTAGES 3
 #define QM_XTILE (QM_BM * QM_BK * 2)
 #define QM_BTILE (QM_BN * QM_BK * 2)
 // tiles 1024-byte aligned (the 128-byte swizzle's period, which wgmma's descriptors assume): one KiB of slack
-#define QM_SMEM (QM_XSTAGES * QM_XTILE + 2 * QM_BTILE + 1024)
+#define QM_SMEM (QM_XSTAGES * QM_XTILE + QM_BSTAGES * QM_BTILE + 1024)
 
 // sm_90a (wgmma): each warpgroup's 64 x 256 block by wgmma.mma_async from the shared tiles, the decode of the next
 // step issued while it runs; elsewhere (sm_80..sm_89, or sm_90 without the a) mma.sync from ldmatrix fragments.
@@ -85,6 +87,7 @@ __device__ __forceinline__ unsigned long long qm_desc(u32 addr) {  // K-major, 1
 __device__ __forceinline__ void qm_wg_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
 __device__ __forceinline__ void qm_wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
 __device__ __forceinline__ void qm_wg_wait0() { asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory"); }
+__device__ __forceinline__ void qm_wg_wait1() { asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory"); }
 // the generic proxy's shared-memory writes (cp.async, the decode's stores) made visible to wgmma's async proxy
 __device__ __forceinline__ void qm_fence_async() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
 
@@ -319,6 +322,12 @@ struct QmBlock {
         return;
 #endif
         if (!active) return;
+        qm_wg_wait1();  // this step's wgmmas run on into the next step; the step before's are done
+        fence_acc();
+    }
+
+    __device__ __forceinline__ void wg_drain() {
+        if (!active) return;
         qm_wg_wait0();
         fence_acc();
     }
@@ -372,8 +381,8 @@ struct QmBlock {
         const int dstep = min(k + 1, S - 1);
         const Scale s = qm_scales(raw[dbuf], dstep);
         const char* xt = xs + (k % QM_XSTAGES) * QM_XTILE;
-        const char* bt = bs + (KP & 1) * QM_BTILE;
-        char* bn = bs + ((KP + 1) & 1) * QM_BTILE;
+        const char* bt = bs + (k % QM_BSTAGES) * QM_BTILE;
+        char* bn = bs + ((k + 1) % QM_BSTAGES) * QM_BTILE;
 #if QM_WGMMA
         wg_issue(xt, bt);
 #pragma unroll
@@ -389,7 +398,7 @@ struct QmBlock {
 #else
         (void)bn_unused(KP);
         const char* xt = xs + (k % QM_XSTAGES) * QM_XTILE;
-        const char* bt = bs + (KP & 1) * QM_BTILE;
+        const char* bt = bs + (k % QM_BSTAGES) * QM_BTILE;
 #if QM_WGMMA
         wg_issue(xt, bt);
         wg_wait();
@@ -429,6 +438,9 @@ struct QmBlock {
             step<2>(k + 2);
             step<3>(k + 3);
         }
+#if QM_WGMMA
+        wg_drain();
+#endif
     }
 };
 
