@@ -26,12 +26,10 @@
 #define QM_THREADS 256
 #define QM_XSTAGES 4
 #define QM_BSTAGES 3
-#define QM_RSTAGES 4
-#define QM_RTILE (QM_BN * 48)  // q4_k: a weight row's 16-byte header and 32 quant bytes of a step
 #define QM_XTILE (QM_BM * QM_BK * 2)
 #define QM_BTILE (QM_BN * QM_BK * 2)
 // tiles 1024-byte aligned (the 128-byte swizzle's period, which wgmma's descriptors assume): one KiB of slack
-#define QM_SMEM (QM_XSTAGES * QM_XTILE + QM_BSTAGES * QM_BTILE + QM_RSTAGES * QM_RTILE + 1024)
+#define QM_SMEM (QM_XSTAGES * QM_XTILE + QM_BSTAGES * QM_BTILE + 1024)
 
 // sm_90a (wgmma): each warpgroup's 64 x 256 block by wgmma.mma_async from the shared tiles, the decode of the next
 // step issued while it runs; elsewhere (sm_80..sm_89, or sm_90 without the a) mma.sync from ldmatrix fragments.
@@ -268,8 +266,7 @@ struct QmBlock {
     typedef typename QmFmt<FMT>::Scale Scale;
 
     char* xs;  // QM_XSTAGES input tiles
-    char* bs;  // QM_BSTAGES f16 weight tiles
-    char* rs;  // q4_k: QM_RSTAGES steps of quant bytes, by cp.async three steps ahead (no registers held)
+    char* bs;  // two f16 weight tiles
     const unsigned short* a;
     const unsigned char* wrow;  // this thread's weight row
     long long arow0;            // first input row of the tile
@@ -281,27 +278,6 @@ struct QmBlock {
     float acc[4][8][4];
 #endif
     Raw raw[2];
-    static constexpr bool STAGED = FMT == QM_Q4_K;
-
-    // q4_k: this thread's row's header and quant bytes of `step` (clamped to the last) into stage step % QM_RSTAGES.
-    __device__ __forceinline__ void stage_raw(int step) {
-        const int st = min(step, S - 1), g = st & 3;
-        const unsigned char* b = wrow + (long long)(st >> 2) * 144;
-        const u32 dst = qm_smem(rs + (step % QM_RSTAGES) * QM_RTILE + tid * 48);
-        qm_cp16(dst, b, 16u);
-        qm_cp16(dst + 16, b + 16 + 32 * g, 16u);
-        qm_cp16(dst + 32, b + 32 + 32 * g, 16u);
-    }
-
-    template <typename R>
-    __device__ __forceinline__ void read_raw(R& r, int step) const {
-        if constexpr (sizeof(R) == sizeof(QmRawQ4)) {
-            const uint4* p = (const uint4*)(rs + (step % QM_RSTAGES) * QM_RTILE + tid * 48);
-            r.hdr = p[0];
-            r.q0 = p[1];
-            r.q1 = p[2];
-        }
-    }
 
     __device__ __forceinline__ void load_x(int step) {
         if (step >= S) return;
@@ -394,35 +370,29 @@ struct QmBlock {
 #endif
         __syncthreads();
         load_x(k + 2);
-#ifndef QM_SKIP_DECODE
-        if constexpr (STAGED) stage_raw(k + 3);
-#endif
         qm_commit();
         // the raw unit of step k + 2 (q4_k) or of steps k + 2, k + 3 (q6_k, at even k) into the free buffer
 #ifndef QM_SKIP_DECODE  // the ablation of the MMAs and the input tiles alone (the weight tiles left as they are)
-        if (!STAGED && (US == 0 || (KP & 1) == 0)) {
+        if (US == 0 || (KP & 1) == 0) {
             constexpr int buf = ((KP + 2) >> US) & 1;
             qm_load(raw[buf], wrow, min(k + 2, S - 1));
         }
         constexpr int dbuf = ((KP + 1) >> US) & 1;  // the raw unit of step k + 1
         const int dstep = min(k + 1, S - 1);
-        Raw staged;
-        if constexpr (STAGED) read_raw(staged, k + 1);
-        const Raw& rr = STAGED ? staged : raw[dbuf];
-        const Scale s = qm_scales(rr, dstep);
+        const Scale s = qm_scales(raw[dbuf], dstep);
         const char* xt = xs + (k % QM_XSTAGES) * QM_XTILE;
         const char* bt = bs + (k % QM_BSTAGES) * QM_BTILE;
         char* bn = bs + ((k + 1) % QM_BSTAGES) * QM_BTILE;
 #if QM_WGMMA
         wg_issue(xt, bt);
 #pragma unroll
-        for (int kk = 0; kk < 4; ++kk) QmFmt<FMT>::decode(rr, s, kk, dstep & 1, bn, tid);
+        for (int kk = 0; kk < 4; ++kk) QmFmt<FMT>::decode(raw[dbuf], s, kk, dstep & 1, bn, tid);
         wg_wait();
 #else
 #pragma unroll
         for (int kk = 0; kk < 4; ++kk) {
             mma_sub(xt, bt, kk);
-            QmFmt<FMT>::decode(rr, s, kk, dstep & 1, bn, tid);
+            QmFmt<FMT>::decode(raw[dbuf], s, kk, dstep & 1, bn, tid);
         }
 #endif
 #else
@@ -441,21 +411,11 @@ struct QmBlock {
 
     __device__ __forceinline__ void run() {
         load_x(0);
-        if constexpr (STAGED) {
-            stage_raw(0);
-            stage_raw(1);
-        }
         qm_commit();
         load_x(1);
-        if constexpr (STAGED) stage_raw(2);
         qm_commit();
-        if constexpr (STAGED) {
-            qm_wait1();
-            read_raw(raw[0], 0);
-        } else {
-            qm_load(raw[0], wrow, 0);
-            if (QmFmt<FMT>::UNIT_SHIFT == 0) qm_load(raw[1], wrow, min(1, S - 1));
-        }
+        qm_load(raw[0], wrow, 0);
+        if (QmFmt<FMT>::UNIT_SHIFT == 0) qm_load(raw[1], wrow, min(1, S - 1));
 #if QM_WGMMA
 #pragma unroll
         for (int i = 0; i < 128; ++i) acc[i] = 0.0f;
@@ -530,7 +490,6 @@ __device__ __forceinline__ void qm_kernel(const unsigned short* __restrict__ a, 
     char* base = (char*)(((unsigned long long)qm_shared + 1023ull) & ~1023ull);
     blk.xs = base;
     blk.bs = base + QM_XSTAGES * QM_XTILE;
-    blk.rs = blk.bs + QM_BSTAGES * QM_BTILE;
     blk.a = a;
     blk.tid = threadIdx.x;
     blk.lane = threadIdx.x & 31;

@@ -26,9 +26,8 @@ BK = 64
 THREADS = 256
 GATE_UP_COLUMNS = 128
 DOWN_COLUMNS = 256
-#: QM_SMEM: four input stages of BM x BK f16, three decoded tiles of 256 x BK f16, four stages of q4_k quant bytes
-#: (48 a weight row), 1 KiB to align them.
-SMEM_BYTES = 4 * BM * BK * 2 + 3 * 256 * BK * 2 + 4 * 256 * 48 + 1024
+#: QM_SMEM: four input stages of BM x BK f16, three decoded tiles of 256 x BK f16, 1 KiB to align them.
+SMEM_BYTES = 4 * BM * BK * 2 + 3 * 256 * BK * 2 + 1024
 #: K steps per unrolled loop trip (a q6_k raw unit spans two steps, and the buffers alternate every trip of two).
 STEP_UNROLL = 4
 
