@@ -152,7 +152,12 @@ WARM_DEVICE = False
 #: path bit for bit but the Qwen3-30B-A3B Q4_K_M warm layer took 2.78-3.25x the f16 warm time at BM 128 and 64
 #: (bench/results/lead_h200_s8/call1_quant_layer_h200.json) and 2.37x at its best BM 256 tile (call2_), against
 #: 1.58-1.71x host-synced: each program decodes its tile's blocks again per row tile, and the decode (byte loads,
-#: the scales' six-bit unpacking) runs in the warps that issue the MMAs, so nothing hides it.
+#: the scales' six-bit unpacking) runs in the warps that issue the MMAs, so nothing hides it. With quant_mma.cu's
+#: kernels (FUSED_KERNEL "mma") the fused warm layer took 1.72-1.81 ms against 1.53-1.56 host-synced, one call at a
+#: time (bench/results/s16_h200/call3_, call4_quant_layer_h200.json): the kernels alone 1.33-1.38 ms against the f16
+#: device GEMMs' 0.67-0.70 (call3_, call4_quant_mma_h200.json). Their ablations: without the decode 0.42 + 0.34 ms
+#: (gate|up + down, the wgmma skeleton at ~480 TFLOP/s), the decode alone 0.47-0.53 + 0.42, so the decode, which
+#: barely overlaps the MMAs, sets the pace. Still off.
 WARM_FUSED = False
 #: The fused GEMMs of warm_fused: "mma", quant_mma.cu's tensor-core kernels (q4_k and q6_k rows: each weight decoded
 #: once per block into a shared f16 tile between the MMAs of the step before), where they take the format, else
