@@ -220,6 +220,10 @@ def run(args, res: dict) -> None:
                 moe.warm_device = "host" not in flags
             moe.warm_fused = "fused" in flags or (moe.warm_fused and "host" not in flags and "device" not in flags)
             v["warm_fused"] = bool(moe.warm_fused)
+            for tok in flags:  # b<gate|up>x<down>: quant_mma's block rows (QuantMoE.fused_block_rows)
+                if tok.startswith("b") and "x" in tok and tok[1:2].isdigit():
+                    moe.fused_block_rows = tuple(int(v) for v in tok[1:].split("x"))
+                    v["fused_block_rows"] = list(moe.fused_block_rows)
             for tok in flags:  # qBMxBNxWxS+BMxBNxWxS: the fused launches' tiles
                 if tok.startswith("q") and moe.warm_fused and moe._fused_gemm(fmt) is not None:
                     moe._fused_gemm(fmt).set_configs(tok[1:])

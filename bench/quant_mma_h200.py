@@ -66,12 +66,14 @@ def main() -> None:
                  "device": cp.cuda.runtime.getDeviceProperties(0)["name"].decode(), "shape":
                  dict(experts=E, hidden=H, ffn=F, tokens=T, top_k=K), "reps": args.reps,
                  "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "routing": {}}
-    def build(options=()):
+    def build(options=(), block_rows=quant_mma.DEFAULT_BLOCK_ROWS):
         return quant_mma.QuantMmaGEMM(H, F, E, "q4_k", "q6_k", fmt.gate_up_row_bytes, fmt.down_row_bytes,
-                                      fmt.down_offset, options)
+                                      fmt.down_offset, options, block_rows)
     mma = build()
     variants = {"quant_mma_no_decode": build(("-DQM_SKIP_DECODE",)),
                 "quant_mma_no_mma": build(("-DQM_SKIP_MMA",))} if args.ablations else {}
+    if cp.cuda.Device().compute_capability == "90" and not args.profile:  # blocks of 128 weight rows (sm_90a)
+        variants["quant_mma_b128"] = build(block_rows=(128, 128))
     f16 = triton_moe.DeviceGroupedGEMM(H, F, E) if triton_moe.available() and not args.profile else None
     st = cp.cuda.Stream(non_blocking=True)
     flops = 2.0 * T * K * (2 * F * H + H * F)

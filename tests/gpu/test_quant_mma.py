@@ -64,15 +64,27 @@ def _run(gemm, lp, pool, slots, xs_h: np.ndarray, row0: np.ndarray, rows: int, e
     return cp.asnumpy(act).astype(np.float64), cp.asnumpy(ys).astype(np.float64)
 
 
+def _widths() -> list[tuple[int, int]]:
+    """Block rows to test: 256, and on compute capability 9.0 (the sm_90a build) 128 too."""
+    try:
+        import cupy as cp
+        hopper = cp.cuda.Device().compute_capability == "90"
+    except Exception:  # no device: the tests skip anyway
+        hopper = False
+    return [(256, 256), (128, 128)] if hopper else [(256, 256)]
+
+
+@pytest.mark.parametrize("widths", _widths())
 @pytest.mark.parametrize("gate_up,down", [("q4_k", "q6_k"), ("q6_k", "q4_k"), ("q4_k", "q4_k"), ("q6_k", "q6_k")])
-def test_both_launches_match_float64_of_the_same_bytes(tmp_path, gate_up, down):
+def test_both_launches_match_float64_of_the_same_bytes(tmp_path, gate_up, down, widths):
     """gate|up with the SwiGLU against float64 of x and the f16 weights; down against float64 of the kernel's own act
     (so each launch is held alone); rows in the gaps and past the last expert untouched; twice, the same bits."""
     from strata_cuda.quant_mma import QuantMmaGEMM
     e_n, h, f = len(COUNTS), 512, 256
     lp, slots, pool = _pool(tmp_path, gate_up, down, e_n, h, f)
     fmt = lp.fmt
-    gemm = QuantMmaGEMM(h, f, e_n, gate_up, down, fmt.gate_up_row_bytes, fmt.down_row_bytes, fmt.down_offset)
+    gemm = QuantMmaGEMM(h, f, e_n, gate_up, down, fmt.gate_up_row_bytes, fmt.down_row_bytes, fmt.down_offset,
+                        block_rows=widths)
     row0 = np.concatenate([[0], np.cumsum(np.asarray(COUNTS) + GAP)[:-1]]).astype(np.int32)
     rows = int(row0[-1] + COUNTS[-1] + GAP)
     xs_h = np.random.default_rng(2).standard_normal((rows, h)).astype(np.float16)

@@ -163,6 +163,8 @@ WARM_FUSED = False
 #: once per block into a shared f16 tile between the MMAs of the step before), where they take the format, else
 #: "triton" (triton_moe.DeviceQuantGEMM, above).
 FUSED_KERNEL = "mma"
+#: quant_mma's (gate|up, down) weight rows a block: 256 (a block an SM) on every arch.
+FUSED_BLOCK_ROWS = (256, 256)
 #: With warm_device: the experts the scratch holds first (both halves' groups, expert order) are dequantized on the side
 #: stream as soon as the layer starts, beside its routing and gather (which leave most SMs idle), not after them; a
 #: warm layer on this path dequantizes every cached expert, routed to or not, so nothing is speculated.
@@ -506,6 +508,8 @@ class QuantMoE(FastMoE):
         self.warm_fused = WARM_FUSED
         #: which fused GEMMs (FUSED_KERNEL): "mma" (quant_mma.cu) where it takes the format, else "triton"
         self.fused_kernel = FUSED_KERNEL
+        #: quant_mma's (gate|up, down) block rows (quant_mma.BLOCK_ROWS; 128 on the sm_90a build only)
+        self.fused_block_rows = FUSED_BLOCK_ROWS
         self.warm_device_ahead = WARM_DEVICE_AHEAD
         self._ahead: tuple | None = None
         self._fused: dict = {}
@@ -750,12 +754,13 @@ class QuantMoE(FastMoE):
         fused_kernel is "mma" and it takes the format, else triton_moe.DeviceQuantGEMM where Triton runs it; None
         where neither does."""
         from . import quant_mma, triton_moe
-        key = (fmt.gate_up, fmt.down, fmt.bias, self.fused_kernel)
+        key = (fmt.gate_up, fmt.down, fmt.bias, self.fused_kernel, self.fused_block_rows)
         if key not in self._fused:
             args = (fmt.hidden, fmt.ffn, self.experts, fmt.gate_up, fmt.down, fmt.gate_up_row_bytes,
                     fmt.down_row_bytes, fmt.down_offset)
-            if self.fused_kernel == "mma" and quant_mma.takes(fmt.gate_up, fmt.down, fmt.hidden, fmt.ffn, fmt.bias):
-                self._fused[key] = quant_mma.QuantMmaGEMM(*args)
+            if self.fused_kernel == "mma" and quant_mma.takes(fmt.gate_up, fmt.down, fmt.hidden, fmt.ffn, fmt.bias,
+                                                              self.fused_block_rows):
+                self._fused[key] = quant_mma.QuantMmaGEMM(*args, block_rows=self.fused_block_rows)
             elif self.device_gemm is not None and triton_moe.quant_takes(fmt.gate_up, fmt.down, fmt.hidden,
                                                                          fmt.ffn, fmt.bias):
                 self._fused[key] = triton_moe.DeviceQuantGEMM(*args)

@@ -1,5 +1,5 @@
 // Grouped expert GEMMs on tensor cores that read a 'gguf' pool's own q4_k / q6_k rows and decode them per tile
-// (CUDA only: mma.sync, ldmatrix, cp.async; sm_80 and newer). strata_cuda/quant_mma.py launches them.
+// (CUDA only: wgmma on sm_90a, mma.sync elsewhere, cp.async; sm_80 and newer). strata_cuda/quant_mma.py launches them.
 //
 // One launch is a layer's gate|up with the SwiGLU fused in (act = silu(x Wg^T) * (x Wu^T)), another its down
 // projection (y = act Wd^T), for every routed expert at once. Tables as triton_moe's: expert e's rows are rows
@@ -8,31 +8,28 @@
 // walks every expert's ceil(count / QM_BM) row tiles in expert order; a block past the last returns at once), so no
 // launch needs the counts on the host.
 //
-// A block computes QM_BM rows x QM_BN weight rows (gate|up: 128 gate rows and the same 128 up rows, 128 act columns;
-// down: 256 output columns) in K steps of 64 weights: the input tile comes by cp.async (four stages, two ahead), each
-// thread decodes one weight row's 64 weights of the next step from its quant bytes (read into registers a step or two
-// ahead) into one of three shared f16 tiles while the current step's MMAs run (on sm_90a the wgmmas of a step run on
-// into the next: a step waits only for the step before's), and eight warps (2 x 4, 64 x 64 each) run
-// m16n8k16 MMAs (f32 sums) from ldmatrix fragments. So each weight is decoded once per block, never written to
-// global memory, and the decode's integer and float work issues beside the tensor cores' work.
+// A block computes QM_BM input rows x BN weight rows (gate|up: BN/2 gate rows and the same BN/2 up rows, BN/2 act
+// columns; down: BN output columns) in K steps of 64 weights: the input tile comes by cp.async (three stages, two
+// ahead); the 256 threads decode the next step's BN x 64 weights (a row by 256 / BN threads) from the quant bytes
+// (read into registers a step or two ahead) into the other of two shared f16 tiles (128-byte rows, 16-byte chunks
+// swizzled by the row) while the current step's MMAs run. On sm_90a each of two warpgroups runs wgmma m64nBNk16 from
+// the shared tiles (asynchronous: the decode issues while the tensor cores work); elsewhere (BN 256 only) eight
+// warps (2 x 4, 64 x 64 each) run mma.sync m16n8k16 from ldmatrix fragments. BN 256: one block an SM (128 f32 sums
+// a thread); BN 128 (sm_90a): two (64 sums a thread, half the shared memory), so one block's decode, barriers and
+// start overlap the other's MMAs. Each weight is decoded once per block and never written to global memory.
 //
 // Decoded weights are the oracle's float32 (strata_core/reference/quants.py, quants.cuh) rounded once to f16: a
 // quant q becomes the float 2^23 + q by its bits, fma(2^23 + q, scale, -2^23 * scale) is q * scale exactly, and the
 // q4_k min (or q6_k's 32 * scale) is subtracted with one rounding, as numpy does.
 
 #define QM_BM 128
-#define QM_BN 256
 #define QM_BK 64
 #define QM_THREADS 256
-#define QM_XSTAGES 4
-#define QM_BSTAGES 3
+#define QM_XSTAGES 3
 #define QM_XTILE (QM_BM * QM_BK * 2)
-#define QM_BTILE (QM_BN * QM_BK * 2)
 // tiles 1024-byte aligned (the 128-byte swizzle's period, which wgmma's descriptors assume): one KiB of slack
-#define QM_SMEM (QM_XSTAGES * QM_XTILE + QM_BSTAGES * QM_BTILE + 1024)
+#define QM_SMEM(BN) (QM_XSTAGES * QM_XTILE + 2 * (BN) * QM_BK * 2 + 1024)
 
-// sm_90a (wgmma): each warpgroup's 64 x 256 block by wgmma.mma_async from the shared tiles, the decode of the next
-// step issued while it runs; elsewhere (sm_80..sm_89, or sm_90 without the a) mma.sync from ldmatrix fragments.
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define QM_WGMMA 1
 #else
@@ -71,13 +68,29 @@ __device__ __forceinline__ void qm_mma(float* c, const u32* a, u32 b0, u32 b1) {
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-// D[64 x 256] += A[64 x 16] B[16 x 256]^T from two shared-memory descriptors (K-major, 128-byte swizzle).
-__device__ __forceinline__ void qm_wgmma(float* d, unsigned long long da, unsigned long long db) {
+// D[64 x N] += A[64 x 16] B[16 x N]^T from two shared-memory descriptors (K-major, 128-byte swizzle).
+__device__ __forceinline__ void qm_wgmma256(float* d, unsigned long long da, unsigned long long db) {
     asm volatile(
         "{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
         "wgmma.mma_async.sync.aligned.m64n256k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, %128, %129, p, 1, 1, 0, 0;\n}\n"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]), "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]), "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]), "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
         : "l"(da), "l"(db), "r"(1));
+}
+
+__device__ __forceinline__ void qm_wgmma128(float* d, unsigned long long da, unsigned long long db) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1, 0, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        : "l"(da), "l"(db), "r"(1));
+}
+
+template <int BN>
+__device__ __forceinline__ void qm_wgmma(float* d, unsigned long long da, unsigned long long db) {
+    if constexpr (BN == 256)
+        qm_wgmma256(d, da, db);
+    else
+        qm_wgmma128(d, da, db);
 }
 
 __device__ __forceinline__ unsigned long long qm_desc(u32 addr) {  // K-major, 128-byte swizzle, 8-row groups 1 KiB apart
@@ -87,7 +100,6 @@ __device__ __forceinline__ unsigned long long qm_desc(u32 addr) {  // K-major, 1
 __device__ __forceinline__ void qm_wg_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
 __device__ __forceinline__ void qm_wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
 __device__ __forceinline__ void qm_wg_wait0() { asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory"); }
-__device__ __forceinline__ void qm_wg_wait1() { asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory"); }
 // the generic proxy's shared-memory writes (cp.async, the decode's stores) made visible to wgmma's async proxy
 __device__ __forceinline__ void qm_fence_async() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
 
@@ -120,17 +132,20 @@ __device__ __forceinline__ void qm_store(char* bt, int n, int chunk, uint2 a, ui
     *(uint4*)(bt + n * 128 + ((chunk ^ (n & 7)) << 4)) = make_uint4(a.x, a.y, b.x, b.y);
 }
 
-// ---- q4_k: a step is a quarter g of a super-block: sub-blocks 2g (low nibbles of qs[32g..+32]) and 2g+1 (high).
+// ---- q4_k: a step is a quarter g of a super-block: sub-blocks 2g (low nibbles of qs[32g..+32]) and 2g+1 (high). A
+// thread of part p (of RT a row) decodes qs bytes 32g + 32p/RT .. +32/RT: CH = 4/RT chunks of 8 weights of each sub.
+template <int RT>
 struct QmRawQ4 {
-    uint4 hdr, q0, q1;
+    uint4 hdr, q[2 / RT];
 };
 
-__device__ __forceinline__ void qm_load(QmRawQ4& r, const unsigned char* row, int step) {
+template <int RT>
+__device__ __forceinline__ void qm_load(QmRawQ4<RT>& r, const unsigned char* row, int step, int part) {
     const unsigned char* b = row + (long long)(step >> 2) * 144;
     const int g = step & 3;
     r.hdr = *(const uint4*)b;
-    r.q0 = *(const uint4*)(b + 16 + 32 * g);
-    r.q1 = *(const uint4*)(b + 32 + 32 * g);
+#pragma unroll
+    for (int i = 0; i < 2 / RT; ++i) r.q[i] = *(const uint4*)(b + 16 + 32 * g + (32 / RT) * part + 16 * i);
 }
 
 struct QmScaleQ4 {
@@ -152,7 +167,8 @@ __device__ __forceinline__ void qm_scale_min(const uint4& h, int j, u32& sc, u32
     }
 }
 
-__device__ __forceinline__ QmScaleQ4 qm_scales(const QmRawQ4& r, int step) {
+template <int RT>
+__device__ __forceinline__ QmScaleQ4 qm_scales(const QmRawQ4<RT>& r, int step) {
     const int g = step & 3;
     const float d = qm_half(r.hdr.x & 0xffffu), dmin = qm_half(r.hdr.x >> 16);
     u32 sc0, m0, sc1, m1;
@@ -168,35 +184,46 @@ __device__ __forceinline__ QmScaleQ4 qm_scales(const QmRawQ4& r, int step) {
     return s;
 }
 
-// Chunk kk (weights 8kk..8kk+7 of sub 2g, and 32+8kk.. of sub 2g+1) of row n's step into the f16 tile.
-__device__ __forceinline__ void qm_decode(const QmRawQ4& r, const QmScaleQ4& s, int kk, char* bt, int n) {
-    const u32 w0 = kk == 0 ? r.q0.x : kk == 1 ? r.q0.z : kk == 2 ? r.q1.x : r.q1.z;
-    const u32 w1 = kk == 0 ? r.q0.y : kk == 1 ? r.q0.w : kk == 2 ? r.q1.y : r.q1.w;
-    qm_store(bt, n, kk, qm_four(w0 & 0x0f0f0f0fu, s.s0, s.nb0, s.m0), qm_four(w1 & 0x0f0f0f0fu, s.s0, s.nb0, s.m0));
-    qm_store(bt, n, 4 + kk, qm_four(w0 & 0xf0f0f0f0u, s.s1, s.nb1, s.m1),
+// Chunk c of the part's (weights 8c.. of its span of sub 2g, and of sub 2g+1) into row n of the f16 tile.
+template <int RT>
+__device__ __forceinline__ void qm_decode(const QmRawQ4<RT>& r, const QmScaleQ4& s, int c, int, int part, char* bt,
+                                          int n) {
+    const uint4& q = r.q[c >> 1];
+    const u32 w0 = (c & 1) ? q.z : q.x, w1 = (c & 1) ? q.w : q.y;
+    const int chunk = (4 / RT) * part + c;
+    qm_store(bt, n, chunk, qm_four(w0 & 0x0f0f0f0fu, s.s0, s.nb0, s.m0), qm_four(w1 & 0x0f0f0f0fu, s.s0, s.nb0, s.m0));
+    qm_store(bt, n, 4 + chunk, qm_four(w0 & 0xf0f0f0f0u, s.s1, s.nb1, s.m1),
              qm_four(w1 & 0xf0f0f0f0u, s.s1, s.nb1, s.m1));
 }
 
 // ---- q6_k: a step is a quarter q of a 210-byte super-block (half h = q / 2, odd = q % 2): weights
 // 128h + 64odd + l (l < 32) from nibble `odd` of ql[64h + l] and bits 4odd.. of qh[32h + l], weights
-// 128h + 64odd + 32 + l from ql[64h + 32 + l] and bits 4odd + 2.. of qh[32h + l]. Rows are 2-byte aligned, so the
-// words are read aligned and funnel-shifted at decode. Both quarters of a half read the same bytes.
+// 128h + 64odd + 32 + l from ql[64h + 32 + l] and bits 4odd + 2.. of qh[32h + l]. A thread of part p decodes
+// l = 32p/RT .. +32/RT. Rows are 2-byte aligned, so the words are read aligned and funnel-shifted at decode. Both
+// quarters of a half read the same bytes.
+template <int RT>
 struct QmRawQ6 {
-    u32 ql[17], qh[9], sc[3], sh;
+    static constexpr int W = 32 / RT / 4 + 1;  // words of a region of 32/RT bytes, one more for the shift
+    u32 la[W], lb[W], qh[W], sc[3], sh;
     unsigned short d;
 };
 
-__device__ __forceinline__ void qm_load(QmRawQ6& r, const unsigned char* row, int step) {
+template <int RT>
+__device__ __forceinline__ void qm_load(QmRawQ6<RT>& r, const unsigned char* row, int step, int part) {
+    constexpr int W = QmRawQ6<RT>::W;
     const unsigned long long p = (unsigned long long)(row + (long long)(step >> 2) * 210);
-    const int h = (step >> 1) & 1;
+    const int h = (step >> 1) & 1, l0 = (32 / RT) * part;
     r.sh = (u32)(p & 3u) * 8u;
-    const u32* ql = (const u32*)((p + 64 * h) & ~3ull);
-    const u32* qh = (const u32*)((p + 128 + 32 * h) & ~3ull);
+    const u32* la = (const u32*)((p + 64 * h + l0) & ~3ull);
+    const u32* lb = (const u32*)((p + 64 * h + 32 + l0) & ~3ull);
+    const u32* qh = (const u32*)((p + 128 + 32 * h + l0) & ~3ull);
     const u32* sc = (const u32*)((p + 192 + 8 * h) & ~3ull);
 #pragma unroll
-    for (int i = 0; i < 17; ++i) r.ql[i] = ql[i];
-#pragma unroll
-    for (int i = 0; i < 9; ++i) r.qh[i] = qh[i];
+    for (int i = 0; i < W; ++i) {
+        r.la[i] = la[i];
+        r.lb[i] = lb[i];
+        r.qh[i] = qh[i];
+    }
     r.sc[0] = sc[0];
     r.sc[1] = sc[1];
     r.sc[2] = r.sh ? sc[2] : 0u;  // only a shifted row needs it (an aligned one would read past the block)
@@ -207,7 +234,8 @@ struct QmScaleQ6 {
     float d;
 };
 
-__device__ __forceinline__ QmScaleQ6 qm_scales(const QmRawQ6& r, int) {
+template <int RT>
+__device__ __forceinline__ QmScaleQ6 qm_scales(const QmRawQ6<RT>& r, int) {
     QmScaleQ6 s;
     s.d = qm_half(r.d);
     return s;
@@ -215,65 +243,66 @@ __device__ __forceinline__ QmScaleQ6 qm_scales(const QmRawQ6& r, int) {
 
 __device__ __forceinline__ u32 qm_word(const u32* w, int i, u32 sh) { return __funnelshift_r(w[i], w[i + 1], sh); }
 
-__device__ __forceinline__ void qm_decode_q6_part(const QmRawQ6& r, float d, int kk, int odd, int second, char* bt,
-                                                  int n) {
-    const int qo = second ? 8 : 0;
+template <int RT>
+__device__ __forceinline__ void qm_decode_q6_part(const QmRawQ6<RT>& r, float d, int c, int odd, int part,
+                                                  int second, char* bt, int n) {
     const u32 sh = r.sh, nsh = 4u * (u32)odd, hsh = 4u * (u32)odd + 2u * (u32)second;
     const u32 s_lo = qm_word(r.sc, 0, sh), s_hi = qm_word(r.sc, 1, sh);
-    const int si = 4 * odd + 2 * second + (kk >> 1);  // scale index within the half's eight
+    const int l = (32 / RT) * part + 8 * c;          // the chunk's first l
+    const int si = 4 * odd + 2 * second + (l >> 4);  // scale index within the half's eight
     const u32 sb = ((si < 4 ? s_lo : s_hi) >> (8 * (si & 3))) & 255u;
     const float s = __fmul_rn(d, (float)(int)(signed char)sb);
-    const float nb = __fmul_rn(s, -8388608.0f), c = __fmul_rn(s, 32.0f);
+    const float nb = __fmul_rn(s, -8388608.0f), cc = __fmul_rn(s, 32.0f);
+    const u32* ql = second ? r.lb : r.la;
     uint2 out[2];
 #pragma unroll
     for (int t = 0; t < 2; ++t) {
-        const u32 lw = qm_word(r.ql, qo + 2 * kk + t, sh), hw = qm_word(r.qh, 2 * kk + t, sh);
+        const u32 lw = qm_word(ql, 2 * c + t, sh), hw = qm_word(r.qh, 2 * c + t, sh);
         const u32 u = ((lw >> nsh) & 0x0f0f0f0fu) | (((hw >> hsh) & 0x03030303u) << 4);
-        out[t] = qm_four(u, s, nb, c);
+        out[t] = qm_four(u, s, nb, cc);
     }
-    qm_store(bt, n, (second ? 4 : 0) + kk, out[0], out[1]);
+    qm_store(bt, n, (second ? 4 : 0) + (l >> 3), out[0], out[1]);
 }
 
-__device__ __forceinline__ void qm_decode(const QmRawQ6& r, const QmScaleQ6& s, int kk, int odd, char* bt, int n) {
-    qm_decode_q6_part(r, s.d, kk, odd, 0, bt, n);
-    qm_decode_q6_part(r, s.d, kk, odd, 1, bt, n);
+template <int RT>
+__device__ __forceinline__ void qm_decode(const QmRawQ6<RT>& r, const QmScaleQ6& s, int c, int odd, int part,
+                                          char* bt, int n) {
+    qm_decode_q6_part(r, s.d, c, odd, part, 0, bt, n);
+    qm_decode_q6_part(r, s.d, c, odd, part, 1, bt, n);
 }
 
-template <int FMT>
+template <int FMT, int RT>
 struct QmFmt;
-template <>
-struct QmFmt<QM_Q4_K> {
-    typedef QmRawQ4 Raw;
+template <int RT>
+struct QmFmt<QM_Q4_K, RT> {
+    typedef QmRawQ4<RT> Raw;
     typedef QmScaleQ4 Scale;
     static constexpr int UNIT_SHIFT = 0;  // a raw unit per step
-    __device__ __forceinline__ static void decode(const Raw& r, const Scale& s, int kk, int, char* bt, int n) {
-        qm_decode(r, s, kk, bt, n);
-    }
 };
-template <>
-struct QmFmt<QM_Q6_K> {
-    typedef QmRawQ6 Raw;
+template <int RT>
+struct QmFmt<QM_Q6_K, RT> {
+    typedef QmRawQ6<RT> Raw;
     typedef QmScaleQ6 Scale;
     static constexpr int UNIT_SHIFT = 1;  // a raw unit per two steps (a half super-block)
-    __device__ __forceinline__ static void decode(const Raw& r, const Scale& s, int kk, int odd, char* bt, int n) {
-        qm_decode(r, s, kk, odd, bt, n);
-    }
 };
 
-template <int FMT, bool SWIGLU>
+template <int FMT, bool SWIGLU, int BN>
 struct QmBlock {
-    typedef typename QmFmt<FMT>::Raw Raw;
-    typedef typename QmFmt<FMT>::Scale Scale;
+    static constexpr int RT = 256 / BN;  // threads a weight row
+    static constexpr int CH = 4 / RT;    // chunk pairs a thread decodes a step
+    static constexpr int BTILE = BN * QM_BK * 2;
+    typedef typename QmFmt<FMT, RT>::Raw Raw;
+    typedef typename QmFmt<FMT, RT>::Scale Scale;
 
     char* xs;  // QM_XSTAGES input tiles
     char* bs;  // two f16 weight tiles
     const unsigned short* a;
     const unsigned char* wrow;  // this thread's weight row
     long long arow0;            // first input row of the tile
-    int rows, K, S, tid, lane, wm, wn;
+    int rows, K, S, tid, lane, wm, wn, n, part;
     bool active;  // whether this warp's (warpgroup's) 64 rows hold any routed row
 #if QM_WGMMA
-    float acc[128];  // n8 tile j: acc[4j..4j+3] (rows l/4 and l/4 + 8 of the warp's 16, columns 8j + 2(l%4), +1)
+    float acc[BN / 2];  // n8 tile j: acc[4j..4j+3] (rows l/4 and l/4 + 8 of the warp's 16, columns 8j + 2(l%4), +1)
 #else
     float acc[4][8][4];
 #endif
@@ -291,16 +320,14 @@ struct QmBlock {
         }
     }
 
-    __device__ __forceinline__ int bn_unused(int kp) const { return kp; }
-
-    __device__ __forceinline__ int pair_row(int p) const {
-        return SWIGLU ? (p >> 1) * 128 + 32 * wn + 16 * (p & 1) : 64 * wn + 16 * p;
+    __device__ __forceinline__ void decode_chunk(const Raw& r, const Scale& s, int c, int odd, char* bt) const {
+        qm_decode(r, s, c, odd, part, bt, n);
     }
 
 #if QM_WGMMA
     __device__ __forceinline__ void fence_acc() {
 #pragma unroll
-        for (int i = 0; i < 128; ++i) asm volatile("" : "+f"(acc[i])::"memory");
+        for (int i = 0; i < BN / 2; ++i) asm volatile("" : "+f"(acc[i])::"memory");
     }
 
     // This warpgroup's four wgmmas of a step (k16 sub-steps 32 bytes apart in the swizzled rows), committed.
@@ -313,7 +340,7 @@ struct QmBlock {
         fence_acc();
         qm_wg_fence();
 #pragma unroll
-        for (int kk = 0; kk < 4; ++kk) qm_wgmma(acc, qm_desc(xa + 32 * kk), qm_desc(ba + 32 * kk));
+        for (int kk = 0; kk < 4; ++kk) qm_wgmma<BN>(acc, qm_desc(xa + 32 * kk), qm_desc(ba + 32 * kk));
         qm_wg_commit();
     }
 
@@ -322,19 +349,15 @@ struct QmBlock {
         return;
 #endif
         if (!active) return;
-        qm_wg_wait1();  // this step's wgmmas run on into the next step; the step before's are done
-        fence_acc();
-    }
-
-    __device__ __forceinline__ void wg_drain() {
-        if (!active) return;
         qm_wg_wait0();
         fence_acc();
     }
-#endif
+#else
+    __device__ __forceinline__ int pair_row(int p) const {
+        return SWIGLU ? (p >> 1) * 128 + 32 * wn + 16 * (p & 1) : 64 * wn + 16 * p;
+    }
 
-#if !QM_WGMMA
-    // The MMAs of sub-step kk of the tile in xs stage xt and weight tile bt.
+    // The MMAs of sub-step kk of the tile in xs stage xt and weight tile bt (BN 256).
     __device__ __forceinline__ void mma_sub(const char* xt, const char* bt, int kk) {
 #ifdef QM_SKIP_MMA  // bench/quant_mma_h200.py's ablation: the loads and the decode alone
         return;
@@ -348,9 +371,9 @@ struct QmBlock {
         }
 #pragma unroll
         for (int p = 0; p < 4; ++p) {
-            const int n = pair_row(p) + (lane & 7) + ((lane >> 4) << 3), ch = 2 * kk + ((lane >> 3) & 1);
+            const int nn = pair_row(p) + (lane & 7) + ((lane >> 4) << 3), ch = 2 * kk + ((lane >> 3) & 1);
             u32 b0, b1, b2, b3;
-            qm_ldm4(qm_smem(bt + n * 128 + ((ch ^ (n & 7)) << 4)), b0, b1, b2, b3);
+            qm_ldm4(qm_smem(bt + nn * 128 + ((ch ^ (nn & 7)) << 4)), b0, b1, b2, b3);
 #pragma unroll
             for (int i = 0; i < 4; ++i) {
                 qm_mma(acc[i][2 * p], af[i], b0, b1);
@@ -363,7 +386,7 @@ struct QmBlock {
     // Step k (KP = k % 4): the MMAs over stage k, and the decode of step k + 1 into the other weight tile.
     template <int KP>
     __device__ __forceinline__ void step(int k) {
-        constexpr int US = QmFmt<FMT>::UNIT_SHIFT;
+        constexpr int US = QmFmt<FMT, RT>::UNIT_SHIFT;
         qm_wait1();
 #if QM_WGMMA
         qm_fence_async();
@@ -371,34 +394,31 @@ struct QmBlock {
         __syncthreads();
         load_x(k + 2);
         qm_commit();
-        // the raw unit of step k + 2 (q4_k) or of steps k + 2, k + 3 (q6_k, at even k) into the free buffer
+        const char* xt = xs + (k % QM_XSTAGES) * QM_XTILE;
+        const char* bt = bs + (KP & 1) * BTILE;
 #ifndef QM_SKIP_DECODE  // the ablation of the MMAs and the input tiles alone (the weight tiles left as they are)
+        // the raw unit of step k + 2 (q4_k) or of steps k + 2, k + 3 (q6_k, at even k) into the free buffer
         if (US == 0 || (KP & 1) == 0) {
             constexpr int buf = ((KP + 2) >> US) & 1;
-            qm_load(raw[buf], wrow, min(k + 2, S - 1));
+            qm_load(raw[buf], wrow, min(k + 2, S - 1), part);
         }
         constexpr int dbuf = ((KP + 1) >> US) & 1;  // the raw unit of step k + 1
         const int dstep = min(k + 1, S - 1);
         const Scale s = qm_scales(raw[dbuf], dstep);
-        const char* xt = xs + (k % QM_XSTAGES) * QM_XTILE;
-        const char* bt = bs + (k % QM_BSTAGES) * QM_BTILE;
-        char* bn = bs + ((k + 1) % QM_BSTAGES) * QM_BTILE;
+        char* bn = bs + ((KP + 1) & 1) * BTILE;
 #if QM_WGMMA
         wg_issue(xt, bt);
 #pragma unroll
-        for (int kk = 0; kk < 4; ++kk) QmFmt<FMT>::decode(raw[dbuf], s, kk, dstep & 1, bn, tid);
+        for (int c = 0; c < CH; ++c) decode_chunk(raw[dbuf], s, c, dstep & 1, bn);
         wg_wait();
 #else
 #pragma unroll
         for (int kk = 0; kk < 4; ++kk) {
             mma_sub(xt, bt, kk);
-            QmFmt<FMT>::decode(raw[dbuf], s, kk, dstep & 1, bn, tid);
+            decode_chunk(raw[dbuf], s, kk, dstep & 1, bn);
         }
 #endif
 #else
-        (void)bn_unused(KP);
-        const char* xt = xs + (k % QM_XSTAGES) * QM_XTILE;
-        const char* bt = bs + (k % QM_BSTAGES) * QM_BTILE;
 #if QM_WGMMA
         wg_issue(xt, bt);
         wg_wait();
@@ -414,11 +434,11 @@ struct QmBlock {
         qm_commit();
         load_x(1);
         qm_commit();
-        qm_load(raw[0], wrow, 0);
-        if (QmFmt<FMT>::UNIT_SHIFT == 0) qm_load(raw[1], wrow, min(1, S - 1));
+        qm_load(raw[0], wrow, 0, part);
+        if (QmFmt<FMT, RT>::UNIT_SHIFT == 0) qm_load(raw[1], wrow, min(1, S - 1), part);
 #if QM_WGMMA
 #pragma unroll
-        for (int i = 0; i < 128; ++i) acc[i] = 0.0f;
+        for (int i = 0; i < BN / 2; ++i) acc[i] = 0.0f;
 #else
 #pragma unroll
         for (int i = 0; i < 4; ++i)
@@ -430,7 +450,7 @@ struct QmBlock {
         {
             const Scale s = qm_scales(raw[0], 0);
 #pragma unroll
-            for (int kk = 0; kk < 4; ++kk) QmFmt<FMT>::decode(raw[0], s, kk, 0, bs, tid);
+            for (int c = 0; c < CH; ++c) decode_chunk(raw[0], s, c, 0, bs);
         }
         for (int k = 0; k < S; k += 4) {
             step<0>(k);
@@ -438,9 +458,6 @@ struct QmBlock {
             step<2>(k + 2);
             step<3>(k + 3);
         }
-#if QM_WGMMA
-        wg_drain();
-#endif
     }
 };
 
@@ -474,7 +491,7 @@ __device__ __forceinline__ void qm_expert_of_tile(const int* counts, int e_lo, i
     }
 }
 
-template <int FMT, bool SWIGLU>
+template <int FMT, bool SWIGLU, int BN>
 __device__ __forceinline__ void qm_kernel(const unsigned short* __restrict__ a, const unsigned char* __restrict__ blob,
                                           unsigned short* __restrict__ c, const int* __restrict__ counts,
                                           const int* __restrict__ row0, const int* __restrict__ slots, int N, int K,
@@ -486,7 +503,8 @@ __device__ __forceinline__ void qm_kernel(const unsigned short* __restrict__ a, 
     __syncthreads();
     const int e = s_e;
     if (e < 0) return;
-    QmBlock<FMT, SWIGLU> blk;
+    typedef QmBlock<FMT, SWIGLU, BN> B;
+    B blk;
     char* base = (char*)(((unsigned long long)qm_shared + 1023ull) & ~1023ull);
     blk.xs = base;
     blk.bs = base + QM_XSTAGES * QM_XTILE;
@@ -507,10 +525,13 @@ __device__ __forceinline__ void qm_kernel(const unsigned short* __restrict__ a, 
     blk.K = K;
     blk.S = K / QM_BK;
     blk.active = 64 * blk.wm < blk.rows;
-    // this thread's weight row of the tile: gate|up rows n0.. then the same up rows (F + n0..); down rows n0..
-    const int n = threadIdx.x;
-    const long long wr = SWIGLU ? (n < 128 ? (long long)blockIdx.x * 128 + n : (long long)N + blockIdx.x * 128 + n - 128)
-                                : (long long)blockIdx.x * QM_BN + n;
+    // this thread's weight row of the tile (and its part of it): gate|up rows n0.. then the same up rows (F + n0..);
+    // down rows n0..
+    blk.n = threadIdx.x / B::RT;
+    blk.part = threadIdx.x % B::RT;
+    const int n = blk.n, half = BN / 2;
+    const long long wr = SWIGLU ? (n < half ? (long long)blockIdx.x * half + n : (long long)N + blockIdx.x * half + n - half)
+                                : (long long)blockIdx.x * BN + n;
     blk.wrow = blob + (long long)slots[e] * slot_bytes + mat_off + wr * row_bytes;
     blk.run();
     if (!blk.active) return;
@@ -523,16 +544,16 @@ __device__ __forceinline__ void qm_kernel(const unsigned short* __restrict__ a, 
         unsigned short* out = c + (blk.arow0 + r) * N;
         if (SWIGLU) {
 #pragma unroll
-            for (int j = 0; j < 16; ++j) {
+            for (int j = 0; j < BN / 16; ++j) {
                 const float g0 = blk.acc[4 * j + 2 * hh], g1 = blk.acc[4 * j + 2 * hh + 1];
-                const float u0 = blk.acc[64 + 4 * j + 2 * hh], u1 = blk.acc[64 + 4 * j + 2 * hh + 1];
+                const float u0 = blk.acc[BN / 4 + 4 * j + 2 * hh], u1 = blk.acc[BN / 4 + 4 * j + 2 * hh + 1];
                 const float a0 = g0 / (1.0f + __expf(-g0)) * u0, a1 = g1 / (1.0f + __expf(-g1)) * u1;
-                *(u32*)(out + blockIdx.x * 128 + 8 * j + 2 * (lane & 3)) = qm_pack(a0, a1);
+                *(u32*)(out + blockIdx.x * half + 8 * j + 2 * (lane & 3)) = qm_pack(a0, a1);
             }
         } else {
 #pragma unroll
-            for (int j = 0; j < 32; ++j)
-                *(u32*)(out + blockIdx.x * QM_BN + 8 * j + 2 * (lane & 3)) =
+            for (int j = 0; j < BN / 8; ++j)
+                *(u32*)(out + blockIdx.x * BN + 8 * j + 2 * (lane & 3)) =
                     qm_pack(blk.acc[4 * j + 2 * hh], blk.acc[4 * j + 2 * hh + 1]);
         }
     }
@@ -556,7 +577,7 @@ __device__ __forceinline__ void qm_kernel(const unsigned short* __restrict__ a, 
             } else {
 #pragma unroll
                 for (int j = 0; j < 8; ++j) {
-                    const int col = blockIdx.x * QM_BN + 64 * blk.wn + 8 * j + 2 * (lane & 3);
+                    const int col = blockIdx.x * 256 + 64 * blk.wn + 8 * j + 2 * (lane & 3);
                     *(u32*)(out + col) = qm_pack(blk.acc[i][j][2 * hh], blk.acc[i][j][2 * hh + 1]);
                 }
             }
@@ -565,15 +586,23 @@ __device__ __forceinline__ void qm_kernel(const unsigned short* __restrict__ a, 
 #endif
 }
 
-#define QM_ENTRY(NAME, FMT, SWIGLU)                                                                                 \
-    extern "C" __global__ void __launch_bounds__(QM_THREADS, 1)                                                     \
+#define QM_ENTRY(NAME, FMT, SWIGLU, BN, MINB)                                                                        \
+    extern "C" __global__ void __launch_bounds__(QM_THREADS, MINB)                                                  \
         NAME(const unsigned short* a, const unsigned char* blob, unsigned short* c, const int* counts,              \
              const int* row0, const int* slots, int N, int K, long long slot_bytes, long long mat_off,              \
              long long row_bytes, int e_lo, int e_hi) {                                                             \
-        qm_kernel<FMT, SWIGLU>(a, blob, c, counts, row0, slots, N, K, slot_bytes, mat_off, row_bytes, e_lo, e_hi); \
+        qm_kernel<FMT, SWIGLU, BN>(a, blob, c, counts, row0, slots, N, K, slot_bytes, mat_off, row_bytes, e_lo,    \
+                                   e_hi);                                                                           \
     }
 
-QM_ENTRY(strata_qm_gate_up_q4_k, QM_Q4_K, true)
-QM_ENTRY(strata_qm_gate_up_q6_k, QM_Q6_K, true)
-QM_ENTRY(strata_qm_down_q4_k, QM_Q4_K, false)
-QM_ENTRY(strata_qm_down_q6_k, QM_Q6_K, false)
+// 256 weight rows a block (one block an SM); on sm_90a also 128 (two blocks an SM)
+QM_ENTRY(strata_qm_gate_up_q4_k, QM_Q4_K, true, 256, 1)
+QM_ENTRY(strata_qm_gate_up_q6_k, QM_Q6_K, true, 256, 1)
+QM_ENTRY(strata_qm_down_q4_k, QM_Q4_K, false, 256, 1)
+QM_ENTRY(strata_qm_down_q6_k, QM_Q6_K, false, 256, 1)
+#if QM_WGMMA
+QM_ENTRY(strata_qm128_gate_up_q4_k, QM_Q4_K, true, 128, 2)
+QM_ENTRY(strata_qm128_gate_up_q6_k, QM_Q6_K, true, 128, 2)
+QM_ENTRY(strata_qm128_down_q4_k, QM_Q4_K, false, 128, 2)
+QM_ENTRY(strata_qm128_down_q6_k, QM_Q6_K, false, 128, 2)
+#endif

@@ -19,15 +19,16 @@ import numpy as np
 SOURCE_NAME = "quant_mma.cu"
 #: ggml types the kernels decode (either matrix may be either).
 TYPES = ("q4_k", "q6_k")
-#: QM_BM, QM_BK, QM_THREADS of quant_mma.cu; the weight rows of a block: 128 act columns of gate|up (the 128 gate
-#: rows and the same 128 up rows), 256 output columns of down.
+#: QM_BM, QM_BK, QM_THREADS of quant_mma.cu.
 BM = 128
 BK = 64
 THREADS = 256
-GATE_UP_COLUMNS = 128
-DOWN_COLUMNS = 256
-#: QM_SMEM: four input stages of BM x BK f16, three decoded tiles of 256 x BK f16, 1 KiB to align them.
-SMEM_BYTES = 4 * BM * BK * 2 + 3 * 256 * BK * 2 + 1024
+#: Weight rows a block decodes and multiplies (its BN): 256 (one block an SM; every arch) or 128 (two blocks an SM;
+#: the sm_90a build only). A gate|up block gives BN / 2 act columns (BN / 2 gate rows and the same up rows), a down
+#: block BN output columns.
+BLOCK_ROWS = (256, 128)
+#: (gate|up, down) block rows QuantMmaGEMM takes by default.
+DEFAULT_BLOCK_ROWS = (256, 256)
 #: K steps per unrolled loop trip (a q6_k raw unit spans two steps, and the buffers alternate every trip of two).
 STEP_UNROLL = 4
 
@@ -42,17 +43,25 @@ def kernel_source() -> str:
     return files("strata_cuda").joinpath(SOURCE_NAME).read_text()
 
 
-def kernel_names(gate_up: str, down: str) -> tuple[str, str]:
-    """The gate|up and down kernels for these types."""
-    return f"strata_qm_gate_up_{gate_up}", f"strata_qm_down_{down}"
+def smem_bytes(block_rows: int) -> int:
+    """QM_SMEM(BN): three input stages of BM x BK f16, two decoded tiles of BN x BK f16, 1 KiB to align them."""
+    return 3 * BM * BK * 2 + 2 * int(block_rows) * BK * 2 + 1024
 
 
-def takes(gate_up: str, down: str, hidden: int, ffn: int, biased: bool = False) -> bool:
+def kernel_names(gate_up: str, down: str, block_rows: tuple[int, int] = DEFAULT_BLOCK_ROWS) -> tuple[str, str]:
+    """The gate|up and down kernels for these types and block rows."""
+    pre = ["strata_qm" if b == 256 else f"strata_qm{b}" for b in block_rows]
+    return f"{pre[0]}_gate_up_{gate_up}", f"{pre[1]}_down_{down}"
+
+
+def takes(gate_up: str, down: str, hidden: int, ffn: int, biased: bool = False,
+          block_rows: tuple[int, int] = DEFAULT_BLOCK_ROWS) -> bool:
     """Whether the kernels run experts of these types and shape: no biases, whole K steps in trips of STEP_UNROLL,
     whole column tiles."""
     steps_ok = all(k % (BK * STEP_UNROLL) == 0 for k in (hidden, ffn))
-    return (not biased and gate_up in TYPES and down in TYPES and steps_ok and ffn % GATE_UP_COLUMNS == 0
-            and hidden % DOWN_COLUMNS == 0)
+    gu, dn = block_rows
+    return (not biased and gate_up in TYPES and down in TYPES and steps_ok and gu in BLOCK_ROWS
+            and dn in BLOCK_ROWS and ffn % (gu // 2) == 0 and hidden % dn == 0)
 
 
 def max_row_tiles(routed_rows: int, experts: int) -> int:
@@ -99,7 +108,8 @@ class QuantMmaGEMM:
     signature, so QuantMoE takes either."""
 
     def __init__(self, hidden: int, ffn: int, experts: int, gate_up: str, down: str, gate_up_row_bytes: int,
-                 down_row_bytes: int, down_offset: int, options: tuple[str, ...] = ()):
+                 down_row_bytes: int, down_offset: int, options: tuple[str, ...] = (),
+                 block_rows: tuple[int, int] = DEFAULT_BLOCK_ROWS):
         import cupy as cp
         if not takes(gate_up, down, hidden, ffn):
             raise ValueError(f"quant_mma: no launches for {gate_up}/{down} at hidden {hidden}, ffn {ffn}")
@@ -112,9 +122,14 @@ class QuantMmaGEMM:
         mod = _MODULE.get(options)
         if mod is None:
             mod = _MODULE[options] = _load_module(cp, options)
-        self._gate_up, self._down = (mod.get_function(n) for n in kernel_names(gate_up, down))
-        for k in (self._gate_up, self._down):
-            k.max_dynamic_shared_size_bytes = SMEM_BYTES
+        #: (gate|up, down) weight rows of a block (BLOCK_ROWS; 128 needs the sm_90a build)
+        self.block_rows = tuple(int(b) for b in block_rows)
+        if not takes(gate_up, down, hidden, ffn, block_rows=self.block_rows):
+            raise ValueError(f"quant_mma: block rows {block_rows} do not tile hidden {hidden}, ffn {ffn}")
+        self._gate_up, self._down = (mod.get_function(n) for n in kernel_names(gate_up, down, self.block_rows))
+        self._smem = tuple(smem_bytes(b) for b in self.block_rows)
+        for k, b in zip((self._gate_up, self._down), self._smem):
+            k.max_dynamic_shared_size_bytes = b
         self._streams: dict[int, Any] = {}
 
     def _stream(self, ptr: int) -> Any:
@@ -133,17 +148,18 @@ class QuantMmaGEMM:
                 routed_rows: int, experts: tuple[int, int] | None = None) -> None:
         """Queue gate|up with SwiGLU, xs [rows, H] f16 -> act [rows, F], for experts e_lo <= e < e_hi; tables: the
         device addresses of counts, row0 and slots."""
-        self._launch(self._gate_up, self.ffn // GATE_UP_COLUMNS, stream_ptr, xs, act, blob, slot_bytes, tables,
-                     self.ffn, self.hidden, 0, self._rows[0], routed_rows, experts)
+        self._launch(self._gate_up, self.ffn // (self.block_rows[0] // 2), self._smem[0], stream_ptr, xs, act, blob,
+                     slot_bytes, tables, self.ffn, self.hidden, 0, self._rows[0], routed_rows, experts)
 
     def down(self, stream_ptr: int, act: int, ys: int, blob: int, slot_bytes: int, tables: tuple[int, int, int],
              routed_rows: int, experts: tuple[int, int] | None = None) -> None:
         """Queue down, act [rows, F] f16 -> ys [rows, H], as gate_up."""
-        self._launch(self._down, self.hidden // DOWN_COLUMNS, stream_ptr, act, ys, blob, slot_bytes, tables,
-                     self.hidden, self.ffn, self._down_offset, self._rows[1], routed_rows, experts)
+        self._launch(self._down, self.hidden // self.block_rows[1], self._smem[1], stream_ptr, act, ys, blob,
+                     slot_bytes, tables, self.hidden, self.ffn, self._down_offset, self._rows[1], routed_rows,
+                     experts)
 
-    def _launch(self, kernel: Any, col_tiles: int, stream_ptr: int, a: int, c: int, blob: int, slot_bytes: int,
-                tables: tuple, n: int, k: int, mat_off: int, row_bytes: int, routed_rows: int,
+    def _launch(self, kernel: Any, col_tiles: int, smem: int, stream_ptr: int, a: int, c: int, blob: int,
+                slot_bytes: int, tables: tuple, n: int, k: int, mat_off: int, row_bytes: int, routed_rows: int,
                 experts: tuple[int, int] | None) -> None:
         e_lo, e_hi = experts or (0, self.experts)
         self._check(a, c, blob, slot_bytes)
@@ -151,7 +167,7 @@ class QuantMmaGEMM:
         with self._stream(int(stream_ptr)):
             kernel((col_tiles, max_row_tiles(routed_rows, e_hi - e_lo)), (THREADS,),
                    (u64(a), u64(blob), u64(c), *(u64(t) for t in tables), i32(n), i32(k), i64(slot_bytes),
-                    i64(mat_off), i64(row_bytes), i32(e_lo), i32(e_hi)), shared_mem=SMEM_BYTES)
+                    i64(mat_off), i64(row_bytes), i32(e_lo), i32(e_hi)), shared_mem=smem)
 
     def quant_layer(self, stream_ptr: int, xs: int, act: int, ys: int, blob: int, slot_bytes: int, counts: int,
                     row0: int, slots: int, routed_rows: int, experts: tuple[int, int] | None = None) -> None:
