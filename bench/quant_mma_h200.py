@@ -74,6 +74,9 @@ def main() -> None:
                 "quant_mma_no_mma": build(("-DQM_SKIP_MMA",))} if args.ablations else {}
     if cp.cuda.Device().compute_capability == "90" and not args.profile:  # blocks of 128 weight rows (sm_90a)
         variants["quant_mma_b128"] = build(block_rows=(128, 128))
+        if args.ablations:
+            variants["quant_mma_b128_no_decode"] = build(("-DQM_SKIP_DECODE",), (128, 128))
+            variants["quant_mma_b128_no_mma"] = build(("-DQM_SKIP_MMA",), (128, 128))
     f16 = triton_moe.DeviceGroupedGEMM(H, F, E) if triton_moe.available() and not args.profile else None
     st = cp.cuda.Stream(non_blocking=True)
     flops = 2.0 * T * K * (2 * F * H + H * F)
