@@ -45,6 +45,8 @@ def main() -> None:
     from strata_core.reference import quants
     from strata_cuda import quant_mma, triton_moe
 
+    from quant_layer_h200 import time_ms  # bench/ is this script's folder
+
     fmt = ExpertFormat(hidden=H, ffn=F, gate_up="q4_k", down="q6_k")
     rng = np.random.default_rng(0)
     templates = []
@@ -115,19 +117,9 @@ def main() -> None:
         for name, fn in timed:
             if fn is None:
                 continue
-            fn()
-            st.synchronize()
-            times = []
-            for _ in range(args.reps):
-                a, b = cp.cuda.Event(), cp.cuda.Event()
-                a.record(st)
-                fn()
-                b.record(st)
-                b.synchronize()
-                times.append(cp.cuda.get_elapsed_time(a, b))
-            med = float(np.median(times))
+            t = r[name] = time_ms(cp, fn, st, args.reps)
             part = 2 / 3 if name.endswith("gate_up") else 1 / 3 if name.endswith("down") else 1.0
-            r[name] = {"median_ms": med, "min_ms": float(min(times)), "TFLOP_per_s": part * flops / med / 1e9}
+            t["TFLOP_per_s"] = part * flops / t["median_ms"] / 1e9
         if variants:  # the ablations ran last: the outputs again from the full kernels
             ours()
         if f16 is not None:  # the same weights (f16 of the same blocks), so the outputs agree to f16 rounding

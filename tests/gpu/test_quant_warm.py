@@ -178,8 +178,8 @@ def test_groups_ahead_wait_for_the_last_layers_readers_of_the_scratch(tmp_path):
                                           ("q6_k", "q8_0")])
 @pytest.mark.parametrize("t", [5, 300])
 def test_the_fused_decode_inside_the_gemms_matches_the_reference(tmp_path, gate_up, down, t):
-    """QuantMoE.warm_fused: the warm layer's GEMMs decode the pool's own blocks in their K loop (no scratch), for
-    each type the decode knows, a chunk of 5 tokens (most experts left out) and one of 300, experts in scattered
+    """QuantMoE.warm_fused: the warm layer's GEMMs decode the pool's own blocks in their K loop (no scratch):
+    quant_mma's kernels for the q4_k/q6_k pairs, triton_moe's for the rest, for each type the decode knows, a chunk of 5 tokens (most experts left out) and one of 300, experts in scattered
     slots; twice, the same bits. Q8_0 in mixed slots: a file all in Q8_0 loads as the native 'q8_0' pool (FastMoE's
     kernels), not a 'gguf' blob."""
     import cupy as cp
