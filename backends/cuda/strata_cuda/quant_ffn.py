@@ -157,13 +157,16 @@ WARM_DEVICE = False
 #: time (bench/results/s16_h200/call3_, call4_quant_layer_h200.json): the kernels alone 1.33-1.38 ms against the f16
 #: device GEMMs' 0.67-0.70 (call3_, call4_quant_mma_h200.json). Their ablations: without the decode 0.42 + 0.34 ms
 #: (gate|up + down, the wgmma skeleton at ~480 TFLOP/s), the decode alone 0.47-0.53 + 0.42, so the decode, which
-#: barely overlaps the MMAs, sets the pace. Still off.
+#: barely overlaps the MMAs, sets the pace. Blocks of 128 weight rows (two an SM, sm_90a) took gate|up to 0.696 ms
+#: (0.848 at 256) but down to 0.653 (0.627 at 256; its q6_k decode spills at 128 registers), and the fused layer at
+#: 128 x 128 1.693 ms a layer back to back against 1.493 host-synced (s16_h200/call7_). Still off.
 WARM_FUSED = False
 #: The fused GEMMs of warm_fused: "mma", quant_mma.cu's tensor-core kernels (q4_k and q6_k rows: each weight decoded
 #: once per block into a shared f16 tile between the MMAs of the step before), where they take the format, else
 #: "triton" (triton_moe.DeviceQuantGEMM, above).
 FUSED_KERNEL = "mma"
-#: quant_mma's (gate|up, down) weight rows a block: 256 (a block an SM) on every arch.
+#: quant_mma's (gate|up, down) weight rows a block: 256 (a block an SM; every arch has it). On the H200 128 for gate|up
+#: measured faster (above), but that pair has not run through the layer's tests yet.
 FUSED_BLOCK_ROWS = (256, 256)
 #: With warm_device: the experts the scratch holds first (both halves' groups, expert order) are dequantized on the side
 #: stream as soon as the layer starts, beside its routing and gather (which leave most SMs idle), not after them; a
