@@ -511,8 +511,10 @@ class QuantMoE(FastMoE):
         self.warm_fused = WARM_FUSED
         #: which fused GEMMs (FUSED_KERNEL): "mma" (quant_mma.cu) where it takes the format, else "triton"
         self.fused_kernel = FUSED_KERNEL
-        #: quant_mma's (gate|up, down) block rows (quant_mma.BLOCK_ROWS; 128 on the sm_90a build only)
+        #: quant_mma's (gate|up, down) block rows (quant_mma.BLOCK_ROWS; 128 on the sm_90a build only), and why
+        #: quant_mma's kernels could not be built where they could not (the fused path then falls back)
         self.fused_block_rows = FUSED_BLOCK_ROWS
+        self.fused_error: str | None = None
         self.warm_device_ahead = WARM_DEVICE_AHEAD
         self._ahead: tuple | None = None
         self._fused: dict = {}
@@ -761,9 +763,15 @@ class QuantMoE(FastMoE):
         if key not in self._fused:
             args = (fmt.hidden, fmt.ffn, self.experts, fmt.gate_up, fmt.down, fmt.gate_up_row_bytes,
                     fmt.down_row_bytes, fmt.down_offset)
+            got = None
             if self.fused_kernel == "mma" and quant_mma.takes(fmt.gate_up, fmt.down, fmt.hidden, fmt.ffn, fmt.bias,
                                                               self.fused_block_rows):
-                self._fused[key] = quant_mma.QuantMmaGEMM(*args, block_rows=self.fused_block_rows)
+                try:  # an optional path: a width this device's build lacks, or a compile error, falls back
+                    got = quant_mma.QuantMmaGEMM(*args, block_rows=self.fused_block_rows)
+                except (ValueError, RuntimeError) as e:
+                    self.fused_error = f"{type(e).__name__}: {e}"
+            if got is not None:
+                self._fused[key] = got
             elif self.device_gemm is not None and triton_moe.quant_takes(fmt.gate_up, fmt.down, fmt.hidden,
                                                                          fmt.ffn, fmt.bias):
                 self._fused[key] = triton_moe.DeviceQuantGEMM(*args)

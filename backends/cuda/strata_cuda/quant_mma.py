@@ -119,6 +119,9 @@ class QuantMmaGEMM:
         self._rows = (int(gate_up_row_bytes), int(down_row_bytes))
         self._down_offset = int(down_offset)
         # options: extra NVRTC options (bench/quant_mma_h200.py's ablations, -DQM_SKIP_MMA / -DQM_SKIP_DECODE)
+        if 128 in block_rows and cp.cuda.Device().compute_capability != "90":
+            raise ValueError(f"quant_mma: blocks of 128 weight rows need the sm_90a build, not compute capability "
+                             f"{cp.cuda.Device().compute_capability}")
         mod = _MODULE.get(options)
         if mod is None:
             mod = _MODULE[options] = _load_module(cp, options)

@@ -1,0 +1,41 @@
+"""QuantMoE's choice of fused GEMMs on the host (no GPU): quant_mma's kernels where they take the format, and where
+they cannot be built (a width this device's build lacks, a compile error) the fallback, with the reason kept, instead
+of an exception on that optional path."""
+
+from __future__ import annotations
+
+import pytest
+
+from strata_core.api.kernels import ExpertFormat
+from strata_cuda import quant_ffn, quant_mma, triton_moe
+
+
+def _moe(block_rows=(256, 256), device_gemm=None):
+    moe = quant_ffn.QuantMoE.__new__(quant_ffn.QuantMoE)  # no device: only what _fused_gemm reads
+    moe._fused, moe.fused_kernel, moe.fused_block_rows = {}, "mma", block_rows
+    moe.experts, moe.device_gemm, moe.fused_error = 128, device_gemm, None
+    return moe
+
+
+FMT = ExpertFormat(gate_up="q4_k", down="q6_k", hidden=2048, ffn=768)
+
+
+def test_quant_mma_is_taken_where_it_builds(monkeypatch):
+    built = []
+    monkeypatch.setattr(quant_mma, "QuantMmaGEMM", lambda *a, **k: built.append(k["block_rows"]) or "mma")
+    moe = _moe((128, 256))
+    assert moe._fused_gemm(FMT) == "mma" and built == [(128, 256)] and moe.fused_error is None
+    assert moe._fused_gemm(FMT) == "mma" and len(built) == 1  # built once
+
+
+@pytest.mark.parametrize("error", [ValueError("quant_mma: blocks of 128 weight rows need the sm_90a build"),
+                                   RuntimeError("NVRTC failed on quant_mma.cu")])
+def test_a_build_that_fails_falls_back_and_keeps_the_reason(monkeypatch, error):
+    def fail(*a, **k):
+        raise error
+    monkeypatch.setattr(quant_mma, "QuantMmaGEMM", fail)
+    assert _moe()._fused_gemm(FMT) is None  # no Triton here (device_gemm None): no fused GEMMs at all
+    moe = _moe(device_gemm=object())
+    monkeypatch.setattr(triton_moe, "DeviceQuantGEMM", lambda *a: "triton")
+    assert moe._fused_gemm(FMT) == "triton"
+    assert moe.fused_error.startswith(type(error).__name__) and str(error) in moe.fused_error
