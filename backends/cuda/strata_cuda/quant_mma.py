@@ -6,7 +6,8 @@ block into a shared f16 tile between the MMAs of the step before (the file's hea
 expert is written and no host sync is needed. The weights are the oracle's float32 rounded once to f16, as the
 scratch path's, so the two differ only in the order of the f32 sums. CUDA only: on the H200 (compute capability 9.0)
 the kernels are built for sm_90a and run wgmma from the shared tiles, the decode of the next step issued while it
-runs; elsewhere (sm_80 and newer) mma.sync from ldmatrix fragments. cupy is imported by the constructor.
+runs, in blocks of 256 or 128 weight rows (BLOCK_ROWS); elsewhere (sm_80 and newer) mma.sync from ldmatrix
+fragments, blocks of 256. cupy is imported by the constructor.
 """
 
 from __future__ import annotations
