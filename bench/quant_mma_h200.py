@@ -68,6 +68,7 @@ def main() -> None:
                  "device": cp.cuda.runtime.getDeviceProperties(0)["name"].decode(), "shape":
                  dict(experts=E, hidden=H, ffn=F, tokens=T, top_k=K), "reps": args.reps,
                  "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "routing": {}}
+
     def build(options=(), block_rows=quant_mma.DEFAULT_BLOCK_ROWS):
         return quant_mma.QuantMmaGEMM(H, F, E, "q4_k", "q6_k", fmt.gate_up_row_bytes, fmt.down_row_bytes,
                                       fmt.down_offset, options, block_rows)
@@ -109,7 +110,7 @@ def main() -> None:
             f16.layer(st.ptr, xs.data.ptr, act16.data.ptr, ys16.data.ptr, w13_all.data.ptr, w2_all.data.ptr,
                       counts_d.data.ptr, row0_d.data.ptr, None, rows)
 
-        r: dict = {"counts_max": int(c.max()), "counts_min": int(c.min()), "row_tiles": quant_mma.row_tiles(c)}
+        r: dict = {"counts_max": int(c.max()), "counts_min": int(c.min()), "row_tiles": len(triton_moe.tile_table(c, quant_mma.BM)[0])}
         timed = [("quant_mma", ours), ("quant_mma_gate_up", lambda: ours(which="gate_up")),
                  ("quant_mma_down", lambda: ours(which="down")), ("f16_device_gemm", theirs if f16 else None)]
         for vname, g in variants.items():

@@ -8,6 +8,7 @@ import re
 import pytest
 
 from strata_cuda import quant_mma
+from strata_cuda.kernels import nvrtc_compile
 
 
 def _nvrtc_or_skip():
@@ -19,13 +20,7 @@ def _nvrtc_or_skip():
 
 
 def _ptx(arch: str) -> str:
-    from cupy_backends.cuda.libs import nvrtc
-    prog = nvrtc.createProgram(quant_mma.kernel_source(), quant_mma.SOURCE_NAME, (), ())
-    try:
-        nvrtc.compileProgram(prog, (f"-arch={arch}", "-std=c++17"))
-        return nvrtc.getPTX(prog).decode()
-    finally:
-        nvrtc.destroyProgram(prog)
+    return nvrtc_compile(quant_mma.kernel_source(), quant_mma.SOURCE_NAME, (f"-arch={arch}", "-std=c++17")).decode()
 
 
 @pytest.mark.parametrize("arch,wgmma", [("compute_90a", True), ("compute_90", False), ("compute_80", False)])

@@ -189,16 +189,8 @@ def kernel_source() -> str:
 
 def compile_to_ptx(arch: str = "compute_90", options: tuple[str, ...] = COMPILE_OPTIONS) -> bytes:
     """Compile moe_fast.cu to PTX with NVRTC (no GPU needed); raises RuntimeError with NVRTC's log on failure."""
-    from cupy_backends.cuda.libs import nvrtc
-    prog = nvrtc.createProgram(kernel_source(), SOURCE_NAME, (), ())
-    try:
-        try:
-            nvrtc.compileProgram(prog, (f"-arch={arch}", *options))
-        except nvrtc.NVRTCError as e:
-            raise RuntimeError(f"NVRTC failed on {SOURCE_NAME} ({e}):\n{nvrtc.getProgramLog(prog)}") from None
-        return nvrtc.getPTX(prog)
-    finally:
-        nvrtc.destroyProgram(prog)
+    from .kernels import nvrtc_compile
+    return nvrtc_compile(kernel_source(), SOURCE_NAME, (f"-arch={arch}", *options))
 
 
 #: The third-form gate/up kernels compute a layer's uncached experts first (STRATA_MISSES_FIRST in moe_fast.cu):

@@ -180,20 +180,26 @@ def kernel_source() -> str:
     return files("strata_cuda").joinpath(SOURCE_NAME).read_text()
 
 
+def nvrtc_compile(text: str, name: str, options: tuple[str, ...], cubin: bool = False) -> bytes:
+    """CUDA C `text` (called `name` in messages) compiled by NVRTC with `options` (the -arch one included) to PTX, or
+    to a cubin; no GPU needed. RuntimeError with NVRTC's log on failure."""
+    from cupy_backends.cuda.libs import nvrtc
+    prog = nvrtc.createProgram(text, name, (), ())
+    try:
+        try:
+            nvrtc.compileProgram(prog, tuple(options))
+        except nvrtc.NVRTCError as e:
+            raise RuntimeError(f"NVRTC failed on {name} ({e}):\n{nvrtc.getProgramLog(prog)}") from None
+        return nvrtc.getCUBIN(prog) if cubin else nvrtc.getPTX(prog)
+    finally:
+        nvrtc.destroyProgram(prog)
+
+
 def compile_to_ptx(arch: str = "compute_90", options: tuple[str, ...] = COMPILE_OPTIONS,
                    defines: tuple[str, ...] = (), source: str | None = None) -> bytes:
     """Compile moe.cu (or `source`) to PTX with NVRTC (no GPU needed); raises RuntimeError with NVRTC's log."""
-    from cupy_backends.cuda.libs import nvrtc
-    opts = (f"-arch={arch}", *options, *(f"-D{d}" for d in defines))
-    prog = nvrtc.createProgram(kernel_source() if source is None else source, SOURCE_NAME, (), ())
-    try:
-        try:
-            nvrtc.compileProgram(prog, opts)
-        except nvrtc.NVRTCError as e:
-            raise RuntimeError(f"NVRTC failed on {SOURCE_NAME} ({e}):\n{nvrtc.getProgramLog(prog)}") from None
-        return nvrtc.getPTX(prog)
-    finally:
-        nvrtc.destroyProgram(prog)
+    return nvrtc_compile(kernel_source() if source is None else source, SOURCE_NAME,
+                         (f"-arch={arch}", *options, *(f"-D{d}" for d in defines)))
 
 
 class CupyKernels:

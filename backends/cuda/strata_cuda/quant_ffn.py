@@ -214,17 +214,8 @@ def fast_kernel_source() -> str:
 
 def compile_to_ptx(arch: str = "compute_90", name: str = SOURCE_NAME) -> bytes:
     """moe_quant.cu (or quant_fast.cu) compiled to PTX with NVRTC (no GPU needed); RuntimeError with NVRTC's log."""
-    from cupy_backends.cuda.libs import nvrtc
-    text = files("strata_cuda").joinpath(name).read_text()
-    prog = nvrtc.createProgram(text, name, (), ())
-    try:
-        try:
-            nvrtc.compileProgram(prog, (f"-arch={arch}", *compile_options()))
-        except nvrtc.NVRTCError as e:
-            raise RuntimeError(f"NVRTC failed on {name} ({e}):\n{nvrtc.getProgramLog(prog)}") from None
-        return nvrtc.getPTX(prog)
-    finally:
-        nvrtc.destroyProgram(prog)
+    from .kernels import nvrtc_compile
+    return nvrtc_compile(files("strata_cuda").joinpath(name).read_text(), name, (f"-arch={arch}", *compile_options()))
 
 
 def tile_list(offsets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

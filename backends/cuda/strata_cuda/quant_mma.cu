@@ -115,6 +115,11 @@ __device__ __forceinline__ u32 qm_pack(float lo, float hi) {
     return r;
 }
 
+// silu(g) * u of two adjacent outputs, packed as f16.
+__device__ __forceinline__ u32 qm_swiglu(const float* g, const float* u) {
+    return qm_pack(g[0] / (1.0f + __expf(-g[0])) * u[0], g[1] / (1.0f + __expf(-g[1])) * u[1]);
+}
+
 // Byte b of w as the float 2^23 + byte.
 __device__ __forceinline__ float qm_magic(u32 w, int b) {
     return __uint_as_float(__byte_perm(w, 0x4B000000u, 0x7650u | (u32)b));
@@ -545,10 +550,8 @@ __device__ __forceinline__ void qm_kernel(const unsigned short* __restrict__ a, 
         if (SWIGLU) {
 #pragma unroll
             for (int j = 0; j < BN / 16; ++j) {
-                const float g0 = blk.acc[4 * j + 2 * hh], g1 = blk.acc[4 * j + 2 * hh + 1];
-                const float u0 = blk.acc[BN / 4 + 4 * j + 2 * hh], u1 = blk.acc[BN / 4 + 4 * j + 2 * hh + 1];
-                const float a0 = g0 / (1.0f + __expf(-g0)) * u0, a1 = g1 / (1.0f + __expf(-g1)) * u1;
-                *(u32*)(out + blockIdx.x * half + 8 * j + 2 * (lane & 3)) = qm_pack(a0, a1);
+                const float* g = blk.acc + 4 * j + 2 * hh;
+                *(u32*)(out + blockIdx.x * half + 8 * j + 2 * (lane & 3)) = qm_swiglu(g, g + BN / 4);
             }
         } else {
 #pragma unroll
@@ -568,11 +571,8 @@ __device__ __forceinline__ void qm_kernel(const unsigned short* __restrict__ a, 
             if (SWIGLU) {
 #pragma unroll
                 for (int j = 0; j < 4; ++j) {
-                    const float g0 = blk.acc[i][j][2 * hh], g1 = blk.acc[i][j][2 * hh + 1];
-                    const float u0 = blk.acc[i][j + 4][2 * hh], u1 = blk.acc[i][j + 4][2 * hh + 1];
-                    const float a0 = g0 / (1.0f + __expf(-g0)) * u0, a1 = g1 / (1.0f + __expf(-g1)) * u1;
                     const int col = blockIdx.x * 128 + 32 * blk.wn + 8 * j + 2 * (lane & 3);
-                    *(u32*)(out + col) = qm_pack(a0, a1);
+                    *(u32*)(out + col) = qm_swiglu(&blk.acc[i][j][2 * hh], &blk.acc[i][j + 4][2 * hh]);
                 }
             } else {
 #pragma unroll

@@ -12,10 +12,16 @@ fragments, blocks of 256. cupy is imported by the constructor.
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import tempfile
 from importlib.resources import files
+from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from .triton_moe import max_row_tiles
 
 SOURCE_NAME = "quant_mma.cu"
 #: ggml types the kernels decode (either matrix may be either).
@@ -36,7 +42,7 @@ STEP_UNROLL = 4
 #: The architecture of the wgmma path (quant_mma.cu's QM_WGMMA: sm_90a's arch-specific instructions).
 WGMMA_ARCH = "sm_90a"
 
-_MODULE: dict[Any, Any] = {}
+_MODULE: dict[tuple[str, ...], Any] = {}
 
 
 def kernel_source() -> str:
@@ -65,40 +71,24 @@ def takes(gate_up: str, down: str, hidden: int, ffn: int, biased: bool = False,
             and dn in BLOCK_ROWS and ffn % (gu // 2) == 0 and hidden % dn == 0)
 
 
-def max_row_tiles(routed_rows: int, experts: int) -> int:
-    """Most BM-row tiles any routing of routed_rows rows over `experts` experts can need."""
-    return -(-int(routed_rows) // BM) + int(experts)
-
-
-def row_tiles(counts: np.ndarray) -> int:
-    """The row tiles these counts give (the blocks of a launch that do work, per column tile)."""
-    return int(sum(-(-int(c) // BM) for c in np.asarray(counts).reshape(-1)))
-
-
 def compile_cubin(arch: str = WGMMA_ARCH, options: tuple[str, ...] = ()) -> bytes:
     """quant_mma.cu compiled by NVRTC to a cubin for `arch` (no GPU needed); RuntimeError with NVRTC's log."""
-    from cupy_backends.cuda.libs import nvrtc
-    prog = nvrtc.createProgram(kernel_source(), SOURCE_NAME, (), ())
-    try:
-        try:
-            nvrtc.compileProgram(prog, (f"-arch={arch}", "-std=c++17", *options))
-        except nvrtc.NVRTCError as e:
-            raise RuntimeError(f"NVRTC failed on {SOURCE_NAME} ({e}):\n{nvrtc.getProgramLog(prog)}") from None
-        return nvrtc.getCUBIN(prog)
-    finally:
-        nvrtc.destroyProgram(prog)
+    from .kernels import nvrtc_compile
+    return nvrtc_compile(kernel_source(), SOURCE_NAME, (f"-arch={arch}", "-std=c++17", *options), cubin=True)
+
+
+@functools.lru_cache(maxsize=None)
+def _cubin_dir() -> Path:
+    """The process's folder for the sm_90a cubins (cupy's RawModule loads a cubin from a file)."""
+    return Path(tempfile.mkdtemp(prefix="strata_quant_mma_"))
 
 
 def _load_module(cp: Any, options: tuple[str, ...]) -> Any:
     """The kernels for the current device: on compute capability 9.0 a cubin for sm_90a (the wgmma path; cupy's own
     compile targets sm_90, without it), loaded from a file in a temporary folder; elsewhere cupy's RawModule."""
     if cp.cuda.Device().compute_capability == "90":
-        import hashlib
-        import tempfile
-        from pathlib import Path
         cubin = compile_cubin(WGMMA_ARCH, options)
-        folder = _MODULE.setdefault("dir", Path(tempfile.mkdtemp(prefix="strata_quant_mma_")))
-        path = folder / f"{hashlib.sha1(cubin).hexdigest()}.cubin"
+        path = _cubin_dir() / f"{hashlib.sha1(cubin).hexdigest()}.cubin"
         path.write_bytes(cubin)
         return cp.RawModule(path=str(path))
     return cp.RawModule(code=kernel_source(), options=("-std=c++17", *options))
@@ -112,24 +102,26 @@ class QuantMmaGEMM:
                  down_row_bytes: int, down_offset: int, options: tuple[str, ...] = (),
                  block_rows: tuple[int, int] = DEFAULT_BLOCK_ROWS):
         import cupy as cp
-        if not takes(gate_up, down, hidden, ffn):
-            raise ValueError(f"quant_mma: no launches for {gate_up}/{down} at hidden {hidden}, ffn {ffn}")
+        #: (gate|up, down) weight rows of a block (BLOCK_ROWS; 128 needs the sm_90a build)
+        self.block_rows = tuple(int(b) for b in block_rows)
+        if not takes(gate_up, down, hidden, ffn, block_rows=self.block_rows):
+            raise ValueError(f"quant_mma: no launches for {gate_up}/{down} at hidden {hidden}, ffn {ffn}, block rows "
+                             f"{self.block_rows}")
+        cc = cp.cuda.Device().compute_capability
+        if 128 in self.block_rows and cc != "90":
+            raise ValueError(f"quant_mma: blocks of 128 weight rows need the sm_90a build, not compute capability {cc}")
         self._cp = cp
         self.hidden, self.ffn, self.experts = int(hidden), int(ffn), int(experts)
         self.types = (gate_up, down)
         self._rows = (int(gate_up_row_bytes), int(down_row_bytes))
         self._down_offset = int(down_offset)
+        q4_rows = [r for r, t in zip(self._rows, self.types) if t == "q4_k"]
+        if any(v % 16 for v in (self._down_offset, *q4_rows)):  # the q4_k rows are read 16 bytes at a time
+            raise ValueError("quant_mma: the down offset and q4_k rows must be 16-byte multiples")
         # options: extra NVRTC options (bench/quant_mma_h200.py's ablations, -DQM_SKIP_MMA / -DQM_SKIP_DECODE)
-        if 128 in block_rows and cp.cuda.Device().compute_capability != "90":
-            raise ValueError(f"quant_mma: blocks of 128 weight rows need the sm_90a build, not compute capability "
-                             f"{cp.cuda.Device().compute_capability}")
         mod = _MODULE.get(options)
         if mod is None:
             mod = _MODULE[options] = _load_module(cp, options)
-        #: (gate|up, down) weight rows of a block (BLOCK_ROWS; 128 needs the sm_90a build)
-        self.block_rows = tuple(int(b) for b in block_rows)
-        if not takes(gate_up, down, hidden, ffn, block_rows=self.block_rows):
-            raise ValueError(f"quant_mma: block rows {block_rows} do not tile hidden {hidden}, ffn {ffn}")
         self._gate_up, self._down = (mod.get_function(n) for n in kernel_names(gate_up, down, self.block_rows))
         self._smem = tuple(smem_bytes(b) for b in self.block_rows)
         for k, b in zip((self._gate_up, self._down), self._smem):
@@ -142,11 +134,6 @@ class QuantMmaGEMM:
             cp = self._cp
             s = self._streams[ptr] = cp.cuda.Stream.null if ptr == 0 else cp.cuda.ExternalStream(ptr)
         return s
-
-    def _check(self, *addresses: int) -> None:
-        q4_rows = [r for r, t in zip(self._rows, self.types) if t == "q4_k"]
-        if any(int(v) % 16 for v in (*addresses, self._down_offset, *q4_rows)):
-            raise ValueError("quant_mma: stacks, blob, slot bytes and offsets must be 16-byte aligned")
 
     def gate_up(self, stream_ptr: int, xs: int, act: int, blob: int, slot_bytes: int, tables: tuple[int, int, int],
                 routed_rows: int, experts: tuple[int, int] | None = None) -> None:
@@ -166,10 +153,11 @@ class QuantMmaGEMM:
                 slot_bytes: int, tables: tuple, n: int, k: int, mat_off: int, row_bytes: int, routed_rows: int,
                 experts: tuple[int, int] | None) -> None:
         e_lo, e_hi = experts or (0, self.experts)
-        self._check(a, c, blob, slot_bytes)
+        if any(int(v) % 16 for v in (a, c, blob, slot_bytes)):
+            raise ValueError("quant_mma: stacks, blob and slot bytes must be 16-byte aligned")
         u64, i32, i64 = np.uint64, np.int32, np.int64
         with self._stream(int(stream_ptr)):
-            kernel((col_tiles, max_row_tiles(routed_rows, e_hi - e_lo)), (THREADS,),
+            kernel((col_tiles, max_row_tiles(routed_rows, e_hi - e_lo, BM)), (THREADS,),
                    (u64(a), u64(blob), u64(c), *(u64(t) for t in tables), i32(n), i32(k), i64(slot_bytes),
                     i64(mat_off), i64(row_bytes), i32(e_lo), i32(e_hi)), shared_mem=smem)
 
