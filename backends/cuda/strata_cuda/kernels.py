@@ -180,9 +180,11 @@ def kernel_source() -> str:
     return files("strata_cuda").joinpath(SOURCE_NAME).read_text()
 
 
-def nvrtc_compile(text: str, name: str, options: tuple[str, ...], cubin: bool = False) -> bytes:
+def nvrtc_compile(text: str, name: str, options: tuple[str, ...], cubin: bool = False,
+                  log: list[str] | None = None) -> bytes:
     """CUDA C `text` (called `name` in messages) compiled by NVRTC with `options` (the -arch one included) to PTX, or
-    to a cubin; no GPU needed. RuntimeError with NVRTC's log on failure."""
+    to a cubin; no GPU needed; NVRTC's log (ptxas's notes included) appended to `log` if given. RuntimeError with
+    that log on failure."""
     from cupy_backends.cuda.libs import nvrtc
     prog = nvrtc.createProgram(text, name, (), ())
     try:
@@ -190,6 +192,8 @@ def nvrtc_compile(text: str, name: str, options: tuple[str, ...], cubin: bool = 
             nvrtc.compileProgram(prog, tuple(options))
         except nvrtc.NVRTCError as e:
             raise RuntimeError(f"NVRTC failed on {name} ({e}):\n{nvrtc.getProgramLog(prog)}") from None
+        if log is not None:
+            log.append(str(nvrtc.getProgramLog(prog)).replace("\x00", ""))
         return nvrtc.getCUBIN(prog) if cubin else nvrtc.getPTX(prog)
     finally:
         nvrtc.destroyProgram(prog)

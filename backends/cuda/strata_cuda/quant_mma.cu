@@ -13,7 +13,8 @@
 // ahead); the 256 threads decode the next step's BN x 64 weights (a row by 256 / BN threads) from the quant bytes
 // (read into registers a step or two ahead) into the other of two shared f16 tiles (128-byte rows, 16-byte chunks
 // swizzled by the row) while the current step's MMAs run. On sm_90a each of two warpgroups runs wgmma m64nBNk16 from
-// the shared tiles (asynchronous: the decode issues while the tensor cores work); elsewhere (BN 256 only) eight
+// the shared tiles (asynchronous: the decode issues while the tensor cores work, which needs every value a wgmma's
+// path depends on warp-uniform to the compiler: see qm_kernel); elsewhere (BN 256 only) eight
 // warps (2 x 4, 64 x 64 each) run mma.sync m16n8k16 from ldmatrix fragments. BN 256: one block an SM (128 f32 sums
 // a thread); BN 128 (sm_90a): two (64 sums a thread, half the shared memory), so one block's decode, barriers and
 // start overlap the other's MMAs. Each weight is decoded once per block and never written to global memory.
@@ -506,7 +507,9 @@ __device__ __forceinline__ void qm_kernel(const unsigned short* __restrict__ a, 
     __shared__ int s_e, s_rin;
     qm_expert_of_tile(counts, e_lo, e_hi, &s_e, &s_rin);
     __syncthreads();
-    const int e = s_e;
+    // broadcast from lane 0: values the compiler sees as warp-uniform, so the wgmma paths below are not divergent
+    // (ptxas would otherwise serialize every wgmma, C7518, and the decode would not overlap the tensor cores)
+    const int e = __shfl_sync(0xffffffffu, s_e, 0);
     if (e < 0) return;
     typedef QmBlock<FMT, SWIGLU, BN> B;
     B blk;
@@ -524,12 +527,12 @@ __device__ __forceinline__ void qm_kernel(const unsigned short* __restrict__ a, 
     blk.wm = warp & 1;
     blk.wn = warp >> 1;
 #endif
-    const int count = counts[e];
-    blk.rows = min(QM_BM, count - s_rin);
+    const int count = __shfl_sync(0xffffffffu, counts[e], 0);
+    blk.rows = min(QM_BM, count - __shfl_sync(0xffffffffu, s_rin, 0));
     blk.arow0 = (long long)row0[e] + s_rin;
     blk.K = K;
     blk.S = K / QM_BK;
-    blk.active = 64 * blk.wm < blk.rows;
+    blk.active = __shfl_sync(0xffffffffu, 64 * blk.wm < blk.rows, 0);
     // this thread's weight row of the tile (and its part of it): gate|up rows n0.. then the same up rows (F + n0..);
     // down rows n0..
     blk.n = threadIdx.x / B::RT;

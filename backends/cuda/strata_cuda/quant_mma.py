@@ -71,10 +71,12 @@ def takes(gate_up: str, down: str, hidden: int, ffn: int, biased: bool = False,
             and dn in BLOCK_ROWS and ffn % (gu // 2) == 0 and hidden % dn == 0)
 
 
-def compile_cubin(arch: str = WGMMA_ARCH, options: tuple[str, ...] = ()) -> bytes:
-    """quant_mma.cu compiled by NVRTC to a cubin for `arch` (no GPU needed); RuntimeError with NVRTC's log."""
+def compile_cubin(arch: str = WGMMA_ARCH, options: tuple[str, ...] = (), log: list[str] | None = None) -> bytes:
+    """quant_mma.cu compiled by NVRTC to a cubin for `arch` (no GPU needed; its log appended to `log` if given);
+    RuntimeError with NVRTC's log."""
     from .kernels import nvrtc_compile
-    return nvrtc_compile(kernel_source(), SOURCE_NAME, (f"-arch={arch}", "-std=c++17", *options), cubin=True)
+    return nvrtc_compile(kernel_source(), SOURCE_NAME, (f"-arch={arch}", "-std=c++17", *options), cubin=True,
+                         log=log)
 
 
 @functools.lru_cache(maxsize=None)
