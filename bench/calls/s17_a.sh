@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # 2026-12-04 fourth session, H200 call 1: quant_mma.cu with the expert, its rows and each warpgroup's "active" flag
 # broadcast from lane 0 (__shfl_sync), so ptxas no longer serializes the wgmmas (C7518: before, a wait followed each
-# wgmma and the decode of the next step could not overlap the tensor cores). The layer's GPU tests first, then the
+# wgmma and the decode of the next step could not overlap the tensor cores); the decoded tiles stored by st.shared
+# (they were generic ST.E), the SwiGLU's division __fdividef (no subroutine call per output), each step's decode
+# after its wgmmas are issued. The layer's GPU tests first, then the
 # kernels alone (with the ablations), then the layer bench: the fused path at three block-width pairs and the
 # host-synced default. Files: gpu_tests.log, mma_bench.log, quant_mma_h200.json, quant_layer_h200.json, lane.log.
 set -uo pipefail

@@ -117,8 +117,10 @@ __device__ __forceinline__ u32 qm_pack(float lo, float hi) {
 }
 
 // silu(g) * u of two adjacent outputs, packed as f16.
+// (__fdividef: IEEE division would put a subroutine call per output into the epilogue; its 2-ulp f32 error is far
+// below the f16 rounding that follows)
 __device__ __forceinline__ u32 qm_swiglu(const float* g, const float* u) {
-    return qm_pack(g[0] / (1.0f + __expf(-g[0])) * u[0], g[1] / (1.0f + __expf(-g[1])) * u[1]);
+    return qm_pack(__fdividef(g[0], 1.0f + __expf(-g[0])) * u[0], __fdividef(g[1], 1.0f + __expf(-g[1])) * u[1]);
 }
 
 // Byte b of w as the float 2^23 + byte.
@@ -134,8 +136,12 @@ __device__ __forceinline__ uint2 qm_four(u32 u, float s, float nb, float c) {
     return make_uint2(qm_pack(w[0], w[1]), qm_pack(w[2], w[3]));
 }
 
+// st.shared, not a store through the generic pointer (which the compiler would issue as ST.E, address translation
+// included: the tile pointers live in the block's struct and lose their address space)
 __device__ __forceinline__ void qm_store(char* bt, int n, int chunk, uint2 a, uint2 b) {
-    *(uint4*)(bt + n * 128 + ((chunk ^ (n & 7)) << 4)) = make_uint4(a.x, a.y, b.x, b.y);
+    asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};" ::"r"(qm_smem(bt) + n * 128 + ((chunk ^ (n & 7)) << 4)),
+                 "r"(a.x), "r"(a.y), "r"(b.x), "r"(b.y)
+                 : "memory");
 }
 
 // ---- q4_k: a step is a quarter g of a super-block: sub-blocks 2g (low nibbles of qs[32g..+32]) and 2g+1 (high). A
@@ -152,6 +158,15 @@ __device__ __forceinline__ void qm_load(QmRawQ4<RT>& r, const unsigned char* row
     r.hdr = *(const uint4*)b;
 #pragma unroll
     for (int i = 0; i < 2 / RT; ++i) r.q[i] = *(const uint4*)(b + 16 + 32 * g + (32 / RT) * part + 16 * i);
+}
+
+// An empty asm that "redefines" the raw unit's registers: a step's decode (which depends on them) cannot then be
+// scheduled above the point where it stands (after the step's wgmmas are issued, so they start first).
+template <int RT>
+__device__ __forceinline__ void qm_pin(QmRawQ4<RT>& r) {
+    asm volatile("" : "+r"(r.hdr.x), "+r"(r.hdr.y), "+r"(r.hdr.z), "+r"(r.hdr.w));
+#pragma unroll
+    for (int i = 0; i < 2 / RT; ++i) asm volatile("" : "+r"(r.q[i].x), "+r"(r.q[i].y), "+r"(r.q[i].z), "+r"(r.q[i].w));
 }
 
 struct QmScaleQ4 {
@@ -234,6 +249,13 @@ __device__ __forceinline__ void qm_load(QmRawQ6<RT>& r, const unsigned char* row
     r.sc[1] = sc[1];
     r.sc[2] = r.sh ? sc[2] : 0u;  // only a shifted row needs it (an aligned one would read past the block)
     r.d = *(const unsigned short*)(p + 208);
+}
+
+template <int RT>
+__device__ __forceinline__ void qm_pin(QmRawQ6<RT>& r) {
+#pragma unroll
+    for (int i = 0; i < QmRawQ6<RT>::W; ++i) asm volatile("" : "+r"(r.la[i]), "+r"(r.lb[i]), "+r"(r.qh[i]));
+    asm volatile("" : "+r"(r.sc[0]), "+r"(r.sc[1]), "+r"(r.sc[2]), "+r"(r.sh));
 }
 
 struct QmScaleQ6 {
@@ -410,14 +432,16 @@ struct QmBlock {
         }
         constexpr int dbuf = ((KP + 1) >> US) & 1;  // the raw unit of step k + 1
         const int dstep = min(k + 1, S - 1);
-        const Scale s = qm_scales(raw[dbuf], dstep);
         char* bn = bs + ((KP + 1) & 1) * BTILE;
 #if QM_WGMMA
         wg_issue(xt, bt);
+        qm_pin(raw[dbuf]);
+        const Scale s = qm_scales(raw[dbuf], dstep);
 #pragma unroll
         for (int c = 0; c < CH; ++c) decode_chunk(raw[dbuf], s, c, dstep & 1, bn);
         wg_wait();
 #else
+        const Scale s = qm_scales(raw[dbuf], dstep);
 #pragma unroll
         for (int kk = 0; kk < 4; ++kk) {
             mma_sub(xt, bt, kk);
