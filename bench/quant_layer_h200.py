@@ -224,6 +224,9 @@ def run(args, res: dict) -> None:
                 if tok.startswith("b") and "x" in tok and tok[1:2].isdigit():
                     moe.fused_block_rows = tuple(int(v) for v in tok[1:].split("x"))
                     v["fused_block_rows"] = list(moe.fused_block_rows)
+                if tok.startswith("m") and "x" in tok and tok[1:2].isdigit():  # m<gate|up>x<down>: input rows
+                    moe.fused_input_rows = tuple(int(v) for v in tok[1:].split("x"))
+                    v["fused_input_rows"] = list(moe.fused_input_rows)
             for tok in flags:  # qBMxBNxWxS+BMxBNxWxS: the fused launches' tiles
                 if tok.startswith("q") and moe.warm_fused and moe._fused_gemm(fmt) is not None:
                     moe._fused_gemm(fmt).set_configs(tok[1:])

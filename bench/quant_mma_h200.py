@@ -69,9 +69,9 @@ def main() -> None:
                  dict(experts=E, hidden=H, ffn=F, tokens=T, top_k=K), "reps": args.reps,
                  "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "routing": {}}
 
-    def build(options=(), block_rows=quant_mma.DEFAULT_BLOCK_ROWS):
+    def build(options=(), block_rows=quant_mma.DEFAULT_BLOCK_ROWS, input_rows=quant_mma.DEFAULT_INPUT_ROWS):
         return quant_mma.QuantMmaGEMM(H, F, E, "q4_k", "q6_k", fmt.gate_up_row_bytes, fmt.down_row_bytes,
-                                      fmt.down_offset, options, block_rows)
+                                      fmt.down_offset, options, block_rows, input_rows)
     mma = build()
     variants = {"quant_mma_no_decode": build(("-DQM_SKIP_DECODE",)),
                 "quant_mma_no_mma": build(("-DQM_SKIP_MMA",))} if args.ablations else {}
@@ -80,6 +80,11 @@ def main() -> None:
         if args.ablations:
             variants["quant_mma_b128_no_decode"] = build(("-DQM_SKIP_DECODE",), (128, 128))
             variants["quant_mma_b128_no_mma"] = build(("-DQM_SKIP_MMA",), (128, 128))
+        # 256 input rows x 128 weight rows: each weight decoded for twice the rows
+        variants["quant_mma_m256"] = build(block_rows=(128, 128), input_rows=(256, 256))
+        if args.ablations:
+            variants["quant_mma_m256_no_decode"] = build(("-DQM_SKIP_DECODE",), (128, 128), (256, 256))
+            variants["quant_mma_m256_no_mma"] = build(("-DQM_SKIP_MMA",), (128, 128), (256, 256))
     f16 = triton_moe.DeviceGroupedGEMM(H, F, E) if triton_moe.available() and not args.profile else None
     st = cp.cuda.Stream(non_blocking=True)
     flops = 2.0 * T * K * (2 * F * H + H * F)
@@ -121,12 +126,16 @@ def main() -> None:
             t = r[name] = time_ms(cp, fn, st, args.reps)
             part = 2 / 3 if name.endswith("gate_up") else 1 / 3 if name.endswith("down") else 1.0
             t["TFLOP_per_s"] = part * flops / t["median_ms"] / 1e9
-        if variants:  # the ablations ran last: the outputs again from the full kernels
-            ours()
         if f16 is not None:  # the same weights (f16 of the same blocks), so the outputs agree to f16 rounding
-            d_act = float(cp.linalg.norm((act - act16).astype(cp.float32)) / cp.linalg.norm(act16.astype(cp.float32)))
-            d_y = float(cp.linalg.norm((ys - ys16).astype(cp.float32)) / cp.linalg.norm(ys16.astype(cp.float32)))
-            r["rel_diff_vs_f16"] = {"act": d_act, "y": d_y}
+            def rel(a, b):
+                return float(cp.linalg.norm((a - b).astype(cp.float32)) / cp.linalg.norm(b.astype(cp.float32)))
+            # each full build's outputs (the ablations' are not products), outside the timed region
+            for vname, g in [("quant_mma", mma)] + [(n, g) for n, g in variants.items() if not n.endswith(
+                    ("_no_decode", "_no_mma"))]:
+                ours(g)
+                st.synchronize()
+                key = "rel_diff_vs_f16" if vname == "quant_mma" else f"{vname}_rel_diff_vs_f16"
+                r[key] = {"act": rel(act, act16), "y": rel(ys, ys16)}
             r["x_f16"] = r["quant_mma"]["median_ms"] / r["f16_device_gemm"]["median_ms"]
         res["routing"]["skewed" if skew else "uniform"] = r
         print(("skewed " if skew else "uniform ") + json.dumps(r), flush=True)

@@ -10,9 +10,10 @@ from strata_core.api.kernels import ExpertFormat
 from strata_cuda import quant_ffn, quant_mma, triton_moe
 
 
-def _moe(block_rows=(256, 256), device_gemm=None):
+def _moe(block_rows=(256, 256), device_gemm=None, input_rows=(128, 128)):
     moe = quant_ffn.QuantMoE.__new__(quant_ffn.QuantMoE)  # no device: only what _fused_gemm reads
     moe._fused, moe.fused_kernel, moe.fused_block_rows = {}, "mma", block_rows
+    moe.fused_input_rows = input_rows
     moe.experts, moe.device_gemm, moe.fused_error = 128, device_gemm, None
     return moe
 
@@ -22,9 +23,10 @@ FMT = ExpertFormat(gate_up="q4_k", down="q6_k", hidden=2048, ffn=768)
 
 def test_quant_mma_is_taken_where_it_builds(monkeypatch):
     built = []
-    monkeypatch.setattr(quant_mma, "QuantMmaGEMM", lambda *a, **k: built.append(k["block_rows"]) or "mma")
-    moe = _moe((128, 256))
-    assert moe._fused_gemm(FMT) == "mma" and built == [(128, 256)] and moe.fused_error is None
+    monkeypatch.setattr(quant_mma, "QuantMmaGEMM",
+                        lambda *a, **k: built.append((k["block_rows"], k["input_rows"])) or "mma")
+    moe = _moe((128, 256), input_rows=(256, 128))
+    assert moe._fused_gemm(FMT) == "mma" and built == [((128, 256), (256, 128))] and moe.fused_error is None
     assert moe._fused_gemm(FMT) == "mma" and len(built) == 1  # built once
 
 

@@ -28,9 +28,10 @@ def test_each_arch_gets_its_path_and_every_kernel(arch, wgmma):
     _nvrtc_or_skip()
     ptx = _ptx(arch)
     entries = set(re.findall(r"\.entry\s+(\w+)", ptx))
-    widths = [(256, 256), (128, 128)] if wgmma else [(256, 256)]  # blocks of 128 rows: the sm_90a build only
-    want = {n for a in quant_mma.TYPES for b in quant_mma.TYPES for w in widths
-            for n in quant_mma.kernel_names(a, b, w)}
+    shapes = quant_mma.SHAPES if wgmma else quant_mma.SHAPES[:1]  # the others: the sm_90a build only
+    want = {n for a in quant_mma.TYPES for b in quant_mma.TYPES for m, w in shapes
+            for n in quant_mma.kernel_names(a, b, (w, w), (m, m))}
+    assert len(want) == 4 * len(shapes)
     assert entries == want
     assert ("wgmma.mma_async" in ptx) is wgmma
     assert ("mma.sync.aligned.m16n8k16" in ptx) is not wgmma
@@ -54,3 +55,5 @@ def test_takes_only_whole_steps_tiles_and_known_types():
     assert not quant_mma.takes("q4_k", "q6_k", 2048, 640)  # 640 weights: not whole trips of four K steps
     assert quant_mma.takes("q4_k", "q6_k", 2048, 768, block_rows=(128, 128))
     assert not quant_mma.takes("q4_k", "q6_k", 2048, 768, block_rows=(64, 256))
+    assert quant_mma.takes("q4_k", "q6_k", 2048, 768, block_rows=(128, 256), input_rows=(256, 128))
+    assert not quant_mma.takes("q4_k", "q6_k", 2048, 768, input_rows=(256, 256))  # 256 x 256: no such block

@@ -17,8 +17,10 @@ pytestmark = [pytest.mark.gpu, pytest.mark.requires_cuda]
 #: Per element, |gpu - float64| / (|float64| + 1% of the rows' rms): the outputs are f16 (half an ulp is 2^-11
 #: relative) from f32 sums of f16 products; a wrong weight anywhere in a row moves its outputs far more.
 ELEMENT_BOUND = 1e-3
-#: Rows of each expert (0: an expert no block works for; 127/128/129: a tile's edges; 300: three tiles).
-COUNTS = (0, 1, 127, 128, 129, 300, 64, 65)
+#: Rows of each expert (0: an expert no block works for; 127/128/129: a 128-row tile's edges; 300: three such
+#: tiles, or a 256-row tile and part of another; 200: a 256-row tile's last warpgroup sub-tile in part; 257: one row
+#: past a 256-row tile).
+COUNTS = (0, 1, 127, 128, 129, 300, 64, 65, 200, 257)
 #: Rows left between one expert's rows and the next in the stacks.
 GAP = 3
 NAN16 = 0x7E00
@@ -64,19 +66,21 @@ def _run(gemm, lp, pool, slots, xs_h: np.ndarray, row0: np.ndarray, rows: int, e
     return cp.asnumpy(act).astype(np.float64), cp.asnumpy(ys).astype(np.float64)
 
 
-def _widths() -> list[tuple[int, int]]:
-    """Block rows to test: 256, and on compute capability 9.0 (the sm_90a build) 128 too."""
+def _shapes() -> list[tuple[tuple[int, int], tuple[int, int]]]:
+    """(block rows, input rows) of (gate|up, down) to test: 256 x 128 everywhere; on compute capability 9.0 (the
+    sm_90a build) also blocks of 128 weight rows for 128 and for 256 input rows, and a pair of different shapes."""
     try:
         import cupy as cp
         hopper = cp.cuda.Device().compute_capability == "90"
     except Exception:  # no device: the tests skip anyway
         hopper = False
-    return [(256, 256), (128, 128)] if hopper else [(256, 256)]
+    base = [((256, 256), (128, 128))]
+    return base + [((128, 128), (128, 128)), ((128, 128), (256, 256)), ((128, 256), (256, 128))] if hopper else base
 
 
-@pytest.mark.parametrize("widths", _widths())
+@pytest.mark.parametrize("shape", _shapes())
 @pytest.mark.parametrize("gate_up,down", [("q4_k", "q6_k"), ("q6_k", "q4_k"), ("q4_k", "q4_k"), ("q6_k", "q6_k")])
-def test_both_launches_match_float64_of_the_same_bytes(tmp_path, gate_up, down, widths):
+def test_both_launches_match_float64_of_the_same_bytes(tmp_path, gate_up, down, shape):
     """gate|up with the SwiGLU against float64 of x and the f16 weights; down against float64 of the kernel's own act
     (so each launch is held alone); rows in the gaps and past the last expert untouched; twice, the same bits."""
     from strata_cuda.quant_mma import QuantMmaGEMM
@@ -84,7 +88,7 @@ def test_both_launches_match_float64_of_the_same_bytes(tmp_path, gate_up, down, 
     lp, slots, pool = _pool(tmp_path, gate_up, down, e_n, h, f)
     fmt = lp.fmt
     gemm = QuantMmaGEMM(h, f, e_n, gate_up, down, fmt.gate_up_row_bytes, fmt.down_row_bytes, fmt.down_offset,
-                        block_rows=widths)
+                        block_rows=shape[0], input_rows=shape[1])
     row0 = np.concatenate([[0], np.cumsum(np.asarray(COUNTS) + GAP)[:-1]]).astype(np.int32)
     rows = int(row0[-1] + COUNTS[-1] + GAP)
     xs_h = np.random.default_rng(2).standard_normal((rows, h)).astype(np.float16)
@@ -104,13 +108,15 @@ def test_both_launches_match_float64_of_the_same_bytes(tmp_path, gate_up, down, 
     assert np.array_equal(act, act2, equal_nan=True) and np.array_equal(ys, ys2, equal_nan=True)
 
 
-def test_a_launch_over_a_subset_of_the_experts_writes_only_their_rows(tmp_path):
+@pytest.mark.parametrize("shape", _shapes())
+def test_a_launch_over_a_subset_of_the_experts_writes_only_their_rows(tmp_path, shape):
     """experts=(2, 6): experts 2..5's rows computed (as in the whole launch), every other row untouched."""
     from strata_cuda.quant_mma import QuantMmaGEMM
     e_n, h, f = len(COUNTS), 256, 512
     lp, slots, pool = _pool(tmp_path, "q4_k", "q6_k", e_n, h, f)
     fmt = lp.fmt
-    gemm = QuantMmaGEMM(h, f, e_n, "q4_k", "q6_k", fmt.gate_up_row_bytes, fmt.down_row_bytes, fmt.down_offset)
+    gemm = QuantMmaGEMM(h, f, e_n, "q4_k", "q6_k", fmt.gate_up_row_bytes, fmt.down_row_bytes, fmt.down_offset,
+                        block_rows=shape[0], input_rows=shape[1])
     row0 = np.concatenate([[0], np.cumsum(COUNTS)[:-1]]).astype(np.int32)
     rows = int(sum(COUNTS))
     xs_h = np.random.default_rng(4).standard_normal((rows, h)).astype(np.float16)

@@ -159,7 +159,9 @@ WARM_DEVICE = False
 #: (gate|up + down, the wgmma skeleton at ~480 TFLOP/s), the decode alone 0.47-0.53 + 0.42, so the decode, which
 #: barely overlaps the MMAs, sets the pace. Blocks of 128 weight rows (two an SM, sm_90a) took gate|up to 0.696 ms
 #: (0.848 at 256) but down to 0.653 (0.627 at 256; its q6_k decode spills at 128 registers), and the fused layer at
-#: 128 x 128 1.693 ms a layer back to back against 1.493 host-synced (s16_h200/call7_). Still off.
+#: 128 x 128 1.693 ms a layer back to back against 1.493 host-synced (s16_h200/call7_). Still off. Those builds had
+#: every wgmma serialized by ptxas (C7518: a wait after each), which is why the decode never overlapped; fixed since
+#: (quant_mma.cu's qm_kernel), not yet measured on the H200 (bench/calls/s17_a.sh, s17_b.sh).
 WARM_FUSED = False
 #: The fused GEMMs of warm_fused: "mma", quant_mma.cu's tensor-core kernels (q4_k and q6_k rows: each weight decoded
 #: once per block into a shared f16 tile between the MMAs of the step before), where they take the format, else
@@ -168,6 +170,8 @@ FUSED_KERNEL = "mma"
 #: quant_mma's (gate|up, down) weight rows a block: 256 (a block an SM; every arch has it). On the H200 128 for gate|up
 #: measured faster (above), but that pair has not run through the layer's tests yet.
 FUSED_BLOCK_ROWS = (256, 256)
+#: quant_mma's (gate|up, down) input rows a block (quant_mma.SHAPES: 256 with 128 weight rows, sm_90a only).
+FUSED_INPUT_ROWS = (128, 128)
 #: With warm_device: the experts the scratch holds first (both halves' groups, expert order) are dequantized on the side
 #: stream as soon as the layer starts, beside its routing and gather (which leave most SMs idle), not after them; a
 #: warm layer on this path dequantizes every cached expert, routed to or not, so nothing is speculated.
@@ -505,6 +509,7 @@ class QuantMoE(FastMoE):
         #: quant_mma's (gate|up, down) block rows (quant_mma.BLOCK_ROWS; 128 on the sm_90a build only), and why
         #: quant_mma's kernels could not be built where they could not (the fused path then falls back)
         self.fused_block_rows = FUSED_BLOCK_ROWS
+        self.fused_input_rows = FUSED_INPUT_ROWS
         self.fused_error: str | None = None
         self.warm_device_ahead = WARM_DEVICE_AHEAD
         self._ahead: tuple | None = None
@@ -750,15 +755,16 @@ class QuantMoE(FastMoE):
         fused_kernel is "mma" and it takes the format, else triton_moe.DeviceQuantGEMM where Triton runs it; None
         where neither does."""
         from . import quant_mma, triton_moe
-        key = (fmt.gate_up, fmt.down, fmt.bias, self.fused_kernel, self.fused_block_rows)
+        key = (fmt.gate_up, fmt.down, fmt.bias, self.fused_kernel, self.fused_block_rows, self.fused_input_rows)
         if key not in self._fused:
             args = (fmt.hidden, fmt.ffn, self.experts, fmt.gate_up, fmt.down, fmt.gate_up_row_bytes,
                     fmt.down_row_bytes, fmt.down_offset)
             got = None
             if self.fused_kernel == "mma" and quant_mma.takes(fmt.gate_up, fmt.down, fmt.hidden, fmt.ffn, fmt.bias,
-                                                              self.fused_block_rows):
-                try:  # an optional path: a width this device's build lacks, or a compile error, falls back
-                    got = quant_mma.QuantMmaGEMM(*args, block_rows=self.fused_block_rows)
+                                                              self.fused_block_rows, self.fused_input_rows):
+                try:  # an optional path: a shape this device's build lacks, or a compile error, falls back
+                    got = quant_mma.QuantMmaGEMM(*args, block_rows=self.fused_block_rows,
+                                                 input_rows=self.fused_input_rows)
                 except (ValueError, RuntimeError) as e:
                     self.fused_error = f"{type(e).__name__}: {e}"
             if got is not None:

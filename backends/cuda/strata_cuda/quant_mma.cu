@@ -23,13 +23,14 @@
 // quant q becomes the float 2^23 + q by its bits, fma(2^23 + q, scale, -2^23 * scale) is q * scale exactly, and the
 // q4_k min (or q6_k's 32 * scale) is subtracted with one rounding, as numpy does.
 
+// QM_BM input rows a block by default: 64 a warpgroup; MT = 2 (sm_90a, BN 128) takes 2 * QM_BM, 128 a warpgroup
 #define QM_BM 128
 #define QM_BK 64
 #define QM_THREADS 256
 #define QM_XSTAGES 3
-#define QM_XTILE (QM_BM * QM_BK * 2)
+#define QM_XTILE(MT) ((MT) * QM_BM * QM_BK * 2)
 // tiles 1024-byte aligned (the 128-byte swizzle's period, which wgmma's descriptors assume): one KiB of slack
-#define QM_SMEM(BN) (QM_XSTAGES * QM_XTILE + 2 * (BN) * QM_BK * 2 + 1024)
+#define QM_SMEM(BN, MT) (QM_XSTAGES * QM_XTILE(MT) + 2 * (BN) * QM_BK * 2 + 1024)
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define QM_WGMMA 1
@@ -314,11 +315,16 @@ struct QmFmt<QM_Q6_K, RT> {
     static constexpr int UNIT_SHIFT = 1;  // a raw unit per two steps (a half super-block)
 };
 
-template <int FMT, bool SWIGLU, int BN>
+template <int FMT, bool SWIGLU, int BN, int MT>
 struct QmBlock {
     static constexpr int RT = 256 / BN;  // threads a weight row
     static constexpr int CH = 4 / RT;    // chunk pairs a thread decodes a step
     static constexpr int BTILE = BN * QM_BK * 2;
+    static constexpr int BM = MT * QM_BM;  // input rows: row group g (64 rows) is warpgroup g % 2's sub-tile g / 2
+    static constexpr int XTILE = QM_XTILE(MT);
+#if !QM_WGMMA
+    static_assert(MT == 1, "the mma.sync path takes 128 input rows a block");
+#endif
     typedef typename QmFmt<FMT, RT>::Raw Raw;
     typedef typename QmFmt<FMT, RT>::Scale Scale;
 
@@ -328,9 +334,10 @@ struct QmBlock {
     const unsigned char* wrow;  // this thread's weight row
     long long arow0;            // first input row of the tile
     int rows, K, S, tid, lane, wm, wn, n, part;
-    bool active;  // whether this warp's (warpgroup's) 64 rows hold any routed row
+    bool active[MT];  // whether this warp's (warpgroup's) 64 rows of sub-tile t hold any routed row
 #if QM_WGMMA
-    float acc[BN / 2];  // n8 tile j: acc[4j..4j+3] (rows l/4 and l/4 + 8 of the warp's 16, columns 8j + 2(l%4), +1)
+    // sub-tile t's n8 tile j: acc[t * BN / 2 + 4j ..] (rows l/4 and l/4 + 8 of the warp's 16, columns 8j + 2(l%4), +1)
+    float acc[MT * BN / 2];
 #else
     float acc[4][8][4];
 #endif
@@ -338,9 +345,9 @@ struct QmBlock {
 
     __device__ __forceinline__ void load_x(int step) {
         if (step >= S) return;
-        char* dst = xs + (step % QM_XSTAGES) * QM_XTILE;
+        char* dst = xs + (step % QM_XSTAGES) * XTILE;
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
+        for (int i = 0; i < 4 * MT; ++i) {
             const int idx = tid + i * QM_THREADS, r = idx >> 3, ch = idx & 7;
             const bool live = r < rows;
             const unsigned short* src = a + (arow0 + (live ? r : 0)) * K + step * QM_BK + ch * 8;
@@ -355,28 +362,40 @@ struct QmBlock {
 #if QM_WGMMA
     __device__ __forceinline__ void fence_acc() {
 #pragma unroll
-        for (int i = 0; i < BN / 2; ++i) asm volatile("" : "+f"(acc[i])::"memory");
+        for (int i = 0; i < MT * BN / 2; ++i) asm volatile("" : "+f"(acc[i])::"memory");
     }
 
-    // This warpgroup's four wgmmas of a step (k16 sub-steps 32 bytes apart in the swizzled rows), committed.
+    // This warpgroup's wgmmas of a step (four k16 sub-steps 32 bytes apart in the swizzled rows, each for every
+    // sub-tile with routed rows: a later sub-tile's rows only where the first's are all routed), committed.
     __device__ __forceinline__ void wg_issue(const char* xt, const char* bt) {
 #ifdef QM_SKIP_MMA
         return;
 #endif
-        if (!active) return;
+        if (!active[0]) return;
         const u32 xa = qm_smem(xt) + 64 * wm * 128, ba = qm_smem(bt);
         fence_acc();
         qm_wg_fence();
-#pragma unroll
-        for (int kk = 0; kk < 4; ++kk) qm_wgmma<BN>(acc, qm_desc(xa + 32 * kk), qm_desc(ba + 32 * kk));
+        if (MT == 1 || !active[MT - 1])  // (each sequence straight-line: a branch between wgmmas serializes them)
+            wg_sub_tiles<1>(xa, ba);
+        else
+            wg_sub_tiles<MT>(xa, ba);
         qm_wg_commit();
+    }
+
+    template <int T>
+    __device__ __forceinline__ void wg_sub_tiles(u32 xa, u32 ba) {
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk)
+#pragma unroll
+            for (int t = 0; t < T; ++t)
+                qm_wgmma<BN>(acc + t * BN / 2, qm_desc(xa + t * 128 * 128 + 32 * kk), qm_desc(ba + 32 * kk));
     }
 
     __device__ __forceinline__ void wg_wait() {
 #ifdef QM_SKIP_MMA
         return;
 #endif
-        if (!active) return;
+        if (!active[0]) return;
         qm_wg_wait0();
         fence_acc();
     }
@@ -390,7 +409,7 @@ struct QmBlock {
 #ifdef QM_SKIP_MMA  // bench/quant_mma_h200.py's ablation: the loads and the decode alone
         return;
 #endif
-        if (!active) return;
+        if (!active[0]) return;
         u32 af[4][4];
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
@@ -422,7 +441,7 @@ struct QmBlock {
         __syncthreads();
         load_x(k + 2);
         qm_commit();
-        const char* xt = xs + (k % QM_XSTAGES) * QM_XTILE;
+        const char* xt = xs + (k % QM_XSTAGES) * XTILE;
         const char* bt = bs + (KP & 1) * BTILE;
 #ifndef QM_SKIP_DECODE  // the ablation of the MMAs and the input tiles alone (the weight tiles left as they are)
         // the raw unit of step k + 2 (q4_k) or of steps k + 2, k + 3 (q6_k, at even k) into the free buffer
@@ -468,7 +487,7 @@ struct QmBlock {
         if (QmFmt<FMT, RT>::UNIT_SHIFT == 0) qm_load(raw[1], wrow, min(1, S - 1), part);
 #if QM_WGMMA
 #pragma unroll
-        for (int i = 0; i < BN / 2; ++i) acc[i] = 0.0f;
+        for (int i = 0; i < MT * BN / 2; ++i) acc[i] = 0.0f;
 #else
 #pragma unroll
         for (int i = 0; i < 4; ++i)
@@ -491,14 +510,15 @@ struct QmBlock {
     }
 };
 
-// The expert of row tile blockIdx.y and its first row (e = -1 past the last tile), by warp 0.
+// The expert of row tile blockIdx.y (BM rows a tile) and its first row (e = -1 past the last tile), by warp 0.
+template <int BM>
 __device__ __forceinline__ void qm_expert_of_tile(const int* counts, int e_lo, int e_hi, int* s_e, int* s_rin) {
     if (threadIdx.x >= 32) return;
     const int lane = threadIdx.x, tile = blockIdx.y;
     int base = 0, found = -1, rin = 0;
     for (int e0 = e_lo; e0 < e_hi; e0 += 32) {
         const int e = e0 + lane;
-        const int t = e < e_hi ? (counts[e] + QM_BM - 1) / QM_BM : 0;
+        const int t = e < e_hi ? (counts[e] + BM - 1) / BM : 0;
         int s = t;
 #pragma unroll
         for (int o = 1; o < 32; o <<= 1) {
@@ -510,7 +530,7 @@ __device__ __forceinline__ void qm_expert_of_tile(const int* counts, int e_lo, i
             const int L = __ffs(__ballot_sync(0xffffffffu, tile < base + s)) - 1;
             const int excl = __shfl_sync(0xffffffffu, s - t, L);
             found = e0 + L;
-            rin = (tile - base - excl) * QM_BM;
+            rin = (tile - base - excl) * BM;
             break;
         }
         base += total;
@@ -521,7 +541,7 @@ __device__ __forceinline__ void qm_expert_of_tile(const int* counts, int e_lo, i
     }
 }
 
-template <int FMT, bool SWIGLU, int BN>
+template <int FMT, bool SWIGLU, int BN, int MT>
 __device__ __forceinline__ void qm_kernel(const unsigned short* __restrict__ a, const unsigned char* __restrict__ blob,
                                           unsigned short* __restrict__ c, const int* __restrict__ counts,
                                           const int* __restrict__ row0, const int* __restrict__ slots, int N, int K,
@@ -529,34 +549,35 @@ __device__ __forceinline__ void qm_kernel(const unsigned short* __restrict__ a, 
                                           int e_hi) {
     extern __shared__ __align__(128) char qm_shared[];
     __shared__ int s_e, s_rin;
-    qm_expert_of_tile(counts, e_lo, e_hi, &s_e, &s_rin);
+    typedef QmBlock<FMT, SWIGLU, BN, MT> B;
+    qm_expert_of_tile<B::BM>(counts, e_lo, e_hi, &s_e, &s_rin);
     __syncthreads();
     // broadcast from lane 0: values the compiler sees as warp-uniform, so the wgmma paths below are not divergent
     // (ptxas would otherwise serialize every wgmma, C7518, and the decode would not overlap the tensor cores)
     const int e = __shfl_sync(0xffffffffu, s_e, 0);
     if (e < 0) return;
-    typedef QmBlock<FMT, SWIGLU, BN> B;
     B blk;
     char* base = (char*)(((unsigned long long)qm_shared + 1023ull) & ~1023ull);
     blk.xs = base;
-    blk.bs = base + QM_XSTAGES * QM_XTILE;
+    blk.bs = base + QM_XSTAGES * B::XTILE;
     blk.a = a;
     blk.tid = threadIdx.x;
     blk.lane = threadIdx.x & 31;
     const int warp = threadIdx.x >> 5;
 #if QM_WGMMA
-    blk.wm = warp >> 2;  // the warpgroup: rows 64 wm ..
+    blk.wm = warp >> 2;  // the warpgroup: rows 64 wm .. (of each 128 of the tile)
     blk.wn = warp & 3;   // the warp in it: rows 16 wn .. of those
 #else
     blk.wm = warp & 1;
     blk.wn = warp >> 1;
 #endif
     const int count = __shfl_sync(0xffffffffu, counts[e], 0);
-    blk.rows = min(QM_BM, count - __shfl_sync(0xffffffffu, s_rin, 0));
+    blk.rows = min(B::BM, count - __shfl_sync(0xffffffffu, s_rin, 0));
     blk.arow0 = (long long)row0[e] + s_rin;
     blk.K = K;
     blk.S = K / QM_BK;
-    blk.active = __shfl_sync(0xffffffffu, 64 * blk.wm < blk.rows, 0);
+#pragma unroll
+    for (int t = 0; t < MT; ++t) blk.active[t] = __shfl_sync(0xffffffffu, 64 * (2 * t + blk.wm) < blk.rows, 0);
     // this thread's weight row of the tile (and its part of it): gate|up rows n0.. then the same up rows (F + n0..);
     // down rows n0..
     blk.n = threadIdx.x / B::RT;
@@ -566,25 +587,29 @@ __device__ __forceinline__ void qm_kernel(const unsigned short* __restrict__ a, 
                                 : (long long)blockIdx.x * BN + n;
     blk.wrow = blob + (long long)slots[e] * slot_bytes + mat_off + wr * row_bytes;
     blk.run();
-    if (!blk.active) return;
+    if (!blk.active[0]) return;
     const int lane = blk.lane;
 #if QM_WGMMA
 #pragma unroll
-    for (int hh = 0; hh < 2; ++hh) {
-        const int r = 64 * blk.wm + 16 * blk.wn + (lane >> 2) + 8 * hh;
-        if (r >= blk.rows) continue;
-        unsigned short* out = c + (blk.arow0 + r) * N;
-        if (SWIGLU) {
+    for (int t = 0; t < MT; ++t) {
+        const float* acc = blk.acc + t * BN / 2;
 #pragma unroll
-            for (int j = 0; j < BN / 16; ++j) {
-                const float* g = blk.acc + 4 * j + 2 * hh;
-                *(u32*)(out + blockIdx.x * half + 8 * j + 2 * (lane & 3)) = qm_swiglu(g, g + BN / 4);
+        for (int hh = 0; hh < 2; ++hh) {
+            const int r = 64 * (2 * t + blk.wm) + 16 * blk.wn + (lane >> 2) + 8 * hh;
+            if (r >= blk.rows) continue;
+            unsigned short* out = c + (blk.arow0 + r) * N;
+            if (SWIGLU) {
+#pragma unroll
+                for (int j = 0; j < BN / 16; ++j) {
+                    const float* g = acc + 4 * j + 2 * hh;
+                    *(u32*)(out + blockIdx.x * half + 8 * j + 2 * (lane & 3)) = qm_swiglu(g, g + BN / 4);
+                }
+            } else {
+#pragma unroll
+                for (int j = 0; j < BN / 8; ++j)
+                    *(u32*)(out + blockIdx.x * BN + 8 * j + 2 * (lane & 3)) =
+                        qm_pack(acc[4 * j + 2 * hh], acc[4 * j + 2 * hh + 1]);
             }
-        } else {
-#pragma unroll
-            for (int j = 0; j < BN / 8; ++j)
-                *(u32*)(out + blockIdx.x * BN + 8 * j + 2 * (lane & 3)) =
-                    qm_pack(blk.acc[4 * j + 2 * hh], blk.acc[4 * j + 2 * hh + 1]);
         }
     }
 #else
@@ -613,23 +638,28 @@ __device__ __forceinline__ void qm_kernel(const unsigned short* __restrict__ a, 
 #endif
 }
 
-#define QM_ENTRY(NAME, FMT, SWIGLU, BN, MINB)                                                                        \
+#define QM_ENTRY(NAME, FMT, SWIGLU, BN, MT, MINB)                                                                    \
     extern "C" __global__ void __launch_bounds__(QM_THREADS, MINB)                                                  \
         NAME(const unsigned short* a, const unsigned char* blob, unsigned short* c, const int* counts,              \
              const int* row0, const int* slots, int N, int K, long long slot_bytes, long long mat_off,              \
              long long row_bytes, int e_lo, int e_hi) {                                                             \
-        qm_kernel<FMT, SWIGLU, BN>(a, blob, c, counts, row0, slots, N, K, slot_bytes, mat_off, row_bytes, e_lo,    \
-                                   e_hi);                                                                           \
+        qm_kernel<FMT, SWIGLU, BN, MT>(a, blob, c, counts, row0, slots, N, K, slot_bytes, mat_off, row_bytes, e_lo,\
+                                       e_hi);                                                                       \
     }
 
-// 256 weight rows a block (one block an SM); on sm_90a also 128 (two blocks an SM)
-QM_ENTRY(strata_qm_gate_up_q4_k, QM_Q4_K, true, 256, 1)
-QM_ENTRY(strata_qm_gate_up_q6_k, QM_Q6_K, true, 256, 1)
-QM_ENTRY(strata_qm_down_q4_k, QM_Q4_K, false, 256, 1)
-QM_ENTRY(strata_qm_down_q6_k, QM_Q6_K, false, 256, 1)
+// 128 input rows x 256 weight rows a block (one block an SM); on sm_90a also 128 x 128 (two blocks an SM) and
+// 256 x 128 (one block an SM, each weight decoded for twice the rows: half the decode per MMA)
+QM_ENTRY(strata_qm_gate_up_q4_k, QM_Q4_K, true, 256, 1, 1)
+QM_ENTRY(strata_qm_gate_up_q6_k, QM_Q6_K, true, 256, 1, 1)
+QM_ENTRY(strata_qm_down_q4_k, QM_Q4_K, false, 256, 1, 1)
+QM_ENTRY(strata_qm_down_q6_k, QM_Q6_K, false, 256, 1, 1)
 #if QM_WGMMA
-QM_ENTRY(strata_qm128_gate_up_q4_k, QM_Q4_K, true, 128, 2)
-QM_ENTRY(strata_qm128_gate_up_q6_k, QM_Q6_K, true, 128, 2)
-QM_ENTRY(strata_qm128_down_q4_k, QM_Q4_K, false, 128, 2)
-QM_ENTRY(strata_qm128_down_q6_k, QM_Q6_K, false, 128, 2)
+QM_ENTRY(strata_qm128_gate_up_q4_k, QM_Q4_K, true, 128, 1, 2)
+QM_ENTRY(strata_qm128_gate_up_q6_k, QM_Q6_K, true, 128, 1, 2)
+QM_ENTRY(strata_qm128_down_q4_k, QM_Q4_K, false, 128, 1, 2)
+QM_ENTRY(strata_qm128_down_q6_k, QM_Q6_K, false, 128, 1, 2)
+QM_ENTRY(strata_qm128_m256_gate_up_q4_k, QM_Q4_K, true, 128, 2, 1)
+QM_ENTRY(strata_qm128_m256_gate_up_q6_k, QM_Q6_K, true, 128, 2, 1)
+QM_ENTRY(strata_qm128_m256_down_q4_k, QM_Q4_K, false, 128, 2, 1)
+QM_ENTRY(strata_qm128_m256_down_q6_k, QM_Q6_K, false, 128, 2, 1)
 #endif

@@ -6,8 +6,8 @@ block into a shared f16 tile between the MMAs of the step before (the file's hea
 expert is written and no host sync is needed. The weights are the oracle's float32 rounded once to f16, as the
 scratch path's, so the two differ only in the order of the f32 sums. CUDA only: on the H200 (compute capability 9.0)
 the kernels are built for sm_90a and run wgmma from the shared tiles, the decode of the next step issued while it
-runs, in blocks of 256 or 128 weight rows (BLOCK_ROWS); elsewhere (sm_80 and newer) mma.sync from ldmatrix
-fragments, blocks of 256. cupy is imported by the constructor.
+runs, in blocks of 128 input rows x 256 or 128 weight rows, or 256 x 128 (SHAPES); elsewhere (sm_80 and newer)
+mma.sync from ldmatrix fragments, blocks of 128 x 256. cupy is imported by the constructor.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from .triton_moe import max_row_tiles
 SOURCE_NAME = "quant_mma.cu"
 #: ggml types the kernels decode (either matrix may be either).
 TYPES = ("q4_k", "q6_k")
-#: QM_BM, QM_BK, QM_THREADS of quant_mma.cu.
+#: QM_BM, QM_BK, QM_THREADS of quant_mma.cu (BM: a block's input rows by default).
 BM = 128
 BK = 64
 THREADS = 256
@@ -36,6 +36,11 @@ THREADS = 256
 BLOCK_ROWS = (256, 128)
 #: (gate|up, down) block rows QuantMmaGEMM takes by default.
 DEFAULT_BLOCK_ROWS = (256, 256)
+#: The (input rows, weight rows) a block can take: 128 x 256 (every arch), and on the sm_90a build 128 x 128 and
+#: 256 x 128 (each weight decoded for twice the input rows: half the decode per MMA, one block an SM).
+SHAPES = ((128, 256), (128, 128), (256, 128))
+#: (gate|up, down) input rows QuantMmaGEMM takes by default.
+DEFAULT_INPUT_ROWS = (BM, BM)
 #: K steps per unrolled loop trip (a q6_k raw unit spans two steps, and the buffers alternate every trip of two).
 STEP_UNROLL = 4
 
@@ -50,25 +55,29 @@ def kernel_source() -> str:
     return files("strata_cuda").joinpath(SOURCE_NAME).read_text()
 
 
-def smem_bytes(block_rows: int) -> int:
-    """QM_SMEM(BN): three input stages of BM x BK f16, two decoded tiles of BN x BK f16, 1 KiB to align them."""
-    return 3 * BM * BK * 2 + 2 * int(block_rows) * BK * 2 + 1024
+def smem_bytes(block_rows: int, input_rows: int = BM) -> int:
+    """QM_SMEM(BN, MT): three input stages of input_rows x BK f16, two decoded tiles of BN x BK f16, 1 KiB to align
+    them."""
+    return 3 * int(input_rows) * BK * 2 + 2 * int(block_rows) * BK * 2 + 1024
 
 
-def kernel_names(gate_up: str, down: str, block_rows: tuple[int, int] = DEFAULT_BLOCK_ROWS) -> tuple[str, str]:
-    """The gate|up and down kernels for these types and block rows."""
-    pre = ["strata_qm" if b == 256 else f"strata_qm{b}" for b in block_rows]
+def kernel_names(gate_up: str, down: str, block_rows: tuple[int, int] = DEFAULT_BLOCK_ROWS,
+                 input_rows: tuple[int, int] = DEFAULT_INPUT_ROWS) -> tuple[str, str]:
+    """The gate|up and down kernels for these types, block rows and input rows."""
+    pre = [("strata_qm" if b == 256 else f"strata_qm{b}") + ("" if m == BM else f"_m{m}")
+           for b, m in zip(block_rows, input_rows)]
     return f"{pre[0]}_gate_up_{gate_up}", f"{pre[1]}_down_{down}"
 
 
 def takes(gate_up: str, down: str, hidden: int, ffn: int, biased: bool = False,
-          block_rows: tuple[int, int] = DEFAULT_BLOCK_ROWS) -> bool:
+          block_rows: tuple[int, int] = DEFAULT_BLOCK_ROWS,
+          input_rows: tuple[int, int] = DEFAULT_INPUT_ROWS) -> bool:
     """Whether the kernels run experts of these types and shape: no biases, whole K steps in trips of STEP_UNROLL,
-    whole column tiles."""
+    block shapes of SHAPES, whole column tiles."""
     steps_ok = all(k % (BK * STEP_UNROLL) == 0 for k in (hidden, ffn))
     gu, dn = block_rows
-    return (not biased and gate_up in TYPES and down in TYPES and steps_ok and gu in BLOCK_ROWS
-            and dn in BLOCK_ROWS and ffn % (gu // 2) == 0 and hidden % dn == 0)
+    return (not biased and gate_up in TYPES and down in TYPES and steps_ok
+            and all(s in SHAPES for s in zip(input_rows, block_rows)) and ffn % (gu // 2) == 0 and hidden % dn == 0)
 
 
 def compile_cubin(arch: str = WGMMA_ARCH, options: tuple[str, ...] = (), log: list[str] | None = None) -> bytes:
@@ -102,16 +111,20 @@ class QuantMmaGEMM:
 
     def __init__(self, hidden: int, ffn: int, experts: int, gate_up: str, down: str, gate_up_row_bytes: int,
                  down_row_bytes: int, down_offset: int, options: tuple[str, ...] = (),
-                 block_rows: tuple[int, int] = DEFAULT_BLOCK_ROWS):
+                 block_rows: tuple[int, int] = DEFAULT_BLOCK_ROWS,
+                 input_rows: tuple[int, int] = DEFAULT_INPUT_ROWS):
         import cupy as cp
         #: (gate|up, down) weight rows of a block (BLOCK_ROWS; 128 needs the sm_90a build)
         self.block_rows = tuple(int(b) for b in block_rows)
-        if not takes(gate_up, down, hidden, ffn, block_rows=self.block_rows):
+        #: (gate|up, down) input rows of a block (SHAPES: 256 with 128 weight rows, the sm_90a build only)
+        self.input_rows = tuple(int(m) for m in input_rows)
+        if not takes(gate_up, down, hidden, ffn, block_rows=self.block_rows, input_rows=self.input_rows):
             raise ValueError(f"quant_mma: no launches for {gate_up}/{down} at hidden {hidden}, ffn {ffn}, block rows "
-                             f"{self.block_rows}")
+                             f"{self.block_rows}, input rows {self.input_rows}")
         cc = cp.cuda.Device().compute_capability
-        if 128 in self.block_rows and cc != "90":
-            raise ValueError(f"quant_mma: blocks of 128 weight rows need the sm_90a build, not compute capability {cc}")
+        if any(s != SHAPES[0] for s in zip(self.input_rows, self.block_rows)) and cc != "90":
+            raise ValueError(f"quant_mma: blocks other than {SHAPES[0][0]} x {SHAPES[0][1]} need the sm_90a build, "
+                             f"not compute capability {cc}")
         self._cp = cp
         self.hidden, self.ffn, self.experts = int(hidden), int(ffn), int(experts)
         self.types = (gate_up, down)
@@ -124,8 +137,9 @@ class QuantMmaGEMM:
         mod = _MODULE.get(options)
         if mod is None:
             mod = _MODULE[options] = _load_module(cp, options)
-        self._gate_up, self._down = (mod.get_function(n) for n in kernel_names(gate_up, down, self.block_rows))
-        self._smem = tuple(smem_bytes(b) for b in self.block_rows)
+        self._gate_up, self._down = (mod.get_function(n)
+                                     for n in kernel_names(gate_up, down, self.block_rows, self.input_rows))
+        self._smem = tuple(smem_bytes(b, m) for b, m in zip(self.block_rows, self.input_rows))
         for k, b in zip((self._gate_up, self._down), self._smem):
             k.max_dynamic_shared_size_bytes = b
         self._streams: dict[int, Any] = {}
@@ -141,17 +155,19 @@ class QuantMmaGEMM:
                 routed_rows: int, experts: tuple[int, int] | None = None) -> None:
         """Queue gate|up with SwiGLU, xs [rows, H] f16 -> act [rows, F], for experts e_lo <= e < e_hi; tables: the
         device addresses of counts, row0 and slots."""
-        self._launch(self._gate_up, self.ffn // (self.block_rows[0] // 2), self._smem[0], stream_ptr, xs, act, blob,
-                     slot_bytes, tables, self.ffn, self.hidden, 0, self._rows[0], routed_rows, experts)
+        self._launch(self._gate_up, self.ffn // (self.block_rows[0] // 2), self.input_rows[0], self._smem[0],
+                     stream_ptr, xs, act, blob, slot_bytes, tables, self.ffn, self.hidden, 0, self._rows[0],
+                     routed_rows, experts)
 
     def down(self, stream_ptr: int, act: int, ys: int, blob: int, slot_bytes: int, tables: tuple[int, int, int],
              routed_rows: int, experts: tuple[int, int] | None = None) -> None:
         """Queue down, act [rows, F] f16 -> ys [rows, H], as gate_up."""
-        self._launch(self._down, self.hidden // self.block_rows[1], self._smem[1], stream_ptr, act, ys, blob,
-                     slot_bytes, tables, self.hidden, self.ffn, self._down_offset, self._rows[1], routed_rows,
-                     experts)
+        self._launch(self._down, self.hidden // self.block_rows[1], self.input_rows[1], self._smem[1], stream_ptr,
+                     act, ys, blob, slot_bytes, tables, self.hidden, self.ffn, self._down_offset, self._rows[1],
+                     routed_rows, experts)
 
-    def _launch(self, kernel: Any, col_tiles: int, smem: int, stream_ptr: int, a: int, c: int, blob: int,
+    def _launch(self, kernel: Any, col_tiles: int, input_rows: int, smem: int, stream_ptr: int, a: int, c: int,
+                blob: int,
                 slot_bytes: int, tables: tuple, n: int, k: int, mat_off: int, row_bytes: int, routed_rows: int,
                 experts: tuple[int, int] | None) -> None:
         e_lo, e_hi = experts or (0, self.experts)
@@ -159,7 +175,7 @@ class QuantMmaGEMM:
             raise ValueError("quant_mma: stacks, blob and slot bytes must be 16-byte aligned")
         u64, i32, i64 = np.uint64, np.int32, np.int64
         with self._stream(int(stream_ptr)):
-            kernel((col_tiles, max_row_tiles(routed_rows, e_hi - e_lo, BM)), (THREADS,),
+            kernel((col_tiles, max_row_tiles(routed_rows, e_hi - e_lo, input_rows)), (THREADS,),
                    (u64(a), u64(blob), u64(c), *(u64(t) for t in tables), i32(n), i32(k), i64(slot_bytes),
                     i64(mat_off), i64(row_bytes), i32(e_lo), i32(e_hi)), shared_mem=smem)
 
