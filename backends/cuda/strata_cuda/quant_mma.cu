@@ -333,6 +333,12 @@ struct QmBlock {
     const unsigned short* a;
     const unsigned char* wrow;  // this thread's weight row
     long long arow0;            // first input row of the tile
+    // this thread's input chunks (rows xr0 + 32 i, its 16 bytes ch = tid % 8 of each; the row's swizzle is i's too):
+    // the first's source, the stride between them, the first's shared address in stage 0
+    const unsigned short* xsrc;
+    long long xstride;
+    u32 xdst;
+    int xr0;
     int rows, K, S, tid, lane, wm, wn, n, part;
     bool active[MT];  // whether this warp's (warpgroup's) 64 rows of sub-tile t hold any routed row
 #if QM_WGMMA
@@ -343,15 +349,23 @@ struct QmBlock {
 #endif
     Raw raw[2];
 
+    // (the addresses once, not per step: they were most of a step's instructions besides the decode)
+    __device__ __forceinline__ void init_x() {
+        const int ch = tid & 7;
+        xr0 = tid >> 3;
+        xstride = 32ll * K;
+        xsrc = a + (arow0 + xr0) * K + ch * 8;
+        xdst = qm_smem(xs) + xr0 * 128 + ((ch ^ (xr0 & 7)) << 4);
+    }
+
     __device__ __forceinline__ void load_x(int step) {
         if (step >= S) return;
-        char* dst = xs + (step % QM_XSTAGES) * XTILE;
+        const u32 dst = xdst + (step % QM_XSTAGES) * XTILE;
+        const unsigned short* dead = a + arow0 * K;  // a row past the routed ones reads nothing (zero-filled)
 #pragma unroll
         for (int i = 0; i < 4 * MT; ++i) {
-            const int idx = tid + i * QM_THREADS, r = idx >> 3, ch = idx & 7;
-            const bool live = r < rows;
-            const unsigned short* src = a + (arow0 + (live ? r : 0)) * K + step * QM_BK + ch * 8;
-            qm_cp16(qm_smem(dst + r * 128 + ((ch ^ (r & 7)) << 4)), src, live ? 16u : 0u);
+            const bool live = xr0 + 32 * i < rows;
+            qm_cp16(dst + i * 32 * 128, live ? xsrc + i * xstride + step * QM_BK : dead, live ? 16u : 0u);
         }
     }
 
@@ -372,23 +386,24 @@ struct QmBlock {
         return;
 #endif
         if (!active[0]) return;
-        const u32 xa = qm_smem(xt) + 64 * wm * 128, ba = qm_smem(bt);
+        // a descriptor's address field is the byte address / 16 (no carry out of it below 256 KiB), so an offset
+        // within the tile is added to the descriptor: the sub-step's 32 bytes (2), a sub-tile's 128 rows (1024)
+        const unsigned long long da = qm_desc(qm_smem(xt) + 64 * wm * 128), db = qm_desc(qm_smem(bt));
         fence_acc();
         qm_wg_fence();
         if (MT == 1 || !active[MT - 1])  // (each sequence straight-line: a branch between wgmmas serializes them)
-            wg_sub_tiles<1>(xa, ba);
+            wg_sub_tiles<1>(da, db);
         else
-            wg_sub_tiles<MT>(xa, ba);
+            wg_sub_tiles<MT>(da, db);
         qm_wg_commit();
     }
 
     template <int T>
-    __device__ __forceinline__ void wg_sub_tiles(u32 xa, u32 ba) {
+    __device__ __forceinline__ void wg_sub_tiles(unsigned long long da, unsigned long long db) {
 #pragma unroll
         for (int kk = 0; kk < 4; ++kk)
 #pragma unroll
-            for (int t = 0; t < T; ++t)
-                qm_wgmma<BN>(acc + t * BN / 2, qm_desc(xa + t * 128 * 128 + 32 * kk), qm_desc(ba + 32 * kk));
+            for (int t = 0; t < T; ++t) qm_wgmma<BN>(acc + t * BN / 2, da + 2 * kk + 1024 * t, db + 2 * kk);
     }
 
     __device__ __forceinline__ void wg_wait() {
@@ -479,6 +494,7 @@ struct QmBlock {
     }
 
     __device__ __forceinline__ void run() {
+        init_x();
         load_x(0);
         qm_commit();
         load_x(1);
