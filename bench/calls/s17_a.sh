@@ -7,7 +7,8 @@
 # 256 input rows x 128 weight rows (sm_90a; each weight decoded for twice the rows).
 # Order: the layer's GPU tests (test_quant_mma at every block shape), a planted fault in the 256-row path, the
 # kernels alone (with the ablations), then the layer bench: the host-synced default and the fused path at five
-# shape pairs. Files: gpu_tests.log, mma_bench.log, quant_mma_h200.json, quant_layer_h200.json, lane.log.
+# shape pairs, and Nsight Compute on the kernels alone. Files: gpu_tests.log, mma_bench.log, quant_mma_h200.json,
+# quant_layer_h200.json, ncu_mma.txt, lane.log.
 set -uo pipefail
 . "$(dirname "${BASH_SOURCE[0]}")/../lane_common.sh"
 lane_start
@@ -31,4 +32,12 @@ timeout -k 10 300 python3 bench/quant_layer_h200.py --out "$OUT" --reps 5 \
   auto:classes:fused:b128x128:m256x256 auto:classes:fused:b128x256:m256x128 \
   2>&1 | grep "QuantMoE\|f16 FastMoE\|Traceback\|Error" | grep -v "cold with" | cut -c1-160 | tail -24 || rc=1
 echo "quant bench done at $(( $(date +%s) - t0 )) s"
+# Nsight Compute on the uniform pass's six launches (gate|up and down at 128 x 256, 128 x 128 and 256 x 128): the
+# stall reasons (is the q6_k decode's scattered 32-bit loads' LSU traffic, LG throttle, what holds it?)
+timeout -k 10 150 ncu --clock-control none --kernel-name regex:strata_qm --launch-count 6 \
+  --section SpeedOfLight --section WarpStateStats --section SchedulerStats --section Occupancy \
+  --section MemoryWorkloadAnalysis python3 bench/quant_mma_h200.py --profile > "$OUT/ncu_mma.txt" 2>&1 || rc=1
+grep -E "^  strata_qm|Duration|Issue Slots Busy|No Eligible|Warp Cycles Per Issued|Stall|L1/TEX Cache Throughput" \
+  "$OUT/ncu_mma.txt" | head -80
+echo "ncu done at $(( $(date +%s) - t0 )) s"
 exit $rc
