@@ -161,8 +161,10 @@ __device__ __forceinline__ void qm_load(QmRawQ4<RT>& r, const unsigned char* row
     for (int i = 0; i < 2 / RT; ++i) r.q[i] = *(const uint4*)(b + 16 + 32 * g + (32 / RT) * part + 16 * i);
 }
 
-// An empty asm that "redefines" the raw unit's registers: a step's decode (which depends on them) cannot then be
-// scheduled above the point where it stands (after the step's wgmmas are issued, so they start first).
+// An empty asm that "redefines" the raw unit's registers: the compiler front end then emits a step's decode (which
+// depends on them) after the step's wgmmas are issued, so they start first. It emits no instruction, so ptxas may
+// still move the arithmetic: it does in the q6_k kernels, whose raw unit serves two steps
+// (bench/results/s17_host/sass_wgmma_now.json).
 template <int RT>
 __device__ __forceinline__ void qm_pin(QmRawQ4<RT>& r) {
     asm volatile("" : "+r"(r.hdr.x), "+r"(r.hdr.y), "+r"(r.hdr.z), "+r"(r.hdr.w));
