@@ -15,9 +15,11 @@ set -uo pipefail
 lane_start
 TEST_S=150 lane_gpu_tests 150 tests/gpu/test_quant_mma.py tests/gpu/test_quant_warm.py tests/gpu/test_quant_cuda.py \
   tests/gpu/test_layer_ops.py
-# the second sub-tile read 64 rows on instead of 128: the 256-row blocks' rows 128.. multiply the wrong inputs
+# planted faults: the second sub-tile read 64 rows on instead of 128 (the 256-row blocks' rows 128.. multiply the
+# wrong inputs); the input chunks 16 rows apart in shared memory instead of 32 (every shape's input tile wrong)
 lane_planted_faults backends/cuda/strata_cuda/quant_mma.cu tests/gpu/test_quant_mma.py \
-  's/qm_desc(xa + t \* 128 \* 128 + 32 \* kk)/qm_desc(xa + t * 64 * 128 + 32 * kk)/'
+  's/da + 2 \* kk + 1024 \* t, db/da + 2 * kk + 512 * t, db/' \
+  's/qm_cp16(dst + i \* 32 \* 128,/qm_cp16(dst + i * 16 * 128,/'
 echo "tests done at $(( $(date +%s) - t0 )) s"
 timeout -k 10 180 python3 bench/quant_mma_h200.py --out "$OUT" --reps 10 --ablations > "$OUT/mma_bench.log" 2>&1 || rc=1
 python3 - "$OUT/quant_mma_h200.json" <<'PY' || rc=1
