@@ -321,7 +321,11 @@ def run(args, res: dict) -> None:
             v["dequant_kernel"] = kern
             # bytes through HBM: the quant bytes read, the f16 written
             v["dequant_GB_per_s"] = (layer_bytes + res["f16_layer_expert_bytes"]) / v["dequant_layer"]["median_ms"] / 1e6
-            v["targets"] = {"warm_prefill_le_1.5x_f16": v["warm_x_f16"] <= WARM_TARGET,
+            # warm: one layer at a time and 8 back to back, both within the target (the single call's f16 moves with
+            # the host, 0.96-1.15 ms across calls, so alone it once read true by noise: s16_h200/call7_)
+            one, stack = v["warm_x_f16"] <= WARM_TARGET, v["warm_stack_x_f16_stack"] <= WARM_TARGET
+            v["targets"] = {"warm_prefill_le_1.5x_f16": one and stack, "warm_single_call_le_1.5x_f16": one,
+                            "warm_back_to_back_le_1.5x_f16": stack,
                             "cold_prefill_le_1.10x_link_floor": v["cold_x_floor"] <= COLD_TARGET,
                             "output_within_bound": max(v["rel_err"], v["cold_rel_err"]) <= TOL_F16}
             log(f"QuantMoE {spec}: warm {v['warm']['median_ms']:.3f} ms x{v['warm_x_f16']:.2f} of f16 "
