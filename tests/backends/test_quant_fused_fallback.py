@@ -41,3 +41,14 @@ def test_a_build_that_fails_falls_back_and_keeps_the_reason(monkeypatch, error):
     monkeypatch.setattr(triton_moe, "DeviceQuantGEMM", lambda *a: "triton")
     assert moe._fused_gemm(FMT) == "triton"
     assert moe.fused_error.startswith(type(error).__name__) and str(error) in moe.fused_error
+
+
+def test_block_shapes_quant_mma_lacks_fall_back_and_say_so(monkeypatch):
+    monkeypatch.setattr(quant_mma, "QuantMmaGEMM", lambda *a, **k: "mma")
+    monkeypatch.setattr(triton_moe, "DeviceQuantGEMM", lambda *a: "triton")
+    moe = _moe((256, 256), device_gemm=object(), input_rows=(256, 256))  # 256 x 256: no such block
+    assert moe._fused_gemm(FMT) == "triton"
+    assert "no blocks of (256, 256) input x (256, 256) weight rows" in moe.fused_error
+    moe = _moe((256, 256), device_gemm=object())
+    fmt = ExpertFormat(gate_up="q5_k", down="q6_k", hidden=2048, ffn=768)  # not quant_mma's: Triton, no reason
+    assert moe._fused_gemm(fmt) == "triton" and moe.fused_error is None

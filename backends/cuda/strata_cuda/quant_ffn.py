@@ -760,8 +760,15 @@ class QuantMoE(FastMoE):
             args = (fmt.hidden, fmt.ffn, self.experts, fmt.gate_up, fmt.down, fmt.gate_up_row_bytes,
                     fmt.down_row_bytes, fmt.down_offset)
             got = None
-            if self.fused_kernel == "mma" and quant_mma.takes(fmt.gate_up, fmt.down, fmt.hidden, fmt.ffn, fmt.bias,
-                                                              self.fused_block_rows, self.fused_input_rows):
+            shapes_ok = quant_mma.takes(fmt.gate_up, fmt.down, fmt.hidden, fmt.ffn, fmt.bias,
+                                        self.fused_block_rows, self.fused_input_rows)
+            if (self.fused_kernel == "mma" and not shapes_ok
+                    and quant_mma.takes(fmt.gate_up, fmt.down, fmt.hidden, fmt.ffn, fmt.bias)):
+                # the format is quant_mma's but not these block shapes: say so rather than fall back in silence
+                self.fused_error = (f"quant_mma: no blocks of {self.fused_input_rows} input x {self.fused_block_rows} "
+                                    f"weight rows for hidden {fmt.hidden}, ffn {fmt.ffn} (shapes "
+                                    f"{quant_mma.SHAPES})")
+            if self.fused_kernel == "mma" and shapes_ok:
                 try:  # an optional path: a shape this device's build lacks, or a compile error, falls back
                     got = quant_mma.QuantMmaGEMM(*args, block_rows=self.fused_block_rows,
                                                  input_rows=self.fused_input_rows)
