@@ -1,5 +1,6 @@
-"""quant_mma.cu's sm_90a build as SASS, per kernel: its HGMMAs, its waits on them (WARPGROUP.DEPBAR), and how many
-instructions stand between a step's last HGMMA and the wait (the work that overlaps the tensor cores). Needs NVRTC
+"""quant_mma.cu's sm_90a build as SASS, per kernel: its HGMMAs, its waits on them (WARPGROUP.DEPBAR), how many
+instructions stand between a step's last HGMMA and the wait (the work that overlaps the tensor cores), and its
+generic loads and stores. Needs NVRTC
 (cupy) and the `nvdisasm` of a CUDA toolkit (or of the `nvidia-cuda-nvdisasm` wheel) and `ptxas` on PATH or given;
 no GPU. Also prints ptxas's notes about wgmma (C7517/C7518) from NVRTC's log.
 
@@ -35,8 +36,12 @@ def overlap(lines: list[str]) -> dict:
         elif "WARPGROUP.DEPBAR" in ln and last is not None:
             gaps.append(j - last - 1)
             last = None
+    ops = [re.sub(r"^\s*/\*[0-9a-f]+\*/\s+(@!?U?P\w+\s+)?", "", ln).split(" ", 1)[0] for ln in lines]
     return {"hgmma": sum("HGMMA" in ln for ln in lines), "waits": sum("WARPGROUP.DEPBAR" in ln for ln in lines),
-            "instructions_before_each_wait": gaps}
+            "instructions_before_each_wait": gaps,
+            # generic loads / stores (a pointer whose address space the compiler lost), and the global ones
+            "generic_ld_st": sum(o.startswith(("LD.", "ST.")) for o in ops),
+            "global_loads": sum(o.startswith("LDG.") for o in ops), "instructions": len(lines)}
 
 
 def main() -> None:

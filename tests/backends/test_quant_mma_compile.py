@@ -48,6 +48,16 @@ def test_the_h200_cubin_builds_with_its_wgmmas_asynchronous():
     assert "C7518" not in text and "serialized" not in text, text
 
 
+@pytest.mark.parametrize("arch", ["compute_90a", "compute_80"])
+def test_every_load_and_store_names_its_state_space(arch):
+    """A pointer that lost its address space (cast from an integer, or kept in a struct) compiles to a generic ld/st
+    (LD.E / ST.E in SASS), slower than ld.global.nc / st.shared: the q6_k quant loads and the decoded tiles' stores
+    were generic until 2026-12-04."""
+    _nvrtc_or_skip()
+    generic = re.findall(r"^\s*(?:@!?%p\d+\s+)?((?:ld|st)(?:\.(?:v2|v4|[usbf](?:8|16|32|64)))+)\s", _ptx(arch), re.M)
+    assert not generic, sorted(set(generic))
+
+
 def test_takes_only_whole_steps_tiles_and_known_types():
     assert quant_mma.takes("q4_k", "q6_k", 2048, 768)
     assert not quant_mma.takes("q4_k", "q6_k", 2048, 768, biased=True)

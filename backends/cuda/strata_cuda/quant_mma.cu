@@ -242,16 +242,18 @@ __device__ __forceinline__ void qm_load(QmRawQ6<RT>& r, const unsigned char* row
     const u32* lb = (const u32*)((p + 64 * h + 32 + l0) & ~3ull);
     const u32* qh = (const u32*)((p + 128 + 32 * h + l0) & ~3ull);
     const u32* sc = (const u32*)((p + 192 + 8 * h) & ~3ull);
+    // __ldg: the pointers come from integers (aligned down), so a plain load would be a generic one (LD.E), not a
+    // global read-only one (LDG.E.CONSTANT)
 #pragma unroll
     for (int i = 0; i < W; ++i) {
-        r.la[i] = la[i];
-        r.lb[i] = lb[i];
-        r.qh[i] = qh[i];
+        r.la[i] = __ldg(la + i);
+        r.lb[i] = __ldg(lb + i);
+        r.qh[i] = __ldg(qh + i);
     }
-    r.sc[0] = sc[0];
-    r.sc[1] = sc[1];
-    r.sc[2] = r.sh ? sc[2] : 0u;  // only a shifted row needs it (an aligned one would read past the block)
-    r.d = *(const unsigned short*)(p + 208);
+    r.sc[0] = __ldg(sc);
+    r.sc[1] = __ldg(sc + 1);
+    r.sc[2] = r.sh ? __ldg(sc + 2) : 0u;  // only a shifted row needs it (an aligned one would read past the block)
+    r.d = __ldg((const unsigned short*)(p + 208));
 }
 
 template <int RT>
