@@ -600,8 +600,11 @@ __device__ __forceinline__ void qm_kernel(const unsigned short* __restrict__ a, 
     for (int t = 0; t < MT; ++t) blk.active[t] = __shfl_sync(0xffffffffu, 64 * (2 * t + blk.wm) < blk.rows, 0);
     // this thread's weight row of the tile (and its part of it): gate|up rows n0.. then the same up rows (F + n0..);
     // down rows n0..
-    blk.n = threadIdx.x / B::RT;
-    blk.part = threadIdx.x % B::RT;
+    // (two threads a row: a warp's first 16 lanes take part 0 of its 16 rows, the rest part 1, so each quarter-warp
+    // phase of a 16-byte tile store covers eight rows' same chunk, eight distinct banks after the swizzle; lanes
+    // 2r, 2r + 1 on one row made every such store a 2-way conflict)
+    blk.n = B::RT == 1 ? threadIdx.x : (threadIdx.x >> 5) * 16 + (threadIdx.x & 15);
+    blk.part = B::RT == 1 ? 0 : (threadIdx.x >> 4) & 1;
     const int n = blk.n, half = BN / 2;
     const long long wr = SWIGLU ? (n < half ? (long long)blockIdx.x * half + n : (long long)N + blockIdx.x * half + n - half)
                                 : (long long)blockIdx.x * BN + n;
