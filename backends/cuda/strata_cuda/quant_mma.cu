@@ -124,16 +124,19 @@ __device__ __forceinline__ u32 qm_swiglu(const float* g, const float* u) {
     return qm_pack(__fdividef(g[0], 1.0f + __expf(-g[0])) * u[0], __fdividef(g[1], 1.0f + __expf(-g[1])) * u[1]);
 }
 
+// The exponent bytes of 2^23 (mg = QM_MAGIC; see QmBlock::step for why it is a register).
+#define QM_MAGIC 0x4B000000u
+
 // Byte b of w as the float 2^23 + byte.
-__device__ __forceinline__ float qm_magic(u32 w, int b) {
-    return __uint_as_float(__byte_perm(w, 0x4B000000u, 0x7650u | (u32)b));
+__device__ __forceinline__ float qm_magic(u32 w, int b, u32 mg) {
+    return __uint_as_float(__byte_perm(w, mg, 0x7650u | (u32)b));
 }
 
 // Four weights from the four bytes of u (each a quant value times 1 or 16): fma(2^23 + u, s, nb) - c, packed.
-__device__ __forceinline__ uint2 qm_four(u32 u, float s, float nb, float c) {
+__device__ __forceinline__ uint2 qm_four(u32 u, float s, float nb, float c, u32 mg) {
     float w[4];
 #pragma unroll
-    for (int b = 0; b < 4; ++b) w[b] = __fsub_rn(__fmaf_rn(qm_magic(u, b), s, nb), c);
+    for (int b = 0; b < 4; ++b) w[b] = __fsub_rn(__fmaf_rn(qm_magic(u, b, mg), s, nb), c);
     return make_uint2(qm_pack(w[0], w[1]), qm_pack(w[2], w[3]));
 }
 
@@ -174,6 +177,7 @@ __device__ __forceinline__ void qm_pin(QmRawQ4<RT>& r) {
 
 struct QmScaleQ4 {
     float s0, nb0, m0, s1, nb1, m1;
+    u32 mg;  // QM_MAGIC
 };
 
 __device__ __forceinline__ u32 qm_byte(const uint4& h, int i) {  // byte i of the 12 scale bytes (h.y, h.z, h.w)
@@ -205,6 +209,7 @@ __device__ __forceinline__ QmScaleQ4 qm_scales(const QmRawQ4<RT>& r, int step) {
     s.s1 = __fmul_rn(__fmul_rn(d, (float)sc1), 0.0625f);  // the high nibbles are read as 16 * q
     s.m1 = __fmul_rn(dmin, (float)m1);
     s.nb1 = __fmul_rn(s.s1, -8388608.0f);
+    s.mg = QM_MAGIC;
     return s;
 }
 
@@ -215,9 +220,10 @@ __device__ __forceinline__ void qm_decode(const QmRawQ4<RT>& r, const QmScaleQ4&
     const uint4& q = r.q[c >> 1];
     const u32 w0 = (c & 1) ? q.z : q.x, w1 = (c & 1) ? q.w : q.y;
     const int chunk = (4 / RT) * part + c;
-    qm_store(bt, n, chunk, qm_four(w0 & 0x0f0f0f0fu, s.s0, s.nb0, s.m0), qm_four(w1 & 0x0f0f0f0fu, s.s0, s.nb0, s.m0));
-    qm_store(bt, n, 4 + chunk, qm_four(w0 & 0xf0f0f0f0u, s.s1, s.nb1, s.m1),
-             qm_four(w1 & 0xf0f0f0f0u, s.s1, s.nb1, s.m1));
+    qm_store(bt, n, chunk, qm_four(w0 & 0x0f0f0f0fu, s.s0, s.nb0, s.m0, s.mg),
+             qm_four(w1 & 0x0f0f0f0fu, s.s0, s.nb0, s.m0, s.mg));
+    qm_store(bt, n, 4 + chunk, qm_four(w0 & 0xf0f0f0f0u, s.s1, s.nb1, s.m1, s.mg),
+             qm_four(w1 & 0xf0f0f0f0u, s.s1, s.nb1, s.m1, s.mg));
 }
 
 // ---- q6_k: a step is a quarter q of a 210-byte super-block (half h = q / 2, odd = q % 2): weights
@@ -265,19 +271,21 @@ __device__ __forceinline__ void qm_pin(QmRawQ6<RT>& r) {
 
 struct QmScaleQ6 {
     float d;
+    u32 mg;  // QM_MAGIC
 };
 
 template <int RT>
 __device__ __forceinline__ QmScaleQ6 qm_scales(const QmRawQ6<RT>& r, int) {
     QmScaleQ6 s;
     s.d = qm_half(r.d);
+    s.mg = QM_MAGIC;
     return s;
 }
 
 __device__ __forceinline__ u32 qm_word(const u32* w, int i, u32 sh) { return __funnelshift_r(w[i], w[i + 1], sh); }
 
 template <int RT>
-__device__ __forceinline__ void qm_decode_q6_part(const QmRawQ6<RT>& r, float d, int c, int odd, int part,
+__device__ __forceinline__ void qm_decode_q6_part(const QmRawQ6<RT>& r, float d, u32 mg, int c, int odd, int part,
                                                   int second, char* bt, int n) {
     const u32 sh = r.sh, nsh = 4u * (u32)odd, hsh = 4u * (u32)odd + 2u * (u32)second;
     const u32 s_lo = qm_word(r.sc, 0, sh), s_hi = qm_word(r.sc, 1, sh);
@@ -292,7 +300,7 @@ __device__ __forceinline__ void qm_decode_q6_part(const QmRawQ6<RT>& r, float d,
     for (int t = 0; t < 2; ++t) {
         const u32 lw = qm_word(ql, 2 * c + t, sh), hw = qm_word(r.qh, 2 * c + t, sh);
         const u32 u = ((lw >> nsh) & 0x0f0f0f0fu) | (((hw >> hsh) & 0x03030303u) << 4);
-        out[t] = qm_four(u, s, nb, cc);
+        out[t] = qm_four(u, s, nb, cc, mg);
     }
     qm_store(bt, n, (second ? 4 : 0) + (l >> 3), out[0], out[1]);
 }
@@ -300,8 +308,8 @@ __device__ __forceinline__ void qm_decode_q6_part(const QmRawQ6<RT>& r, float d,
 template <int RT>
 __device__ __forceinline__ void qm_decode(const QmRawQ6<RT>& r, const QmScaleQ6& s, int c, int odd, int part,
                                           char* bt, int n) {
-    qm_decode_q6_part(r, s.d, c, odd, part, 0, bt, n);
-    qm_decode_q6_part(r, s.d, c, odd, part, 1, bt, n);
+    qm_decode_q6_part(r, s.d, s.mg, c, odd, part, 0, bt, n);
+    qm_decode_q6_part(r, s.d, s.mg, c, odd, part, 1, bt, n);
 }
 
 template <int FMT, int RT>
@@ -343,6 +351,7 @@ struct QmBlock {
     long long xstride;
     u32 xdst;
     int xr0;
+    u32 magic_at;  // shared address of a word holding QM_MAGIC
     int rows, K, S, tid, lane, wm, wn, n, part;
     bool active[MT];  // whether this warp's (warpgroup's) 64 rows of sub-tile t hold any routed row
 #if QM_WGMMA
@@ -449,6 +458,14 @@ struct QmBlock {
     }
 #endif
 
+    // Step k + D's index for the loads and the decode: super-block (k + D) / 4 (the last one past the end: what
+    // it decodes there is never multiplied), quarter (KP + D) % 4 known at compile time, so the scales' six-bit
+    // fields and the q6_k halves are picked by constant shifts, not by branches on a runtime quarter.
+    template <int KP, int D>
+    __device__ __forceinline__ int step_at(int k) const {
+        return 4 * min((k >> 2) + ((KP + D) >> 2), (S >> 2) - 1) + ((KP + D) & 3);
+    }
+
     // Step k (KP = k % 4): the MMAs over stage k, and the decode of step k + 1 into the other weight tile.
     template <int KP>
     __device__ __forceinline__ void step(int k) {
@@ -466,15 +483,20 @@ struct QmBlock {
         // the raw unit of step k + 2 (q4_k) or of steps k + 2, k + 3 (q6_k, at even k) into the free buffer
         if (US == 0 || (KP & 1) == 0) {
             constexpr int buf = ((KP + 2) >> US) & 1;
-            qm_load(raw[buf], wrow, min(k + 2, S - 1), part);
+            qm_load(raw[buf], wrow, step_at<KP, 2>(k), part);
         }
         constexpr int dbuf = ((KP + 1) >> US) & 1;  // the raw unit of step k + 1
-        const int dstep = min(k + 1, S - 1);
+        const int dstep = step_at<KP, 1>(k);
         char* bn = bs + ((KP + 1) & 1) * BTILE;
 #if QM_WGMMA
         wg_issue(xt, bt);
         qm_pin(raw[dbuf]);
-        const Scale s = qm_scales(raw[dbuf], dstep);
+        Scale s = qm_scales(raw[dbuf], dstep);
+        // the 2^23 bytes read from shared memory after this step's barrier, not an immediate: every decode
+        // instruction then depends on a load ptxas keeps below the barrier, so it cannot move a step's decode into
+        // the step before (it did, once the quarter was a constant: all of a step's work in one step, none in the
+        // next, so half the steps' MMAs ran with nothing beside them)
+        asm volatile("ld.shared.u32 %0, [%1];" : "=r"(s.mg) : "r"(magic_at) : "memory");
 #pragma unroll
         for (int c = 0; c < CH; ++c) decode_chunk(raw[dbuf], s, c, dstep & 1, bn);
         wg_wait();
@@ -569,8 +591,10 @@ __device__ __forceinline__ void qm_kernel(const unsigned short* __restrict__ a, 
                                           int e_hi) {
     extern __shared__ __align__(128) char qm_shared[];
     __shared__ int s_e, s_rin;
+    __shared__ u32 s_magic;
     typedef QmBlock<FMT, SWIGLU, BN, MT> B;
     qm_expert_of_tile<B::BM>(counts, e_lo, e_hi, &s_e, &s_rin);
+    if (threadIdx.x == 0) s_magic = QM_MAGIC;
     __syncthreads();
     // broadcast from lane 0: values the compiler sees as warp-uniform, so the wgmma paths below are not divergent
     // (ptxas would otherwise serialize every wgmma, C7518, and the decode would not overlap the tensor cores)
@@ -581,6 +605,7 @@ __device__ __forceinline__ void qm_kernel(const unsigned short* __restrict__ a, 
     blk.xs = base;
     blk.bs = base + QM_XSTAGES * B::XTILE;
     blk.a = a;
+    blk.magic_at = qm_smem(&s_magic);
     blk.tid = threadIdx.x;
     blk.lane = threadIdx.x & 31;
     const int warp = threadIdx.x >> 5;
