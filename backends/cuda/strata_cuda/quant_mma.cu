@@ -8,9 +8,9 @@
 // walks every expert's ceil(count / QM_BM) row tiles in expert order; a block past the last returns at once), so no
 // launch needs the counts on the host.
 //
-// A block computes QM_BM input rows x BN weight rows (gate|up: BN/2 gate rows and the same BN/2 up rows, BN/2 act
-// columns; down: BN output columns) in K steps of 64 weights: the input tile comes by cp.async (three stages, two
-// ahead); the 256 threads decode the next step's BN x 64 weights (a row by 256 / BN threads) from the quant bytes
+// A block computes QM_BM (or 2 QM_BM) input rows x BN weight rows (gate|up: BN/2 gate rows and the same BN/2 up
+// rows, BN/2 act columns; down: BN output columns) in K steps of 64 weights: the input tile comes by cp.async (four
+// stages, two ahead: the stage of step k is k % 4, a constant of the unrolled loop); the 256 threads decode the next step's BN x 64 weights (a row by 256 / BN threads) from the quant bytes
 // (read into registers a step or two ahead) into the other of two shared f16 tiles (128-byte rows, 16-byte chunks
 // swizzled by the row) while the current step's MMAs run. On sm_90a each of two warpgroups runs wgmma m64nBNk16 from
 // the shared tiles (asynchronous: the decode issues while the tensor cores work, which needs every value a wgmma's
@@ -27,7 +27,7 @@
 #define QM_BM 128
 #define QM_BK 64
 #define QM_THREADS 256
-#define QM_XSTAGES 3
+#define QM_XSTAGES 4
 #define QM_XTILE(MT) ((MT) * QM_BM * QM_BK * 2)
 // tiles 1024-byte aligned (the 128-byte swizzle's period, which wgmma's descriptors assume): one KiB of slack
 #define QM_SMEM(BN, MT) (QM_XSTAGES * QM_XTILE(MT) + 2 * (BN) * QM_BK * 2 + 1024)
@@ -373,7 +373,7 @@ struct QmBlock {
 
     __device__ __forceinline__ void load_x(int step) {
         if (step >= S) return;
-        const u32 dst = xdst + (step % QM_XSTAGES) * XTILE;
+        const u32 dst = xdst + (step & (QM_XSTAGES - 1)) * XTILE;
         const unsigned short* dead = a + arow0 * K;  // a row past the routed ones reads nothing (zero-filled)
 #pragma unroll
         for (int i = 0; i < 4 * MT; ++i) {
@@ -477,7 +477,7 @@ struct QmBlock {
         __syncthreads();
         load_x(k + 2);
         qm_commit();
-        const char* xt = xs + (k % QM_XSTAGES) * XTILE;
+        const char* xt = xs + KP * XTILE;  // k % QM_XSTAGES
         const char* bt = bs + (KP & 1) * BTILE;
 #ifndef QM_SKIP_DECODE  // the ablation of the MMAs and the input tiles alone (the weight tiles left as they are)
         // the raw unit of step k + 2 (q4_k) or of steps k + 2, k + 3 (q6_k, at even k) into the free buffer

@@ -30,6 +30,8 @@ TYPES = ("q4_k", "q6_k")
 BM = 128
 BK = 64
 THREADS = 256
+#: QM_XSTAGES: input tiles in flight (step k's is stage k % 4, so STEP_UNROLL must be a multiple of it).
+XSTAGES = 4
 #: Weight rows a block decodes and multiplies (its BN): 256 (one block an SM; every arch) or 128 (two blocks an SM;
 #: the sm_90a build only). A gate|up block gives BN / 2 act columns (BN / 2 gate rows and the same up rows), a down
 #: block BN output columns.
@@ -56,9 +58,9 @@ def kernel_source() -> str:
 
 
 def smem_bytes(block_rows: int, input_rows: int = BM) -> int:
-    """QM_SMEM(BN, MT): three input stages of input_rows x BK f16, two decoded tiles of BN x BK f16, 1 KiB to align
+    """QM_SMEM(BN, MT): XSTAGES input stages of input_rows x BK f16, two decoded tiles of BN x BK f16, 1 KiB to align
     them."""
-    return 3 * int(input_rows) * BK * 2 + 2 * int(block_rows) * BK * 2 + 1024
+    return XSTAGES * int(input_rows) * BK * 2 + 2 * int(block_rows) * BK * 2 + 1024
 
 
 def kernel_names(gate_up: str, down: str, block_rows: tuple[int, int] = DEFAULT_BLOCK_ROWS,
