@@ -44,9 +44,6 @@ def test_the_h200_cubin_builds_with_its_wgmmas_asynchronous():
     assert len(quant_mma.compile_cubin(quant_mma.WGMMA_ARCH, ("--ptxas-options=-v",), log=log)) > 10_000
     text = "".join(log)
     assert "Compiling entry function 'strata_qm_gate_up_q4_k'" in text  # ptxas's notes are in the log
-    # ptxas serializes every wgmma (a wait after each, C7518) when one sits on a path it cannot prove warp-uniform;
-    # the decode of the next step then no longer overlaps the tensor cores, and the kernels take the sum of the two
-    assert "C7518" not in text and "serialized" not in text, text
     # spills: none in any kernel with this tree's NVRTC; the bound leaves room for another ptxas's few bytes, not for
     # the 194-268 bytes a thread the 128-row q6_k kernels spilled at 9251d97
     spills, name = {}, None
@@ -57,6 +54,9 @@ def test_the_h200_cubin_builds_with_its_wgmmas_asynchronous():
         if m and name:
             spills[name] = max(int(m.group(1)), int(m.group(2)))
     assert len(spills) == 4 * len(quant_mma.SHAPES) and max(spills.values()) <= 64, spills
+    # ptxas serializes every wgmma (a wait after each) when one sits on a path it cannot prove warp-uniform (C7518) or
+    # when registers run short (C7511); the next step's decode then no longer overlaps the tensor cores
+    assert "C7518" not in text and "serialized" not in text, text
 
 
 @pytest.mark.parametrize("arch", ["compute_90a", "compute_80"])
