@@ -179,8 +179,9 @@ def test_groups_ahead_wait_for_the_last_layers_readers_of_the_scratch(tmp_path):
 @pytest.mark.parametrize("t", [5, 300])
 def test_the_fused_decode_inside_the_gemms_matches_the_reference(tmp_path, gate_up, down, t):
     """QuantMoE.warm_fused: the warm layer's GEMMs decode the pool's own blocks in their K loop (no scratch):
-    quant_mma's kernels for the q4_k/q6_k pairs, triton_moe's for the rest, for each type the decode knows, a chunk of 5 tokens (most experts left out) and one of 300, experts in scattered
-    slots; twice, the same bits. Q8_0 in mixed slots: a file all in Q8_0 loads as the native 'q8_0' pool (FastMoE's
+    quant_mma's kernels for the q4_k/q6_k pairs (fused_kernel "mma"), triton_moe's for the rest ("triton"), for each
+    type the decode knows, a chunk of 5 tokens (most experts left out) and one of 300, experts in scattered slots;
+    twice, the same bits. Q8_0 in mixed slots: a file all in Q8_0 loads as the native 'q8_0' pool (FastMoE's
     kernels), not a 'gguf' blob."""
     import cupy as cp
     from strata_cuda.quant_ffn import QuantMoE
@@ -199,6 +200,7 @@ def test_the_fused_decode_inside_the_gemms_matches_the_reference(tmp_path, gate_
     logits = rng.standard_normal((t, e_n)).astype(np.float32)
     moe = QuantMoE(e_n, k, lp.fmt)
     moe.warm_device = moe.warm_fused = True
+    moe.fused_kernel = "mma" if {gate_up, down} <= {"q4_k", "q6_k"} else "triton"
     assert moe._fused_gemm(lp.fmt) is not None or moe.device_gemm is None
     if moe.device_gemm is None:
         pytest.skip("no device-table path here (Triton or torch missing)")

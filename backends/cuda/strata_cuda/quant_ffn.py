@@ -164,8 +164,9 @@ WARM_DEVICE = False
 #: (quant_mma.cu's qm_kernel), not yet measured on the H200 (bench/calls/s17_a.sh, s17_b.sh).
 WARM_FUSED = False
 #: The fused GEMMs of warm_fused: "mma", quant_mma.cu's tensor-core kernels (q4_k and q6_k rows: each weight decoded
-#: once per block into a shared f16 tile between the MMAs of the step before), where they take the format, else
-#: "triton" (triton_moe.DeviceQuantGEMM, above).
+#: once per block into a shared f16 tile between the MMAs of the step before), or "triton" (triton_moe.DeviceQuantGEMM,
+#: above). Where the chosen kernels do not take the format (or cannot be built) the layer has no fused GEMMs and
+#: takes the scratch path: Triton's fused kernels measured slower than it, so "mma" does not fall back to them.
 FUSED_KERNEL = "mma"
 #: quant_mma's (gate|up, down) weight rows a block: 256 (a block an SM; every arch has it). On the H200 128 for gate|up
 #: measured faster (above), but that pair has not run through the layer's tests yet.
@@ -752,8 +753,8 @@ class QuantMoE(FastMoE):
 
     def _fused_gemm(self, fmt: ExpertFormat) -> Any:
         """The GEMMs that decode this format's blocks in their K loop (built once): quant_mma.QuantMmaGEMM where
-        fused_kernel is "mma" and it takes the format, else triton_moe.DeviceQuantGEMM where Triton runs it; None
-        where neither does."""
+        fused_kernel is "mma" and it takes the format and builds (else None, the reason in fused_error),
+        triton_moe.DeviceQuantGEMM where fused_kernel is "triton" and Triton runs it (else None)."""
         from . import quant_mma, triton_moe
         key = (fmt.gate_up, fmt.down, fmt.bias, self.fused_kernel, self.fused_block_rows, self.fused_input_rows)
         if key not in self._fused:
@@ -774,13 +775,10 @@ class QuantMoE(FastMoE):
                                                  input_rows=self.fused_input_rows)
                 except (ValueError, RuntimeError) as e:
                     self.fused_error = f"{type(e).__name__}: {e}"
-            if got is not None:
-                self._fused[key] = got
-            elif self.device_gemm is not None and triton_moe.quant_takes(fmt.gate_up, fmt.down, fmt.hidden,
-                                                                         fmt.ffn, fmt.bias):
-                self._fused[key] = triton_moe.DeviceQuantGEMM(*args)
-            else:
-                self._fused[key] = None
+            if (self.fused_kernel == "triton" and self.device_gemm is not None
+                    and triton_moe.quant_takes(fmt.gate_up, fmt.down, fmt.hidden, fmt.ffn, fmt.bias)):
+                got = triton_moe.DeviceQuantGEMM(*args)
+            self._fused[key] = got
         return self._fused[key]
 
     def _prefill_device(self, x: Any, logits: Any, pool: ExpertPool, slot_of: np.ndarray, out: Any,
