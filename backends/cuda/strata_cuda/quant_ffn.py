@@ -785,7 +785,8 @@ class QuantMoE(FastMoE):
                         accumulate: bool, on_counts: Any) -> Any:
         """FastMoE._prefill_device; over a 'gguf' pool with warm_device_ahead the first two groups' dequantization is
         queued on the side stream before the routing (_dequant_ahead)."""
-        if pool.dtype == "gguf" and self.warm_device_ahead and not self.warm_fused and self.layout.group_experts > 0:
+        fused = pool.dtype == "gguf" and self.warm_fused and self._fused_gemm(pool.fmt) is not None
+        if pool.dtype == "gguf" and self.warm_device_ahead and not fused and self.layout.group_experts > 0:
             self._ahead = self._dequant_ahead(pool, slot_of)
         try:
             return super()._prefill_device(x, logits, pool, slot_of, out, accumulate, on_counts)
