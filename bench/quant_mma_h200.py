@@ -73,19 +73,18 @@ def main() -> None:
     def build(options=(), block_rows=quant_mma.DEFAULT_BLOCK_ROWS, input_rows=quant_mma.DEFAULT_INPUT_ROWS):
         return quant_mma.QuantMmaGEMM(H, F, E, "q4_k", "q6_k", fmt.gate_up_row_bytes, fmt.down_row_bytes,
                                       fmt.down_offset, options, block_rows, input_rows)
+    # (block rows, input rows) of each build; sm_90a also has blocks of 128 weight rows, for 128 input rows and for
+    # 256 (each weight decoded for twice the rows)
+    shapes = {"quant_mma": (quant_mma.DEFAULT_BLOCK_ROWS, quant_mma.DEFAULT_INPUT_ROWS)}
+    if cp.cuda.Device().compute_capability == "90":
+        shapes.update(quant_mma_b128=((128, 128), (128, 128)), quant_mma_m256=((128, 128), (256, 256)))
+    ablations = {"_no_decode": ("-DQM_SKIP_DECODE",), "_no_mma": ("-DQM_SKIP_MMA",)} if args.ablations else {}
     mma = build()
-    variants = {"quant_mma_no_decode": build(("-DQM_SKIP_DECODE",)),
-                "quant_mma_no_mma": build(("-DQM_SKIP_MMA",))} if args.ablations else {}
-    if cp.cuda.Device().compute_capability == "90":  # blocks of 128 weight rows (sm_90a)
-        variants["quant_mma_b128"] = build(block_rows=(128, 128))
-        if args.ablations:
-            variants["quant_mma_b128_no_decode"] = build(("-DQM_SKIP_DECODE",), (128, 128))
-            variants["quant_mma_b128_no_mma"] = build(("-DQM_SKIP_MMA",), (128, 128))
-        # 256 input rows x 128 weight rows: each weight decoded for twice the rows
-        variants["quant_mma_m256"] = build(block_rows=(128, 128), input_rows=(256, 256))
-        if args.ablations:
-            variants["quant_mma_m256_no_decode"] = build(("-DQM_SKIP_DECODE",), (128, 128), (256, 256))
-            variants["quant_mma_m256_no_mma"] = build(("-DQM_SKIP_MMA",), (128, 128), (256, 256))
+    variants = {}
+    for name, shape in shapes.items():
+        if name != "quant_mma":
+            variants[name] = build((), *shape)
+        variants.update({name + tag: build(opts, *shape) for tag, opts in ablations.items()})
     f16 = triton_moe.DeviceGroupedGEMM(H, F, E) if triton_moe.available() and not args.profile else None
     st = cp.cuda.Stream(non_blocking=True)
     flops = 2.0 * T * K * (2 * F * H + H * F)

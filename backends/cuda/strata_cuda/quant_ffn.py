@@ -505,12 +505,12 @@ class QuantMoE(FastMoE):
         #: decode inside the GEMMs (WARM_FUSED)
         self.warm_device = WARM_DEVICE
         self.warm_fused = WARM_FUSED
-        #: which fused GEMMs (FUSED_KERNEL): "mma" (quant_mma.cu) where it takes the format, else "triton"
+        #: which fused GEMMs (FUSED_KERNEL): "mma" (quant_mma.cu) or "triton"; none where they do not take the format
         self.fused_kernel = FUSED_KERNEL
-        #: quant_mma's (gate|up, down) block rows (quant_mma.BLOCK_ROWS; 128 on the sm_90a build only), and why
-        #: quant_mma's kernels could not be built where they could not (the fused path then falls back)
+        #: quant_mma's (gate|up, down) block rows and input rows (quant_mma.SHAPES; all but 256 x 128 on sm_90a only)
         self.fused_block_rows = FUSED_BLOCK_ROWS
         self.fused_input_rows = FUSED_INPUT_ROWS
+        #: why quant_mma's kernels were not taken where they were not (the layer then takes the scratch path)
         self.fused_error: str | None = None
         self.warm_device_ahead = WARM_DEVICE_AHEAD
         self._ahead: tuple | None = None
@@ -761,22 +761,19 @@ class QuantMoE(FastMoE):
             args = (fmt.hidden, fmt.ffn, self.experts, fmt.gate_up, fmt.down, fmt.gate_up_row_bytes,
                     fmt.down_row_bytes, fmt.down_offset)
             got = None
-            shapes_ok = quant_mma.takes(fmt.gate_up, fmt.down, fmt.hidden, fmt.ffn, fmt.bias,
-                                        self.fused_block_rows, self.fused_input_rows)
-            if (self.fused_kernel == "mma" and not shapes_ok
-                    and quant_mma.takes(fmt.gate_up, fmt.down, fmt.hidden, fmt.ffn, fmt.bias)):
-                # the format is quant_mma's but not these block shapes: say so rather than fall back in silence
-                self.fused_error = (f"quant_mma: no blocks of {self.fused_input_rows} input x {self.fused_block_rows} "
-                                    f"weight rows for hidden {fmt.hidden}, ffn {fmt.ffn} (shapes "
-                                    f"{quant_mma.SHAPES})")
-            if self.fused_kernel == "mma" and shapes_ok:
+            kinds = (fmt.gate_up, fmt.down, fmt.hidden, fmt.ffn, fmt.bias)
+            if self.fused_kernel == "mma" and quant_mma.takes(*kinds, self.fused_block_rows, self.fused_input_rows):
                 try:  # an optional path: a shape this device's build lacks, or a compile error, falls back
                     got = quant_mma.QuantMmaGEMM(*args, block_rows=self.fused_block_rows,
                                                  input_rows=self.fused_input_rows)
                 except (ValueError, RuntimeError) as e:
                     self.fused_error = f"{type(e).__name__}: {e}"
-            if (self.fused_kernel == "triton" and self.device_gemm is not None
-                    and triton_moe.quant_takes(fmt.gate_up, fmt.down, fmt.hidden, fmt.ffn, fmt.bias)):
+            elif self.fused_kernel == "mma" and quant_mma.takes(*kinds):
+                # the format is quant_mma's but not these block shapes: say so rather than fall back in silence
+                self.fused_error = (f"quant_mma: no blocks of {self.fused_input_rows} input x {self.fused_block_rows} "
+                                    f"weight rows for hidden {fmt.hidden}, ffn {fmt.ffn} (shapes "
+                                    f"{quant_mma.SHAPES})")
+            elif self.fused_kernel == "triton" and self.device_gemm is not None and triton_moe.quant_takes(*kinds):
                 got = triton_moe.DeviceQuantGEMM(*args)
             self._fused[key] = got
         return self._fused[key]

@@ -32,11 +32,8 @@ BK = 64
 THREADS = 256
 #: QM_XSTAGES: input tiles in flight (step k's is stage k % 4, so STEP_UNROLL must be a multiple of it).
 XSTAGES = 4
-#: Weight rows a block decodes and multiplies (its BN): 256 (one block an SM; every arch) or 128 (two blocks an SM;
-#: the sm_90a build only). A gate|up block gives BN / 2 act columns (BN / 2 gate rows and the same up rows), a down
-#: block BN output columns.
-BLOCK_ROWS = (256, 128)
-#: (gate|up, down) block rows QuantMmaGEMM takes by default.
+#: (gate|up, down) weight rows a block decodes and multiplies (its BN) QuantMmaGEMM takes by default. A gate|up block
+#: gives BN / 2 act columns (BN / 2 gate rows and the same up rows), a down block BN output columns.
 DEFAULT_BLOCK_ROWS = (256, 256)
 #: The (input rows, weight rows) a block can take: 128 x 256 (every arch), and on the sm_90a build 128 x 128 and
 #: 256 x 128 (each weight decoded for twice the input rows: half the decode per MMA, one block an SM).
@@ -116,7 +113,7 @@ class QuantMmaGEMM:
                  block_rows: tuple[int, int] = DEFAULT_BLOCK_ROWS,
                  input_rows: tuple[int, int] = DEFAULT_INPUT_ROWS):
         import cupy as cp
-        #: (gate|up, down) weight rows of a block (BLOCK_ROWS; 128 needs the sm_90a build)
+        #: (gate|up, down) weight rows of a block (SHAPES; 128 needs the sm_90a build)
         self.block_rows = tuple(int(b) for b in block_rows)
         #: (gate|up, down) input rows of a block (SHAPES: 256 with 128 weight rows, the sm_90a build only)
         self.input_rows = tuple(int(m) for m in input_rows)
