@@ -3,7 +3,7 @@
 # quant_mma.cu as of 623a019 and after: the tile's expert, its rows and each warpgroup's "active" flags broadcast from
 # lane 0 (__shfl_sync), so ptxas no longer serializes the wgmmas (C7518: every build measured before had a wait after
 # each wgmma, so the next step's decode never overlapped the tensor cores); decoded tiles stored by st.shared (they
-# were generic ST.E); the SwiGLU's division __fdividef; each step's decode after its wgmmas are issued; the input
+# were generic ST.E); the SwiGLU's division __fdividef; each step's decode under its own wgmmas; the input
 # chunks' addresses and the wgmma descriptors computed once, not per step; and blocks of 256 input rows x 128
 # weight rows (sm_90a; each weight decoded for twice the rows).
 # Order: the layer's GPU tests (test_quant_mma at every block shape), a planted fault in the 256-row path, the

@@ -164,17 +164,6 @@ __device__ __forceinline__ void qm_load(QmRawQ4<RT>& r, const unsigned char* row
     for (int i = 0; i < 2 / RT; ++i) r.q[i] = *(const uint4*)(b + 16 + 32 * g + (32 / RT) * part + 16 * i);
 }
 
-// An empty asm that "redefines" the raw unit's registers: the compiler front end then emits a step's decode (which
-// depends on them) after the step's wgmmas are issued, so they start first. It emits no instruction, so ptxas may
-// still move the arithmetic: it does in the q6_k kernels, whose raw unit serves two steps
-// (bench/results/s17_host/sass_wgmma_now.json).
-template <int RT>
-__device__ __forceinline__ void qm_pin(QmRawQ4<RT>& r) {
-    asm volatile("" : "+r"(r.hdr.x), "+r"(r.hdr.y), "+r"(r.hdr.z), "+r"(r.hdr.w));
-#pragma unroll
-    for (int i = 0; i < 2 / RT; ++i) asm volatile("" : "+r"(r.q[i].x), "+r"(r.q[i].y), "+r"(r.q[i].z), "+r"(r.q[i].w));
-}
-
 struct QmScaleQ4 {
     float s0, nb0, m0, s1, nb1, m1;
     u32 mg;  // QM_MAGIC
@@ -260,13 +249,6 @@ __device__ __forceinline__ void qm_load(QmRawQ6<RT>& r, const unsigned char* row
     r.sc[1] = __ldg(sc + 1);
     r.sc[2] = r.sh ? __ldg(sc + 2) : 0u;  // only a shifted row needs it (an aligned one would read past the block)
     r.d = __ldg((const unsigned short*)(p + 208));
-}
-
-template <int RT>
-__device__ __forceinline__ void qm_pin(QmRawQ6<RT>& r) {
-#pragma unroll
-    for (int i = 0; i < QmRawQ6<RT>::W; ++i) asm volatile("" : "+r"(r.la[i]), "+r"(r.lb[i]), "+r"(r.qh[i]));
-    asm volatile("" : "+r"(r.sc[0]), "+r"(r.sc[1]), "+r"(r.sc[2]), "+r"(r.sh));
 }
 
 struct QmScaleQ6 {
@@ -490,7 +472,6 @@ struct QmBlock {
         char* bn = bs + ((KP + 1) & 1) * BTILE;
 #if QM_WGMMA
         wg_issue(xt, bt);
-        qm_pin(raw[dbuf]);
         Scale s = qm_scales(raw[dbuf], dstep);
         // the 2^23 bytes read from shared memory after this step's barrier, not an immediate: every decode
         // instruction then depends on a load ptxas keeps below the barrier, so it cannot move a step's decode into
