@@ -247,7 +247,9 @@ class LayerWork:
     stats: dict = field(default_factory=dict)
     #: the runtime's own handles an op may use. "observer" (only in --check runs): call it after each layer as
     #: observer(phase, layer, x_in, x_out) with host copies of the residual before and after the layer; an op that
-    #: cannot (a fused decode graph) leaves the layer unchecked, and --check reports fewer layers.
+    #: cannot (a fused decode graph) leaves the layer unchecked, and --check reports fewer layers. "fallback"
+    #: (always there in a run): call it as fallback(what, why) when an optional path of the op was turned off (a
+    #: kernel that did not build, a shape it lacks); the run reports each `what` once among its fallbacks.
     extras: dict = field(default_factory=dict)
 
 

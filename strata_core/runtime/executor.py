@@ -273,7 +273,9 @@ class Executor:
 
     def _works(self, phase: str, x: Any, tokens: int, ring: np.ndarray, arena: Arena) -> list[LayerWork]:
         """The LayerWork of every MoE layer for one chunk or one decode step (all on the same residual x)."""
-        extras = {"observer": self.observer} if self.observer is not None else {}
+        extras: dict[str, Any] = {"fallback": self.log.fallback}
+        if self.observer is not None:
+            extras["observer"] = self.observer
         return [LayerWork(phase=phase, layer=layer, tokens=tokens, x=x, norm_w=self.dense.get(f"norm.{layer}"),
                           router_w=self.dense.get(f"router.{layer}"), top_k=self.top_k, pool=self.pool.for_layer(layer),
                           slots=self.cache, source=self.source, workspace=arena, ring=ring,

@@ -347,3 +347,32 @@ def test_the_gpu_dequant_to_f16_is_numpys_f16_of_the_oracle_bit_for_bit(fmt):
     want = quants.dequantize(fmt, raw[[2, 0, 1]], cols).astype(np.float16).view(np.uint16)
     got = cp.asnumpy(out)
     assert int(np.count_nonzero(got != want)) == 0, fmt
+
+
+@pytest.mark.parametrize("broken", ["shape", "build"])
+def test_strata_run_on_cuda_reports_a_fused_gemm_that_stood_down_and_still_checks(tmp_path, monkeypatch, broken):
+    """With the fused warm GEMMs on (quant_ffn.WARM_DEVICE and WARM_FUSED; the plan caches every expert of this
+    file) and quant_mma unable to run them (block shapes it lacks, or a build that raises), `strata run` takes the
+    f16 scratch path, passes --check and lists the reason once among its fallbacks: said, never fatal."""
+    from strata_core.cli import main
+    from strata_cuda import quant_ffn, quant_mma
+    monkeypatch.setattr(quant_ffn, "WARM_DEVICE", True)  # the warm layers (every expert cached, as here) ask
+    monkeypatch.setattr(quant_ffn, "WARM_FUSED", True)   # for the fused GEMMs
+    monkeypatch.setattr(quant_ffn, "FUSED_KERNEL", "mma")
+    if broken == "shape":
+        monkeypatch.setattr(quant_ffn, "FUSED_BLOCK_ROWS", (64, 64))
+    else:
+        def planted(*a, **k):
+            raise RuntimeError("planted build failure")
+        monkeypatch.setattr(quant_mma, "QuantMmaGEMM", planted)
+    path = write_moe_gguf(tmp_path / "q4_k_m.gguf", arch="qwen3moe", layers=3, down=q4_k_m_down_types(3))
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        rc = main(["run", "--model", str(path), "--backend", "cuda", "--check", "--prompt-tokens", "300",
+                   "--decode-tokens", "4", "--json"])
+    assert rc == 0, err.getvalue()[-3000:]
+    r = json.loads(out.getvalue())
+    assert r["check"] == "passed"
+    said = [f for f in r["fallbacks"] if f["what"] == "fused quant GEMM"]
+    want = "no blocks of (128, 128) input x (64, 64) weight rows" if broken == "shape" else "planted build failure"
+    assert len(said) == 1 and want in said[0]["why"], r["fallbacks"]

@@ -347,6 +347,10 @@ class CudaLayerOps:
             fast.settle_prefetch()  # no copy may land in the ring after its slots go back to the cache
             raise
         st = fast.stats
+        report = work.extras.get("fallback")
+        if getattr(fast, "fused_error", None) and report is not None:
+            # the warm groups ran on the f16 scratch path instead: right, slower; the run says so once
+            report("fused quant GEMM", f"{fast.fused_error}; warm groups take the f16 scratch path")
         if st.device_table:
             self.counts["prefill_device_table"] = self.counts.get("prefill_device_table", 0) + 1
         if st.device_hits:
