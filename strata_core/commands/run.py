@@ -57,7 +57,9 @@ def register(subparsers) -> None:
                    help="an MoE GGUF file (qwen3moe, qwen2moe, mixtral, deepseek2, gpt-oss, olmoe; experts in F16, "
                         "BF16, Q8_0, Q4_K, Q5_K, Q6_K or MXFP4 and their mixes, e.g. Q4_K_M, run from their own bytes; "
                         "shared experts, dense FFN blocks and router biases computed; IQ types refused) "
-                        "or a preset (generated; small ones only); default: the built-in tiny model")
+                        "or a preset NAME@QUANT (generated where it fits half the RAM: F16/BF16 as f16, Q8_0, and Q4_K, Q4_K_M, "
+                        "Q5_K, Q5_K_M, Q6_K, MXFP4 in their own bytes; other quants as Q8_0, said); default: the "
+                        "built-in tiny model")
     p.add_argument("--prompt-tokens", type=bounded_int(1, MAX_TOKENS, "tokens"), default=DEFAULT_PROMPT_TOKENS, metavar="N",
                    help=f"prompt length in tokens (default {DEFAULT_PROMPT_TOKENS})")
     p.add_argument("--decode-tokens", type=bounded_int(0, MAX_TOKENS, "tokens"), default=DEFAULT_DECODE_TOKENS, metavar="N",
@@ -153,22 +155,30 @@ def resolve_run_model(name: str | None, loaded, seed: int, skew: float = 0.0) ->
                                                       max(spec.vocab, 1)) + dense_ffn_device_bytes(name))
         return spec, (lambda: weights_from_gguf(name, spec)), settings
     preset = model_from_name(name)
-    from strata_core.models.synthetic import model_spec
+    from strata_core.models.synthetic import generated_expert_formats, model_spec
     from strata_core.hostinfo import probe_host
     ffn = preset.expert_ffn
     if not ffn:
         raise BadInput(f"--model {name}: the preset gives no expert FFN width to generate weights from")
-    # F16/BF16 presets generate f16 experts (the name's quant was dropped before: '@F16' ran Q8_0); other quants Q8_0
-    wide = str(preset.quant).upper() in ("F16", "BF16") or preset.hidden % 32 or ffn % 32
+    # F16/BF16 presets generate f16 experts (the name's quant was dropped before: '@F16' ran Q8_0); K-quant and
+    # MXFP4 presets their own bytes ('gguf' experts, a _M mix's types per layer); the others (IQ, Q2_K) Q8_0, said
+    quant = str(preset.quant).upper()
+    wide = quant in ("F16", "BF16") or preset.hidden % 32 or ffn % 32
+    formats, notes = ((), []) if wide else generated_expert_formats(quant, preset.moe_layers, preset.hidden, ffn)
+    dtype = "f16" if wide else ("gguf" if formats else "q8_0")
+    if not wide and not formats and quant != "Q8_0":
+        notes.append(f"generated experts: Q8_0 ({quant} is not computed by the kernels; `strata plan --model "
+                     f"{name}` plans its own bytes)")
+    for note in notes:
+        say(note)
     spec = model_spec(preset.name, preset.moe_layers, preset.experts_per_layer, preset.top_k, preset.hidden, ffn,
-                      preset.vocab or 32000, dtype="f16" if wide else "q8_0", source="preset, generated")
+                      preset.vocab or 32000, dtype=dtype, source="preset, generated", formats=formats, quant=quant)
     avail = probe_host().ram_available_bytes
     if spec.experts_total_bytes > GENERATE_RAM_FRACTION * avail:
         raise BadInput(f"--model {name}: generating its experts takes {spec.experts_total_bytes / (1 << 30):.1f} GiB, "
                        f"more than {GENERATE_RAM_FRACTION:.0%} of the {avail / (1 << 30):.1f} GiB available; run a "
                        f"GGUF file, or replay it with `strata plan --model {name}` / `strata simulate`")
-    dtype = "q8_0" if spec.quant == "Q8_0" else "f16"
-    return spec, (lambda: generate_weights(spec, seed, dtype=dtype, popularity_skew=skew)), settings
+    return spec, (lambda: generate_weights(spec, seed, dtype=dtype, popularity_skew=skew, formats=formats)), settings
 
 
 # --- the run ------------------------------------------------------------------------------------------------------

@@ -360,9 +360,8 @@ ARCH_EXTRAS: dict[str, dict[str, Any]] = {
 
 def q4_k_m_down_types(layers: int) -> list[str]:
     """The down type per layer of a llama.cpp Q4_K_M file: Q6_K where use_more_bits(i, n) holds, else Q4_K."""
-    def more_bits(i: int) -> bool:
-        return i < layers // 8 or i >= 7 * layers // 8 or (i - layers // 8) % 3 == 2
-    return ["q6_k" if more_bits(i) else "q4_k" for i in range(layers)]
+    from strata_core.models.presets import expert_types
+    return [expert_types("Q4_K_M", i, layers)[1].lower() for i in range(layers)]
 
 
 def write_moe_gguf(path: str | Path, *, arch: str = "qwen3moe", layers: int = 2, experts: int = 8, top_k: int = 2,

@@ -51,6 +51,7 @@ QUANTS: dict[str, QuantType] = {q.name: q for q in (
     QuantType("IQ4_NL", 32, 18),       # block_iq4_nl: half d; uint8 qs[16]
     QuantType("MXFP4", 32, 17),        # block_mxfp4: uint8 e; uint8 qs[16]
     QuantType("Q6_K", 256, 210),       # block_q6_K: uint8 ql[128], qh[64]; int8 scales[16]; half d
+    QuantType("Q5_K", 256, 176),       # block_q5_K: half d, dmin; uint8 scales[12]; uint8 qh[32], qs[128]
     QuantType("Q4_K", 256, 144),       # block_q4_K: half d, dmin; uint8 scales[12]; uint8 qs[128]
     QuantType("Q2_K", 256, 84),        # block_q2_K: uint8 scales[16]; uint8 qs[64]; half d, dmin
     QuantType("IQ2_XS", 256, 74),      # block_iq2_xs: half d; uint16 qs[32]; uint8 scales[8]
@@ -58,13 +59,32 @@ QUANTS: dict[str, QuantType] = {q.name: q for q in (
     QuantType("IQ3_S", 256, 110),      # block_iq3_s: half d; uint8 qs[64], qh[8], signs[32], scales[4]
 )}
 
-#: The quant types a preset may be asked for (the others above only serve fallbacks and GGUF reading).
-PRESET_QUANTS = ("F16", "BF16", "Q8_0", "Q4_K", "Q2_K", "IQ2_XS", "IQ3_XXS", "IQ3_S", "MXFP4")
+#: The quant types a preset may be asked for (the others above only serve fallbacks and GGUF reading); a name of
+#: MIXES stands for its mix.
+PRESET_QUANTS = ("F16", "BF16", "Q8_0", "Q4_K", "Q4_K_M", "Q5_K", "Q5_K_M", "Q6_K", "Q2_K", "IQ2_XS", "IQ3_XXS",
+                 "IQ3_S", "MXFP4")
+
+#: llama.cpp's _M mixes (llama-quant.cpp) of an expert: (gate and up type, ffn_down type of the layers
+#: use_more_bits picks, ffn_down type of the others).
+MIXES = {"Q4_K_M": ("Q4_K", "Q6_K", "Q4_K"), "Q5_K_M": ("Q5_K", "Q6_K", "Q5_K")}
 
 #: llama.cpp's quantizer (llama-quant.cpp) gives a tensor whose rows are not a whole number of 256-weight
 #: super-blocks this 32-weight type instead; DeepSeek-V2-Lite's 1408-wide down rows and gpt-oss's 2880-wide rows hit it.
 ROW_FALLBACK = {"Q2_K": "IQ4_NL", "IQ2_XS": "IQ4_NL", "IQ3_XXS": "IQ4_NL", "IQ3_S": "IQ4_NL",
-                "Q4_K": "Q5_0", "Q6_K": "Q8_0"}
+                "Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}
+
+
+def use_more_bits(layer: int, layers: int) -> bool:
+    """llama.cpp's use_more_bits(i, n): the first and the last eighth of the layers, and every third between."""
+    return layer < layers // 8 or layer >= 7 * layers // 8 or (layer - layers // 8) % 3 == 2
+
+
+def expert_types(quant: str, layer: int, layers: int) -> tuple[str, str]:
+    """(gate and up type, down type) of one MoE layer's experts at a preset quant (a mix's per-layer choice)."""
+    if quant in MIXES:
+        gate_up, more, other = MIXES[quant]
+        return gate_up, more if use_more_bits(layer, layers) else other
+    return quant, quant
 
 #: The dense tensors of a preset are stored at no less than this rate (see the module docstring).
 DENSE_FLOOR_QUANT = "Q4_K"
@@ -197,15 +217,18 @@ def find_preset(name: str) -> PresetConfig:
 
 
 def expert_slot_bytes(p: PresetConfig, quant: str) -> int:
-    """One expert's blob: gate and up (expert_ffn rows of hidden), down (hidden rows of expert_ffn), f32 biases."""
-    gate_up = 2 * matrix_bytes(quant, p.expert_ffn, p.hidden)
-    down = matrix_bytes(quant, p.hidden, p.expert_ffn)
-    return gate_up + down + p.expert_bias_values * F32_BYTES
+    """One expert's blob: gate and up (expert_ffn rows of hidden), down (hidden rows of expert_ffn), f32 biases; a
+    mix's largest layer (a slot holds any layer's expert)."""
+    def layer_bytes(gate_up: str, down: str) -> int:
+        return 2 * matrix_bytes(gate_up, p.expert_ffn, p.hidden) + matrix_bytes(down, p.hidden, p.expert_ffn)
+    blob = max(layer_bytes(*expert_types(quant, i, p.moe_layers)) for i in range(p.moe_layers))
+    return blob + p.expert_bias_values * F32_BYTES
 
 
 def dense_bytes(p: PresetConfig, quant: str) -> int:
     """Non-expert bytes: attention, embeddings and LM head, dense FFN layers and shared experts, f32 small tensors."""
-    rate = QUANTS[quant] if _rate(QUANTS[quant]) >= _rate(QUANTS[DENSE_FLOOR_QUANT]) else QUANTS[DENSE_FLOOR_QUANT]
+    base = QUANTS[MIXES[quant][0] if quant in MIXES else quant]
+    rate = base if _rate(base) >= _rate(QUANTS[DENSE_FLOOR_QUANT]) else QUANTS[DENSE_FLOOR_QUANT]
     matrices = (p.layers * p.attention_params
                 + p.vocab * p.hidden * (1 if p.tied_embeddings else 2)
                 + (p.layers - p.moe_layers) * 3 * p.hidden * p.dense_ffn

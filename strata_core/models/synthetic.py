@@ -17,6 +17,8 @@ from typing import Callable
 
 import numpy as np
 
+from strata_core.api.kernels import GGUF_BLOCKS, ExpertFormat
+from strata_core.reference import quants
 from strata_core.reference.kernels import (QK8_0, ExpertPool, expert_matrices, linear, moe_grouped_ffn,
                                            quantize_q8_0, rmsnorm, route_topk, scatter_add)
 from strata_core.models.spec import ModelSpec, prompt_bytes_for
@@ -39,14 +41,49 @@ def device_dense_bytes(layers: int, experts: int, hidden: int, vocab: int) -> in
 
 
 def model_spec(name: str, layers: int, experts: int, top_k: int, hidden: int, ffn: int, vocab: int,
-               dtype: str = "f16", source: str = "tiny") -> ModelSpec:
-    """The ModelSpec of a generated model of this shape (f16 or q8_0 experts)."""
-    slot = ExpertPool.slot_bytes(dtype, hidden, ffn)
+               dtype: str = "f16", source: str = "tiny", formats: tuple[ExpertFormat, ...] = (),
+               quant: str = "") -> ModelSpec:
+    """The ModelSpec of a generated model of this shape (f16 or q8_0 experts, or 'gguf' ones of `formats`, a
+    slot the largest of them; `quant` names a 'gguf' model's types)."""
+    slot = ExpertPool.slot_bytes(dtype, hidden, ffn, formats)
     return ModelSpec(name=name, moe_layers=layers, experts_per_layer=experts, top_k=top_k, hidden=hidden,
                      slot_bytes=slot, largest_blob_bytes=slot,
                      prompt_bytes_per_token=prompt_bytes_for(hidden, experts, top_k, ffn),
                      dense_bytes=device_dense_bytes(layers, experts, hidden, vocab), kv_bytes_per_token=0,
-                     expert_ffn=ffn, quant="F16" if dtype == "f16" else "Q8_0", vocab=vocab, source=source)
+                     expert_ffn=ffn, quant={"f16": "F16", "q8_0": "Q8_0"}.get(dtype, quant or dtype.upper()),
+                     vocab=vocab, source=source)
+
+
+def generated_expert_formats(quant: str, layers: int, hidden: int, ffn: int) -> tuple[tuple[ExpertFormat, ...],
+                                                                                    list[str]]:
+    """(one ExpertFormat per MoE layer, notes) of generated experts at a preset quant whose types the kernels
+    compute (Q4_K, Q4_K_M, Q5_K, Q5_K_M, Q6_K, MXFP4; a mix's types per layer as llama.cpp picks them), or ((),
+    []) for the others. A row that is not whole blocks of its type takes llama.cpp's fallback where the kernels
+    compute it, else Q8_0 (said in a note)."""
+    from strata_core.models.presets import ROW_FALLBACK, expert_types
+    q = str(quant).upper()
+    if q not in ("Q4_K", "Q4_K_M", "Q5_K", "Q5_K_M", "Q6_K", "MXFP4"):
+        return (), []
+    notes: list[str] = []
+
+    def fitted(t: str, row_weights: int, what: str) -> str:
+        if row_weights % GGUF_BLOCKS[t.lower()][0] == 0:
+            return t.lower()
+        want = ROW_FALLBACK.get(t, "Q8_0")
+        got = want.lower() if want.lower() in GGUF_BLOCKS and row_weights % GGUF_BLOCKS[want.lower()][0] == 0 \
+            else "q8_0"
+        note = (f"generated experts: {what} rows of {row_weights} weights are not whole {t} blocks: "
+                f"{got.upper()}" + ("" if got == want.lower() else f" (llama.cpp would write {want}, which the "
+                                                                  f"kernels do not compute)"))
+        if note not in notes:
+            notes.append(note)
+        return got
+
+    formats = []
+    for layer in range(layers):
+        gate_up, down = expert_types(q, layer, layers)
+        formats.append(ExpertFormat(fitted(gate_up, hidden, "gate/up"), fitted(down, ffn, "down"), hidden, ffn))
+    return tuple(formats), notes
 
 
 def tiny_model_spec() -> ModelSpec:
@@ -109,7 +146,7 @@ def popular_half_shares(weights: ModelWeights, tokens: np.ndarray) -> list[float
         order = np.argsort(ids.ravel(), kind="stable")
         experts, starts = np.unique(ids.ravel()[order], return_index=True)
         rows = order // k
-        y = moe_grouped_ffn(xn[rows], np.append(starts, order.size), layer * e_n + experts, pool)
+        y = moe_grouped_ffn(xn[rows], np.append(starts, order.size), layer * e_n + experts, pool.for_layer(layer))
         scatter_add(x, rows, y, wts.ravel()[order])
     return shares
 
@@ -121,6 +158,46 @@ def _sources(rng: np.random.Generator, n: int) -> np.ndarray:
     """A random N(0,1) f32 sequence of SOURCE_SPAN + n values whose windows of n at any offset < SOURCE_SPAN are
     the matrices (drawn once: drawing every expert's values is what made large presets slow)."""
     return rng.standard_normal(SOURCE_SPAN + n, dtype=np.float32)
+
+
+def _quantized_source(rng: np.random.Generator, ggml_type: str, fan_in: int, n_weights: int) -> tuple[np.ndarray, int]:
+    """(the bytes of SOURCE_SPAN + n_weights N(0, 1/fan_in) values quantized to ggml_type block by block, block
+    bytes): any run of whole blocks in it is a matrix of that type (K-quant super-blocks are quantized alone)."""
+    bw, bb = GGUF_BLOCKS[ggml_type]
+    src = _sources(rng, -(-n_weights // bw) * bw) / np.float32(np.sqrt(fan_in))
+    return quants.quantize(ggml_type, src.reshape(-1, bw)).reshape(-1), bb
+
+
+def _gguf_jobs(rng: np.random.Generator, blob: np.ndarray, formats: tuple[ExpertFormat, ...],
+               experts: int) -> Callable[[int, int], None]:
+    """The copier of generated 'gguf' slots: rows r0..r1 of blob get their layer's gate|up and down rows, each a
+    window of whole blocks of one quantized source per (matrix, type) at the row's own seeded block offset."""
+    sources: dict[tuple[str, str], tuple[np.ndarray, int, np.ndarray]] = {}
+    rows = blob.shape[0]
+    for fmt in dict.fromkeys(formats):
+        for kind, t, fan_in, n in (("gate_up", fmt.gate_up, fmt.hidden, 2 * fmt.ffn * fmt.hidden),
+                                   ("down", fmt.down, fmt.ffn, fmt.hidden * fmt.ffn)):
+            if (kind, t) not in sources:
+                data, bb = _quantized_source(rng, t, fan_in, n)
+                offsets = rng.integers(0, SOURCE_SPAN // GGUF_BLOCKS[t][0], rows) * bb
+                sources[kind, t] = (data, bb, offsets)
+
+    def copy(r0: int, r1: int) -> None:
+        for r in range(r0, r1):
+            fmt = formats[r // experts]
+            gu, _, gu_at = sources["gate_up", fmt.gate_up]
+            dn, _, dn_at = sources["down", fmt.down]
+            a, b = int(gu_at[r]), int(dn_at[r])
+            blob[r, :fmt.down_offset] = gu[a:a + fmt.down_offset]
+            blob[r, fmt.down_offset:fmt.bias_offset] = dn[b:b + fmt.bias_offset - fmt.down_offset]
+            blob[r, fmt.bias_offset:] = 0  # biases (a generated expert adds none) and a smaller layer's spare bytes
+
+    return copy
+
+
+def _carrier_row_at(fmt: ExpertFormat) -> int:
+    """Byte offset in a 'gguf' slot of the down row that writes the skew's carrier (the residual's last coordinate)."""
+    return fmt.down_offset + (fmt.hidden - 1) * fmt.down_row_bytes
 
 
 def _tile_rows(dst: np.ndarray, src: np.ndarray, offsets: np.ndarray, r0: int, r1: int, step: int = 1,
@@ -136,12 +213,14 @@ def _tile_rows(dst: np.ndarray, src: np.ndarray, offsets: np.ndarray, r0: int, r
 
 
 def generate_weights(spec: ModelSpec, seed: int = 0, dtype: str = "f16", popularity_skew: float = 0.0,
-                     progress: GenerateProgress | None = None, threads: int | None = None) -> ModelWeights:
+                     progress: GenerateProgress | None = None, threads: int | None = None,
+                     formats: tuple[ExpertFormat, ...] = ()) -> ModelWeights:
     """Deterministic weights of spec's shape, fast enough for real presets (several GB/s).
 
     What it does: one N(0,1) source sequence per matrix kind is drawn once (a few MB) and scaled by 1/sqrt(fan_in),
-    cast to f16 (or quantized to Q8_0 once); each expert's matrix is then a window of that sequence at its own
-    seeded offset, copied by a pool of threads straight into the (later page-locked) host arrays. Experts differ
+    cast to f16 (or quantized once to Q8_0, or for dtype 'gguf' to each of `formats`' types, one format per MoE
+    layer: a Q4_K_M model's down rows Q6_K in some layers and Q4_K in the others); each expert's matrix is then a
+    window of that sequence at its own seeded offset (whole blocks of a quantized one), copied by a pool of threads straight into the (later page-locked) host arrays. Experts differ
     by offset, so routing and every check work as with independent draws; the cost is one memory copy per byte.
     popularity_skew > 0 reproduces the cache sweep's skewed routing: in each layer the expert of popularity rank r
     (a seeded permutation) gets about popularity_skew * -ln(1+r) added to its router logit, carried by the
@@ -153,15 +232,19 @@ def generate_weights(spec: ModelSpec, seed: int = 0, dtype: str = "f16", popular
     """
     if spec.expert_ffn <= 0:
         raise ValueError("generate_weights needs the model's expert_ffn")
-    if dtype not in ("f16", "q8_0"):
+    if dtype not in ("f16", "q8_0", "gguf"):
         raise ValueError(f"generate_weights: unknown expert dtype {dtype!r}")
     rng = np.random.default_rng(seed)
     L, E, H, F, V = spec.moe_layers, spec.experts_per_layer, spec.hidden, spec.expert_ffn, max(spec.vocab, 2)
+    if dtype == "gguf" and (len(formats) != L or any((f.hidden, f.ffn) != (H, F) for f in formats)):
+        raise ValueError(f"generate_weights: 'gguf' experts need one ExpertFormat of hidden {H}, ffn {F} per MoE "
+                         f"layer ({L}), not {len(formats)}")
     rows = L * E
-    specs = ExpertPool.array_specs(dtype, rows, H, F)
+    specs = ExpertPool.array_specs(dtype, rows, H, F, tuple(formats))
     arrays = {k: np.empty(shape, dt) for k, (shape, dt) in specs.items()}
     jobs = []  # (values array, scales array or None, source values, source scales or None, offsets, step)
-    for key, fan_in, n in (("gate_up", H, 2 * F * H), ("down", F, H * F)):
+    gguf_copy = _gguf_jobs(rng, arrays["blob"], tuple(formats), E) if dtype == "gguf" else None
+    for key, fan_in, n in (("gate_up", H, 2 * F * H), ("down", F, H * F)) if gguf_copy is None else ():
         src = _sources(rng, n) / np.float32(np.sqrt(fan_in))
         if dtype == "f16":
             jobs.append((arrays["w_gate_up" if key == "gate_up" else "w_down"], None, src.astype(np.float16), None,
@@ -179,6 +262,8 @@ def generate_weights(spec: ModelSpec, seed: int = 0, dtype: str = "f16", popular
         r1 = min(rows, r0 + ROWS_PER_TASK)
         for dst, d_dst, src, d_src, offsets, step in jobs:
             _tile_rows(dst, src, offsets, r0, r1, step, d_dst, d_src)
+        if gguf_copy is not None:
+            gguf_copy(r0, r1)
         if progress is not None:
             with lock:
                 done[0] += (r1 - r0) * per_row
@@ -187,10 +272,7 @@ def generate_weights(spec: ModelSpec, seed: int = 0, dtype: str = "f16", popular
     workers = threads or min(32, os.cpu_count() or 1)
     with ThreadPoolExecutor(max_workers=workers) as pool:
         list(pool.map(task, range(0, rows, ROWS_PER_TASK)))
-    if dtype == "f16":
-        experts = ExpertPool("f16", arrays)
-    else:
-        experts = ExpertPool("q8_0", arrays)
+    experts = ExpertPool(dtype, arrays, tuple(formats) if dtype == "gguf" else ())
 
     def matrix(*shape: int, scale: float = 1.0, dtype=np.float32) -> np.ndarray:
         """A random [.., fan_in] matrix of N(0, scale^2/fan_in) values (windows of one source, like the experts)."""
@@ -221,7 +303,13 @@ def generate_weights(spec: ModelSpec, seed: int = 0, dtype: str = "f16", popular
             rank = rng.permutation(E)
             r[:, H - 1] = (-popularity_skew * np.log1p(rank) / xn_last).astype(np.float32)
         # the carrier unit: up row = gate row, so its activation silu(z) * z >= 0; no other unit writes the carrier
-        if dtype == "f16":
+        if dtype == "gguf":
+            blob = arrays["blob"]
+            for layer, fmt in enumerate(formats):
+                lr, rb, at = slice(layer * E, (layer + 1) * E), fmt.gate_up_row_bytes, _carrier_row_at(fmt)
+                blob[lr, (F + SKEW_UNIT) * rb:(F + SKEW_UNIT + 1) * rb] = blob[lr, SKEW_UNIT * rb:(SKEW_UNIT + 1) * rb]
+                blob[lr, at:at + fmt.down_row_bytes] = quants.quantize(fmt.down, np.zeros((1, F), np.float32))[0]
+        elif dtype == "f16":
             arrays["w_gate_up"][:, F + SKEW_UNIT, :] = arrays["w_gate_up"][:, SKEW_UNIT, :]
             arrays["w_down"][:, H - 1, :] = 0
         else:
@@ -230,13 +318,19 @@ def generate_weights(spec: ModelSpec, seed: int = 0, dtype: str = "f16", popular
             arrays["down_q"][:, H - 1, :] = 0
             arrays["down_d"][:, H - 1, :] = 0
         # its own generator: the draws after this one (the LM head) stay those of the seed
-        grow, unit_mean = layer_growth(experts, routers[0], spec.top_k, H, F, np.random.default_rng([seed, 1]))
+        grow, unit_mean = layer_growth(experts.for_layer(0), routers[0], spec.top_k, H, F,
+                                       np.random.default_rng([seed, 1]))
         for layer in range(L):
             # the carrier stays SKEW_CARRIER x the others' spread: o_l^2 = sigma^2 + l * grow
             step = SKEW_CARRIER * (np.sqrt(sigma ** 2 + (layer + 1) * grow) - np.sqrt(sigma ** 2 + layer * grow))
             weight = step / max(unit_mean, 1e-6)
             rows = slice(layer * E, (layer + 1) * E)
-            if dtype == "f16":
+            if dtype == "gguf":
+                fmt, row = formats[layer], np.zeros((1, F), np.float32)
+                row[0, SKEW_UNIT] = weight
+                at = _carrier_row_at(fmt)
+                arrays["blob"][rows, at:at + fmt.down_row_bytes] = quants.quantize(fmt.down, row)[0]
+            elif dtype == "f16":
                 arrays["w_down"][rows, H - 1, SKEW_UNIT] = np.float16(weight)
             else:
                 row = np.zeros((1, F), np.float32)
