@@ -32,7 +32,9 @@
 // tiles 1024-byte aligned (the 128-byte swizzle's period, which wgmma's descriptors assume): one KiB of slack
 #define QM_SMEM(BN, MT) (QM_XSTAGES * QM_XTILE(MT) + 2 * (BN) * QM_BK * 2 + 1024)
 
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+// (QM_HOST, QM_HOST_WGMMA: tests/quant/test_quant_mma_host.py builds this file for the host, supplying the
+// helpers of the device-only section below and the intrinsics; QM_HOST_WGMMA its sm_90a paths)
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL) || defined(QM_HOST_WGMMA)
 #define QM_WGMMA 1
 #else
 #define QM_WGMMA 0
@@ -42,6 +44,10 @@
 #define QM_Q6_K 14
 
 typedef unsigned int u32;
+
+// ---- the device-only helpers: each one PTX instruction or a few (the host build supplies its own) ----
+#if !defined(QM_HOST)
+#define QM_DYNAMIC_SHARED(name) extern __shared__ __align__(128) char name[]
 
 __device__ __forceinline__ u32 qm_smem(const void* p) {
     u32 r;
@@ -87,18 +93,6 @@ __device__ __forceinline__ void qm_wgmma128(float* d, unsigned long long da, uns
         : "l"(da), "l"(db), "r"(1));
 }
 
-template <int BN>
-__device__ __forceinline__ void qm_wgmma(float* d, unsigned long long da, unsigned long long db) {
-    if constexpr (BN == 256)
-        qm_wgmma256(d, da, db);
-    else
-        qm_wgmma128(d, da, db);
-}
-
-__device__ __forceinline__ unsigned long long qm_desc(u32 addr) {  // K-major, 128-byte swizzle, 8-row groups 1 KiB apart
-    return (unsigned long long)((addr & 0x3ffffu) >> 4) | (1ull << 16) | (64ull << 32) | (1ull << 62);
-}
-
 __device__ __forceinline__ void qm_wg_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
 __device__ __forceinline__ void qm_wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
 __device__ __forceinline__ void qm_wg_wait0() { asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory"); }
@@ -116,6 +110,33 @@ __device__ __forceinline__ u32 qm_pack(float lo, float hi) {
     asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
     return r;
 }
+
+__device__ __forceinline__ void qm_st_shared_v4(u32 addr, u32 a, u32 b, u32 c, u32 d) {
+    asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};" ::"r"(addr), "r"(a), "r"(b), "r"(c), "r"(d) : "memory");
+}
+
+__device__ __forceinline__ u32 qm_ld_shared_u32(u32 addr) {
+    u32 v;
+    asm volatile("ld.shared.u32 %0, [%1];" : "=r"(v) : "r"(addr) : "memory");
+    return v;
+}
+
+// v held in its register across this point (the compiler may not move its uses over a wgmma fence or wait)
+__device__ __forceinline__ void qm_keep(float& v) { asm volatile("" : "+f"(v)::"memory"); }
+#endif  // !QM_HOST
+
+template <int BN>
+__device__ __forceinline__ void qm_wgmma(float* d, unsigned long long da, unsigned long long db) {
+    if constexpr (BN == 256)
+        qm_wgmma256(d, da, db);
+    else
+        qm_wgmma128(d, da, db);
+}
+
+__device__ __forceinline__ unsigned long long qm_desc(u32 addr) {  // K-major, 128-byte swizzle, 8-row groups 1 KiB apart
+    return (unsigned long long)((addr & 0x3ffffu) >> 4) | (1ull << 16) | (64ull << 32) | (1ull << 62);
+}
+
 
 // silu(g) * u of two adjacent outputs, packed as f16.
 // (__fdividef: IEEE division would put a subroutine call per output into the epilogue; its 2-ulp f32 error is far
@@ -143,9 +164,7 @@ __device__ __forceinline__ uint2 qm_four(u32 u, float s, float nb, float c, u32 
 // st.shared, not a store through the generic pointer (which the compiler would issue as ST.E, address translation
 // included: the tile pointers live in the block's struct and lose their address space)
 __device__ __forceinline__ void qm_store(char* bt, int n, int chunk, uint2 a, uint2 b) {
-    asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};" ::"r"(qm_smem(bt) + n * 128 + ((chunk ^ (n & 7)) << 4)),
-                 "r"(a.x), "r"(a.y), "r"(b.x), "r"(b.y)
-                 : "memory");
+    qm_st_shared_v4(qm_smem(bt) + n * 128 + ((chunk ^ (n & 7)) << 4), a.x, a.y, b.x, b.y);
 }
 
 // ---- q4_k: a step is a quarter g of a super-block: sub-blocks 2g (low nibbles of qs[32g..+32]) and 2g+1 (high). A
@@ -371,7 +390,7 @@ struct QmBlock {
 #if QM_WGMMA
     __device__ __forceinline__ void fence_acc() {
 #pragma unroll
-        for (int i = 0; i < MT * BN / 2; ++i) asm volatile("" : "+f"(acc[i])::"memory");
+        for (int i = 0; i < MT * BN / 2; ++i) qm_keep(acc[i]);
     }
 
     // This warpgroup's wgmmas of a step (four k16 sub-steps 32 bytes apart in the swizzled rows, each for every
@@ -477,7 +496,7 @@ struct QmBlock {
         // instruction then depends on a load ptxas keeps below the barrier, so it cannot move a step's decode into
         // the step before (it did, once the quarter was a constant: all of a step's work in one step, none in the
         // next, so half the steps' MMAs ran with nothing beside them)
-        asm volatile("ld.shared.u32 %0, [%1];" : "=r"(s.mg) : "r"(magic_at) : "memory");
+        s.mg = qm_ld_shared_u32(magic_at);
 #pragma unroll
         for (int c = 0; c < CH; ++c) decode_chunk(raw[dbuf], s, c, dstep & 1, bn);
         wg_wait();
@@ -570,7 +589,7 @@ __device__ __forceinline__ void qm_kernel(const unsigned short* __restrict__ a, 
                                           const int* __restrict__ row0, const int* __restrict__ slots, int N, int K,
                                           long long slot_bytes, long long mat_off, long long row_bytes, int e_lo,
                                           int e_hi) {
-    extern __shared__ __align__(128) char qm_shared[];
+    QM_DYNAMIC_SHARED(qm_shared);
     __shared__ int s_e, s_rin;
     __shared__ u32 s_magic;
     typedef QmBlock<FMT, SWIGLU, BN, MT> B;

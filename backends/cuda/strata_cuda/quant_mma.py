@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import tempfile
+from dataclasses import dataclass
 from importlib.resources import files
 from pathlib import Path
 from typing import Any
@@ -93,6 +94,30 @@ def _cubin_dir() -> Path:
     return Path(tempfile.mkdtemp(prefix="strata_quant_mma_"))
 
 
+@dataclass(frozen=True)
+class Launch:
+    """One kernel launch of a layer: its name, grid, dynamic shared bytes and the shape arguments it takes."""
+
+    kernel: str
+    grid: tuple[int, int]  # (column tiles, row tiles: the most any routing of the rows can need)
+    smem_bytes: int
+    n: int                 # output columns (gate|up: ffn act columns; down: hidden)
+    k: int                 # the K of the GEMM (gate|up: hidden; down: ffn)
+    mat_off: int           # byte offset of the matrix's rows in a slot
+    row_bytes: int
+
+
+def launches(hidden: int, ffn: int, types: tuple[str, str], row_bytes: tuple[int, int], down_offset: int,
+             block_rows: tuple[int, int], input_rows: tuple[int, int], routed_rows: int,
+             experts: int) -> tuple[Launch, Launch]:
+    """(gate|up, down) launches of a layer over `experts` experts holding routed_rows rows (no device needed)."""
+    gu_name, dn_name = kernel_names(*types, block_rows, input_rows)
+    return (Launch(gu_name, (ffn // (block_rows[0] // 2), max_row_tiles(routed_rows, experts, input_rows[0])),
+                   smem_bytes(block_rows[0], input_rows[0]), ffn, hidden, 0, int(row_bytes[0])),
+            Launch(dn_name, (hidden // block_rows[1], max_row_tiles(routed_rows, experts, input_rows[1])),
+                   smem_bytes(block_rows[1], input_rows[1]), hidden, ffn, int(down_offset), int(row_bytes[1])))
+
+
 def _load_module(cp: Any, options: tuple[str, ...]) -> Any:
     """The kernels for the current device: on compute capability 9.0 a cubin for sm_90a (the wgmma path; cupy's own
     compile targets sm_90, without it), loaded from a file in a temporary folder; elsewhere cupy's RawModule."""
@@ -154,29 +179,25 @@ class QuantMmaGEMM:
                 routed_rows: int, experts: tuple[int, int] | None = None) -> None:
         """Queue gate|up with SwiGLU, xs [rows, H] f16 -> act [rows, F], for experts e_lo <= e < e_hi; tables: the
         device addresses of counts, row0 and slots."""
-        self._launch(self._gate_up, self.ffn // (self.block_rows[0] // 2), self.input_rows[0], self._smem[0],
-                     stream_ptr, xs, act, blob, slot_bytes, tables, self.ffn, self.hidden, 0, self._rows[0],
-                     routed_rows, experts)
+        self._launch(self._gate_up, 0, stream_ptr, xs, act, blob, slot_bytes, tables, routed_rows, experts)
 
     def down(self, stream_ptr: int, act: int, ys: int, blob: int, slot_bytes: int, tables: tuple[int, int, int],
              routed_rows: int, experts: tuple[int, int] | None = None) -> None:
         """Queue down, act [rows, F] f16 -> ys [rows, H], as gate_up."""
-        self._launch(self._down, self.hidden // self.block_rows[1], self.input_rows[1], self._smem[1], stream_ptr,
-                     act, ys, blob, slot_bytes, tables, self.hidden, self.ffn, self._down_offset, self._rows[1],
-                     routed_rows, experts)
+        self._launch(self._down, 1, stream_ptr, act, ys, blob, slot_bytes, tables, routed_rows, experts)
 
-    def _launch(self, kernel: Any, col_tiles: int, input_rows: int, smem: int, stream_ptr: int, a: int, c: int,
-                blob: int,
-                slot_bytes: int, tables: tuple, n: int, k: int, mat_off: int, row_bytes: int, routed_rows: int,
-                experts: tuple[int, int] | None) -> None:
+    def _launch(self, kernel: Any, which: int, stream_ptr: int, a: int, c: int, blob: int, slot_bytes: int,
+                tables: tuple, routed_rows: int, experts: tuple[int, int] | None) -> None:
         e_lo, e_hi = experts or (0, self.experts)
         if any(int(v) % 16 for v in (a, c, blob, slot_bytes)):
             raise ValueError("quant_mma: stacks, blob and slot bytes must be 16-byte aligned")
+        ln = launches(self.hidden, self.ffn, self.types, self._rows, self._down_offset, self.block_rows,
+                      self.input_rows, routed_rows, e_hi - e_lo)[which]
         u64, i32, i64 = np.uint64, np.int32, np.int64
         with self._stream(int(stream_ptr)):
-            kernel((col_tiles, max_row_tiles(routed_rows, e_hi - e_lo, input_rows)), (THREADS,),
-                   (u64(a), u64(blob), u64(c), *(u64(t) for t in tables), i32(n), i32(k), i64(slot_bytes),
-                    i64(mat_off), i64(row_bytes), i32(e_lo), i32(e_hi)), shared_mem=smem)
+            kernel(ln.grid, (THREADS,),
+                   (u64(a), u64(blob), u64(c), *(u64(t) for t in tables), i32(ln.n), i32(ln.k), i64(slot_bytes),
+                    i64(ln.mat_off), i64(ln.row_bytes), i32(e_lo), i32(e_hi)), shared_mem=ln.smem_bytes)
 
     def quant_layer(self, stream_ptr: int, xs: int, act: int, ys: int, blob: int, slot_bytes: int, counts: int,
                     row0: int, slots: int, routed_rows: int, experts: tuple[int, int] | None = None) -> None:
