@@ -3,13 +3,15 @@ QM_HOST_WGMMA) and a shim for its one-instruction helpers, so the kernels' logic
 input stages, the decode of q4_k and q6_k rows into the swizzled tiles, the wgmma descriptors and sub-tiles, the
 mma.sync fragments, the epilogues) is checked against float64 without a GPU, at every block shape.
 
-The shim: a block's 256 threads are fibers (host_build.FIBERS); cp.async copies at once; ldmatrix, mma.sync and the
-warp shuffles exchange through memory between warp barriers; a wgmma is computed by each thread of the warpgroup
+The shim: a block's 256 threads are fibers (host_build.FIBERS); ldmatrix, mma.sync and the warp shuffles exchange
+through memory between warp barriers; cp.async copies and wgmmas run either at once or as late as the kernel's waits
+allow (a missing wait or barrier, a tile written while a wgmma may still read it, shows in one of the two); a wgmma
+is computed by each thread of the warpgroup
 for its own accumulator fragment, reading A and B from shared memory through the descriptor as the PTX ISA lays
 out a K-major tile with the 128-byte swizzle (16-byte chunk c of row r at chunk c ^ (r % 8), 8-row groups 1 KiB
 apart), so a wrong descriptor, sub-tile offset or swizzle reads the wrong weights here as on the card. Every
 shared-memory access is checked against the launch's dynamic shared bytes. What the shim cannot see: the async
-proxy's ordering (a missing fence or wait), timing, register pressure: tests/gpu/test_quant_mma.py on the H200.
+proxy's fences, speed, register pressure: tests/gpu/test_quant_mma.py and the benches on the H200.
 """
 
 from __future__ import annotations
@@ -88,18 +90,53 @@ static inline char* qmh_at(u32 a, long long n) {  // a dynamic tile's bytes a ..
     if (o < 0 || o + n > qmh_dyn_bytes) ++qmh_oob;
     return qmh_shared + o;
 }
-static inline void qm_cp16(u32 dst, const void* src, u32 bytes) {
-    char* d = qmh_at(dst, 16);
+// The asynchronous copies and MMAs at either end of the time they may take (qmh_late, set per launch): 0 at once when
+// issued; 1 as late as the kernel lets them: a cp.async group lands at the wait that lets it be pending no more, a
+// wgmma reads its tiles at the wait of its group. A kernel that reads a stage before its wait, or writes a tile a
+// wgmma still reads, or an input stage a copy may still land in, computes the wrong values in one of the two.
+static int qmh_late = 0;
+static int qmh_unwaited = 0;
+extern "C" void qmh_set_late(int late) { qmh_late = late; }
+extern "C" int qmh_unwaited_ops() { return qmh_unwaited; }
+struct qmh_copy { u32 dst; const void* src; u32 bytes; };
+static std::vector<qmh_copy> qmh_open[256];                // this thread's copies since its last commit
+static std::vector<std::vector<qmh_copy>> qmh_groups[256];  // its committed groups not yet landed, oldest first
+static inline void qmh_land(const qmh_copy& c) {
+    char* d = qmh_at(c.dst, 16);
     std::memset(d, 0, 16);
-    std::memcpy(d, src, bytes);
+    std::memcpy(d, c.src, c.bytes);
 }
-static inline void qm_commit() {}
-static inline void qm_wait1() {}
+static inline void qm_cp16(u32 dst, const void* src, u32 bytes) {
+    if (qmh_late) qmh_open[threadIdx.x].push_back(qmh_copy{dst, src, bytes});
+    else qmh_land(qmh_copy{dst, src, bytes});
+}
+static inline void qm_commit() {
+    qmh_groups[threadIdx.x].push_back(std::move(qmh_open[threadIdx.x]));
+    qmh_open[threadIdx.x].clear();
+}
+static inline void qm_wait1() {  // cp.async.wait_group 1: every committed group but the newest has landed
+    auto& g = qmh_groups[threadIdx.x];
+    while (g.size() > 1) {
+        for (const auto& c : g.front()) qmh_land(c);
+        g.erase(g.begin());
+    }
+}
 static inline void qm_fence_async() {}
 static inline void qm_wg_fence() {}
 static inline void qm_wg_commit() {}
-static inline void qm_wg_wait0() {}
+struct qmh_mma { float* d; unsigned long long da, db; int n; };
+static std::vector<qmh_mma> qmh_wg_pending[256];
+static void qmh_wgmma_now(const qmh_mma& m);
+static inline void qm_wg_wait0() {
+    for (const auto& m : qmh_wg_pending[threadIdx.x]) qmh_wgmma_now(m);
+    qmh_wg_pending[threadIdx.x].clear();
+}
 static inline void qm_keep(float&) {}
+// each thread's queues empty at its start; at its end no wgmma may be left unwaited (its sums never read)
+static inline void qmh_thread_start() {
+    qmh_open[threadIdx.x].clear(); qmh_groups[threadIdx.x].clear(); qmh_wg_pending[threadIdx.x].clear();
+}
+static inline void qmh_thread_end() { if (!qmh_wg_pending[threadIdx.x].empty()) ++qmh_unwaited; }
 static inline void qm_st_shared_v4(u32 a, u32 x, u32 y, u32 z, u32 w) {
     const u32 v[4] = {x, y, z, w};
     std::memcpy(qmh_at(a, 16), v, 16);
@@ -196,8 +233,17 @@ static inline void qmh_wgmma(float* d, unsigned long long da, unsigned long long
                 d[4 * j + 2 * h + e] += s;
             }
 }
-static inline void qm_wgmma256(float* d, unsigned long long da, unsigned long long db) { qmh_wgmma<256>(d, da, db); }
-static inline void qm_wgmma128(float* d, unsigned long long da, unsigned long long db) { qmh_wgmma<128>(d, da, db); }
+static void qmh_wgmma_now(const qmh_mma& m) {
+    if (m.n == 256) qmh_wgmma<256>(m.d, m.da, m.db);
+    else qmh_wgmma<128>(m.d, m.da, m.db);
+}
+static inline void qmh_wgmma_issue(float* d, unsigned long long da, unsigned long long db, int n) {
+    const qmh_mma m{d, da, db, n};
+    if (qmh_late) qmh_wg_pending[threadIdx.x].push_back(m);
+    else qmh_wgmma_now(m);
+}
+static inline void qm_wgmma256(float* d, unsigned long long da, unsigned long long db) { qmh_wgmma_issue(d, da, db, 256); }
+static inline void qm_wgmma128(float* d, unsigned long long da, unsigned long long db) { qmh_wgmma_issue(d, da, db, 128); }
 """
 
 ARGS = ("const unsigned short* a, const unsigned char* blob, unsigned short* c, const int* counts, const int* row0, "
@@ -214,7 +260,8 @@ def _wrappers(wgmma: bool) -> str:
     """extern "C" host_<kernel>(gx, gy, smem, args): the kernel launched over a gx x gy grid of 256-thread blocks."""
     return "extern \"C\" {\n" + "".join(
         f"void host_{k}(unsigned gx, unsigned gy, long long smem, {ARGS}) {{ qmh_dyn_bytes = smem; "
-        f"qmh_launch(gx, gy, [&] {{ {k}({CALL}); }}); }}\n" for k in KERNELS[wgmma]) + "}\n"
+        f"qmh_launch(gx, gy, [&] {{ qmh_thread_start(); {k}({CALL}); qmh_thread_end(); }}); }}\n"
+        for k in KERNELS[wgmma]) + "}\n"
 
 
 @pytest.fixture(scope="module", params=[True, False], ids=["sm90a-wgmma", "sm80-mma-sync"])
@@ -249,8 +296,10 @@ def _worst(got: np.ndarray, want: np.ndarray) -> float:
     return float(np.max(np.abs(got - want) / (np.abs(want) + 0.01 * rms))) if want.size else 0.0
 
 
-def _run(lib, lp, blob, slots, xs: np.ndarray, row0: np.ndarray, rows: int, block_rows, input_rows, experts=None):
-    """Both launches as QuantMmaGEMM makes them (quant_mma.launches), through the host build: (act, ys) float64."""
+def _run(lib, lp, blob, slots, xs: np.ndarray, row0: np.ndarray, rows: int, block_rows, input_rows, experts=None,
+         late: bool = False):
+    """Both launches as QuantMmaGEMM makes them (quant_mma.launches), through the host build, the asynchronous
+    copies and MMAs at once or `late`: (act, ys) float64."""
     from strata_cuda.quant_mma import launches
     fmt = lp.fmt
     e_lo, e_hi = experts or (0, len(COUNTS))
@@ -259,6 +308,7 @@ def _run(lib, lp, blob, slots, xs: np.ndarray, row0: np.ndarray, rows: int, bloc
     act = np.full((rows, fmt.ffn), NAN16, np.uint16)
     ys = np.full((rows, fmt.hidden), NAN16, np.uint16)
     tables = [np.ascontiguousarray(v, dtype=np.int32) for v in (COUNTS, row0, slots)]
+    lib.qmh_set_late(ctypes.c_int(int(late)))
     for ln, a, c in ((gu, xs.view(np.uint16), act), (dn, act, ys)):
         getattr(lib, f"host_{ln.kernel}")(
             ctypes.c_uint(ln.grid[0]), ctypes.c_uint(ln.grid[1]), ctypes.c_longlong(ln.smem_bytes), pointer(a),
@@ -267,6 +317,7 @@ def _run(lib, lp, blob, slots, xs: np.ndarray, row0: np.ndarray, rows: int, bloc
             ctypes.c_int(e_lo), ctypes.c_int(e_hi))
     assert lib.qmh_out_of_bounds() == 0, "a shared-memory access fell outside the launch's dynamic shared bytes"
     assert lib.qmh_bad_descriptors() == 0, "a wgmma descriptor is not K-major with the 128-byte swizzle"
+    assert lib.qmh_unwaited_ops() == 0, "a thread ended with a wgmma it never waited for"
     return act.view(np.float16).astype(np.float64), ys.view(np.float16).astype(np.float64)
 
 
@@ -277,10 +328,12 @@ def _shapes(wgmma: bool):
     return base + [((128, 128), (128, 128)), ((128, 128), (256, 256)), ((128, 256), (256, 128))] if wgmma else base
 
 
-@pytest.mark.parametrize("gate_up,down", [("q4_k", "q6_k"), ("q6_k", "q4_k")])
-def test_both_launches_match_float64_of_the_same_bytes_at_every_shape(tmp_path, build, gate_up, down):
+@pytest.mark.parametrize("gate_up,down,late", [("q4_k", "q6_k", False), ("q4_k", "q6_k", True),
+                                               ("q6_k", "q4_k", True)], ids=["q4_k-q6_k-at-once", "q4_k-q6_k-late",
+                                                                              "q6_k-q4_k-late"])
+def test_both_launches_match_float64_of_the_same_bytes_at_every_shape(tmp_path, build, gate_up, down, late):
     """gate|up with the SwiGLU against float64 of x and the f16 weights; down against float64 of the build's own act;
-    rows in the gaps between experts untouched."""
+    rows in the gaps between experts untouched; the copies and MMAs at once or as late as the kernel allows."""
     lib, wgmma = build
     e_n, h, f = len(COUNTS), 256, 256
     lp, blob, slots = _pool(tmp_path, gate_up, down, e_n, h, f)
@@ -289,7 +342,7 @@ def test_both_launches_match_float64_of_the_same_bytes_at_every_shape(tmp_path, 
     xs = np.random.default_rng(2).standard_normal((rows, h)).astype(np.float16)
     weights = [_f16_weights(lp, e) for e in range(e_n)]
     for block_rows, input_rows in _shapes(wgmma):
-        act, ys = _run(lib, lp, blob, slots, xs, row0, rows, block_rows, input_rows)
+        act, ys = _run(lib, lp, blob, slots, xs, row0, rows, block_rows, input_rows, late=late)
         live = np.zeros(rows, bool)
         for e, (r, n) in enumerate(zip(row0, COUNTS)):
             live[r:r + n] = True
