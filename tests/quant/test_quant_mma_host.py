@@ -328,14 +328,19 @@ def _shapes(wgmma: bool):
     return base + [((128, 128), (128, 128)), ((128, 128), (256, 256)), ((128, 256), (256, 128))] if wgmma else base
 
 
-@pytest.mark.parametrize("gate_up,down,late", [("q4_k", "q6_k", False), ("q4_k", "q6_k", True),
-                                               ("q6_k", "q4_k", True)], ids=["q4_k-q6_k-at-once", "q4_k-q6_k-late",
-                                                                              "q6_k-q4_k-late"])
-def test_both_launches_match_float64_of_the_same_bytes_at_every_shape(tmp_path, build, gate_up, down, late):
+#: (gate|up type, down type, late, hidden, ffn): each type's K loop over two trips of STEP_UNROLL steps (K 512) in
+#: one of its launches, the four input stages reused; the copies and MMAs at once and late.
+CASES = {"q4_k-q6_k-at-once": ("q4_k", "q6_k", False, 512, 256), "q4_k-q6_k-late": ("q4_k", "q6_k", True, 256, 512),
+         "q6_k-q4_k-late": ("q6_k", "q4_k", True, 512, 256)}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_both_launches_match_float64_of_the_same_bytes_at_every_shape(tmp_path, build, case):
     """gate|up with the SwiGLU against float64 of x and the f16 weights; down against float64 of the build's own act;
     rows in the gaps between experts untouched; the copies and MMAs at once or as late as the kernel allows."""
     lib, wgmma = build
-    e_n, h, f = len(COUNTS), 256, 256
+    gate_up, down, late, h, f = CASES[case]
+    e_n = len(COUNTS)
     lp, blob, slots = _pool(tmp_path, gate_up, down, e_n, h, f)
     row0 = np.concatenate([[0], np.cumsum(np.asarray(COUNTS) + GAP)[:-1]]).astype(np.int32)
     rows = int(row0[-1] + COUNTS[-1] + GAP)
