@@ -88,6 +88,23 @@ def expert_matrices(pool: ExpertPool, slot: int) -> tuple[np.ndarray, np.ndarray
     return expert_parts(pool, slot)[:2]
 
 
+def f16_expert_matrices(pool: ExpertPool, slot: int) -> tuple[np.ndarray, np.ndarray]:
+    """(w_gate_up, w_down) of one slot as f16 tensor-core kernels use them: the oracle's float32 rounded once to
+    f16, in float64."""
+    w13, w2 = expert_matrices(pool, slot)
+    return (w13.astype(np.float32).astype(np.float16).astype(np.float64),
+            w2.astype(np.float32).astype(np.float16).astype(np.float64))
+
+
+def worst_element_error(out: np.ndarray, want: np.ndarray, floor: float = 0.01) -> float:
+    """max |out - want| / (|want| + floor x rms(want)) over the elements (0 for none): one wrong weight in a row
+    shows, an f16 output's own rounding (2^-11 relative) does not."""
+    if not want.size:
+        return 0.0
+    rms = float(np.sqrt(np.mean(want * want)))
+    return float(np.max(np.abs(out - want) / (np.abs(want) + floor * rms)))
+
+
 def swiglu_expert(x: np.ndarray, w13: np.ndarray, w2: np.ndarray, b13: np.ndarray | None = None,
                   b2: np.ndarray | None = None) -> np.ndarray:
     """One SwiGLU expert on rows x [n,H] in float64 (with the biases a gpt-oss slot carries)."""

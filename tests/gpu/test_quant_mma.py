@@ -39,18 +39,6 @@ def _pool(tmp_path, gate_up: str, down: str, e_n: int, h: int, f: int):
     return lp, slots, lp.with_arrays({"blob": cp.asarray(blob_h[perm])})
 
 
-def _f16_weights(lp, e: int) -> tuple[np.ndarray, np.ndarray]:
-    """Expert e's (gate|up, down) as the kernels use them: the oracle's float32 rounded once to f16, in float64."""
-    w13, w2 = r64.expert_matrices(lp, lp.arrays["blob"].shape[0] // 2 + e)
-    return (w13.astype(np.float32).astype(np.float16).astype(np.float64),
-            w2.astype(np.float32).astype(np.float16).astype(np.float64))
-
-
-def _worst(got: np.ndarray, want: np.ndarray) -> float:
-    rms = float(np.sqrt(np.mean(want * want))) if want.size else 1.0
-    return float(np.max(np.abs(got - want) / (np.abs(want) + 0.01 * rms))) if want.size else 0.0
-
-
 def _run(gemm, lp, pool, slots, xs_h: np.ndarray, row0: np.ndarray, rows: int, experts=None):
     import cupy as cp
     h, f = lp.fmt.hidden, lp.fmt.ffn
@@ -96,13 +84,15 @@ def test_both_launches_match_float64_of_the_same_bytes(tmp_path, gate_up, down, 
     live = np.zeros(rows, bool)
     for e, (r, n) in enumerate(zip(row0, COUNTS)):
         live[r:r + n] = True
-        w13, w2 = _f16_weights(lp, e)
+        w13, w2 = r64.f16_expert_matrices(lp, lp.arrays["blob"].shape[0] // 2 + e)  # layer 1: slots E..2E-1
         x = xs_h[r:r + n].astype(np.float64)
         g, u = x @ w13[:f].T, x @ w13[f:].T
         want_act = g / (1.0 + np.exp(-g)) * u
-        assert _worst(act[r:r + n], want_act) <= ELEMENT_BOUND, ("act", e, _worst(act[r:r + n], want_act))
+        worst_act = r64.worst_element_error(act[r:r + n], want_act)
+        assert worst_act <= ELEMENT_BOUND, ("act", e, worst_act)
         want_y = act[r:r + n] @ w2.T
-        assert _worst(ys[r:r + n], want_y) <= ELEMENT_BOUND, ("y", e, _worst(ys[r:r + n], want_y))
+        worst_y = r64.worst_element_error(ys[r:r + n], want_y)
+        assert worst_y <= ELEMENT_BOUND, ("y", e, worst_y)
     assert np.isnan(act[~live]).all() and np.isnan(ys[~live]).all(), "a row outside the experts' was written"
     act2, ys2 = _run(gemm, lp, pool, slots, xs_h, row0, rows)
     assert np.array_equal(act, act2, equal_nan=True) and np.array_equal(ys, ys2, equal_nan=True)

@@ -284,18 +284,6 @@ def _pool(tmp_path, gate_up: str, down: str, e_n: int, h: int, f: int):
     return lp, np.ascontiguousarray(blob[perm]), np.argsort(perm)[e_n + np.arange(e_n)].astype(np.int32)
 
 
-def _f16_weights(lp, e: int) -> tuple[np.ndarray, np.ndarray]:
-    """Expert e's (gate|up, down) as the kernels use them: the oracle's float32 rounded once to f16, in float64."""
-    w13, w2 = r64.expert_matrices(lp, lp.arrays["blob"].shape[0] // 2 + e)
-    return (w13.astype(np.float32).astype(np.float16).astype(np.float64),
-            w2.astype(np.float32).astype(np.float16).astype(np.float64))
-
-
-def _worst(got: np.ndarray, want: np.ndarray) -> float:
-    rms = float(np.sqrt(np.mean(want * want))) if want.size else 1.0
-    return float(np.max(np.abs(got - want) / (np.abs(want) + 0.01 * rms))) if want.size else 0.0
-
-
 def _run(lib, lp, blob, slots, xs: np.ndarray, row0: np.ndarray, rows: int, block_rows, input_rows, experts=None,
          late: bool = False):
     """Both launches as QuantMmaGEMM makes them (quant_mma.launches), through the host build, the asynchronous
@@ -345,7 +333,7 @@ def test_both_launches_match_float64_of_the_same_bytes_at_every_shape(tmp_path, 
     row0 = np.concatenate([[0], np.cumsum(np.asarray(COUNTS) + GAP)[:-1]]).astype(np.int32)
     rows = int(row0[-1] + COUNTS[-1] + GAP)
     xs = np.random.default_rng(2).standard_normal((rows, h)).astype(np.float16)
-    weights = [_f16_weights(lp, e) for e in range(e_n)]
+    weights = [r64.f16_expert_matrices(lp, lp.arrays["blob"].shape[0] // 2 + e) for e in range(e_n)]
     for block_rows, input_rows in _shapes(wgmma):
         act, ys = _run(lib, lp, blob, slots, xs, row0, rows, block_rows, input_rows, late=late)
         live = np.zeros(rows, bool)
@@ -354,9 +342,9 @@ def test_both_launches_match_float64_of_the_same_bytes_at_every_shape(tmp_path, 
             w13, w2 = weights[e]
             x = xs[r:r + n].astype(np.float64)
             g, u = x @ w13[:f].T, x @ w13[f:].T
-            worst_act = _worst(act[r:r + n], g / (1.0 + np.exp(-g)) * u)
+            worst_act = r64.worst_element_error(act[r:r + n], g / (1.0 + np.exp(-g)) * u)
             assert worst_act <= ELEMENT_BOUND, ("act", block_rows, input_rows, e, worst_act)
-            worst_y = _worst(ys[r:r + n], act[r:r + n] @ w2.T)
+            worst_y = r64.worst_element_error(ys[r:r + n], act[r:r + n] @ w2.T)
             assert worst_y <= ELEMENT_BOUND, ("y", block_rows, input_rows, e, worst_y)
         assert np.isnan(act[~live]).all() and np.isnan(ys[~live]).all(), ("a row outside the experts'", block_rows)
 
