@@ -45,6 +45,7 @@ from strata_core.api.kernels import ExpertFormat, ExpertPool
 from strata_core.errors import BadInput
 from strata_core.reference import quants
 from strata_core.reference.kernels import QK8_0, quantize_q8_0
+from strata_core.models.presets import expert_types
 from strata_core.models.spec import ModelSpec, prompt_bytes_for, shared_expert_bytes_per_token
 from strata_core.models.weights import DenseFfn
 
@@ -360,7 +361,6 @@ ARCH_EXTRAS: dict[str, dict[str, Any]] = {
 
 def q4_k_m_down_types(layers: int) -> list[str]:
     """The down type per layer of a llama.cpp Q4_K_M file: Q6_K where use_more_bits(i, n) holds, else Q4_K."""
-    from strata_core.models.presets import expert_types
     return [expert_types("Q4_K_M", i, layers)[1].lower() for i in range(layers)]
 
 

@@ -160,33 +160,34 @@ def _sources(rng: np.random.Generator, n: int) -> np.ndarray:
     return rng.standard_normal(SOURCE_SPAN + n, dtype=np.float32)
 
 
-def _quantized_source(rng: np.random.Generator, ggml_type: str, fan_in: int, n_weights: int) -> tuple[np.ndarray, int]:
-    """(the bytes of SOURCE_SPAN + n_weights N(0, 1/fan_in) values quantized to ggml_type block by block, block
-    bytes): any run of whole blocks in it is a matrix of that type (K-quant super-blocks are quantized alone)."""
-    bw, bb = GGUF_BLOCKS[ggml_type]
+def _quantized_source(rng: np.random.Generator, ggml_type: str, fan_in: int, n_weights: int) -> np.ndarray:
+    """The bytes of SOURCE_SPAN + n_weights N(0, 1/fan_in) values quantized to ggml_type block by block: any run of
+    whole blocks in it is a matrix of that type (K-quant super-blocks are quantized alone)."""
+    bw = GGUF_BLOCKS[ggml_type][0]
     src = _sources(rng, -(-n_weights // bw) * bw) / np.float32(np.sqrt(fan_in))
-    return quants.quantize(ggml_type, src.reshape(-1, bw)).reshape(-1), bb
+    return quants.quantize(ggml_type, src.reshape(-1, bw)).reshape(-1)
 
 
 def _gguf_jobs(rng: np.random.Generator, blob: np.ndarray, formats: tuple[ExpertFormat, ...],
                experts: int) -> Callable[[int, int], None]:
     """The copier of generated 'gguf' slots: rows r0..r1 of blob get their layer's gate|up and down rows, each a
     window of whole blocks of one quantized source per (matrix, type) at the row's own seeded block offset."""
-    sources: dict[tuple[str, str], tuple[np.ndarray, int, np.ndarray]] = {}
+    #: (matrix, type) -> (the quantized source, each row's byte offset in it: whole blocks)
+    sources: dict[tuple[str, str], tuple[np.ndarray, np.ndarray]] = {}
     rows = blob.shape[0]
     for fmt in dict.fromkeys(formats):
         for kind, t, fan_in, n in (("gate_up", fmt.gate_up, fmt.hidden, 2 * fmt.ffn * fmt.hidden),
                                    ("down", fmt.down, fmt.ffn, fmt.hidden * fmt.ffn)):
             if (kind, t) not in sources:
-                data, bb = _quantized_source(rng, t, fan_in, n)
-                offsets = rng.integers(0, SOURCE_SPAN // GGUF_BLOCKS[t][0], rows) * bb
-                sources[kind, t] = (data, bb, offsets)
+                bw, bb = GGUF_BLOCKS[t]
+                data = _quantized_source(rng, t, fan_in, n)
+                sources[kind, t] = (data, rng.integers(0, SOURCE_SPAN // bw, rows) * bb)
 
     def copy(r0: int, r1: int) -> None:
         for r in range(r0, r1):
             fmt = formats[r // experts]
-            gu, _, gu_at = sources["gate_up", fmt.gate_up]
-            dn, _, dn_at = sources["down", fmt.down]
+            gu, gu_at = sources["gate_up", fmt.gate_up]
+            dn, dn_at = sources["down", fmt.down]
             a, b = int(gu_at[r]), int(dn_at[r])
             blob[r, :fmt.down_offset] = gu[a:a + fmt.down_offset]
             blob[r, fmt.down_offset:fmt.bias_offset] = dn[b:b + fmt.bias_offset - fmt.down_offset]
@@ -220,8 +221,9 @@ def generate_weights(spec: ModelSpec, seed: int = 0, dtype: str = "f16", popular
     What it does: one N(0,1) source sequence per matrix kind is drawn once (a few MB) and scaled by 1/sqrt(fan_in),
     cast to f16 (or quantized once to Q8_0, or for dtype 'gguf' to each of `formats`' types, one format per MoE
     layer: a Q4_K_M model's down rows Q6_K in some layers and Q4_K in the others); each expert's matrix is then a
-    window of that sequence at its own seeded offset (whole blocks of a quantized one), copied by a pool of threads straight into the (later page-locked) host arrays. Experts differ
-    by offset, so routing and every check work as with independent draws; the cost is one memory copy per byte.
+    window of that sequence at its own seeded offset (whole blocks of a quantized one), copied by a pool of threads
+    straight into the (later page-locked) host arrays. Experts differ by offset, so routing and every check work as
+    with independent draws; the cost is one memory copy per byte.
     popularity_skew > 0 reproduces the cache sweep's skewed routing: in each layer the expert of popularity rank r
     (a seeded permutation) gets about popularity_skew * -ln(1+r) added to its router logit, carried by the
     residual's last coordinate, SKEW_CARRIER x the spread of the others. The other coordinates grow layer by layer,

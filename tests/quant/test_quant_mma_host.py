@@ -66,7 +66,9 @@ template <class F> static inline int qmh_warp_xchg(int v, F src_lane) {
     qmh_warp_bar[t / 32]->arrive_and_wait();
     return r;
 }
-static inline int __shfl_sync(unsigned, int v, int src) { return qmh_warp_xchg(v, [&](unsigned) { return (unsigned)src; }); }
+static inline int __shfl_sync(unsigned, int v, int src) {
+    return qmh_warp_xchg(v, [&](unsigned) { return (unsigned)src; });
+}
 static inline int __shfl_sync(unsigned m, bool v, int src) { return __shfl_sync(m, (int)v, src); }
 static inline int __shfl_up_sync(unsigned, int v, int d) {
     return qmh_warp_xchg(v, [&](unsigned l) { return l >= (unsigned)d ? l - (unsigned)d : l; });
@@ -242,8 +244,12 @@ static inline void qmh_wgmma_issue(float* d, unsigned long long da, unsigned lon
     if (qmh_late) qmh_wg_pending[threadIdx.x].push_back(m);
     else qmh_wgmma_now(m);
 }
-static inline void qm_wgmma256(float* d, unsigned long long da, unsigned long long db) { qmh_wgmma_issue(d, da, db, 256); }
-static inline void qm_wgmma128(float* d, unsigned long long da, unsigned long long db) { qmh_wgmma_issue(d, da, db, 128); }
+static inline void qm_wgmma256(float* d, unsigned long long da, unsigned long long db) {
+    qmh_wgmma_issue(d, da, db, 256);
+}
+static inline void qm_wgmma128(float* d, unsigned long long da, unsigned long long db) {
+    qmh_wgmma_issue(d, da, db, 128);
+}
 """
 
 ARGS = ("const unsigned short* a, const unsigned char* blob, unsigned short* c, const int* counts, const int* row0, "
@@ -292,15 +298,16 @@ def _run(lib, lp, blob, slots, xs: np.ndarray, row0: np.ndarray, rows: int, bloc
     fmt = lp.fmt
     e_lo, e_hi = experts or (0, len(COUNTS))
     gu, dn = launches(fmt.hidden, fmt.ffn, (fmt.gate_up, fmt.down), (fmt.gate_up_row_bytes, fmt.down_row_bytes),
-                      fmt.down_offset, block_rows, input_rows, int(sum(COUNTS)), e_hi - e_lo)
+                      fmt.down_offset, block_rows, input_rows)
     act = np.full((rows, fmt.ffn), NAN16, np.uint16)
     ys = np.full((rows, fmt.hidden), NAN16, np.uint16)
     tables = [np.ascontiguousarray(v, dtype=np.int32) for v in (COUNTS, row0, slots)]
     lib.qmh_set_late(ctypes.c_int(int(late)))
     for ln, a, c in ((gu, xs.view(np.uint16), act), (dn, act, ys)):
+        gx, gy = ln.grid(int(sum(COUNTS)), e_hi - e_lo)
         getattr(lib, f"host_{ln.kernel}")(
-            ctypes.c_uint(ln.grid[0]), ctypes.c_uint(ln.grid[1]), ctypes.c_longlong(ln.smem_bytes), pointer(a),
-            pointer(blob), pointer(c), *(pointer(t) for t in tables), ctypes.c_int(ln.n), ctypes.c_int(ln.k),
+            ctypes.c_uint(gx), ctypes.c_uint(gy), ctypes.c_longlong(ln.smem_bytes), pointer(a), pointer(blob),
+            pointer(c), *(pointer(t) for t in tables), ctypes.c_int(ln.n), ctypes.c_int(ln.k),
             ctypes.c_longlong(blob.shape[1]), ctypes.c_longlong(ln.mat_off), ctypes.c_longlong(ln.row_bytes),
             ctypes.c_int(e_lo), ctypes.c_int(e_hi))
     assert lib.qmh_out_of_bounds() == 0, "a shared-memory access fell outside the launch's dynamic shared bytes"

@@ -96,13 +96,11 @@ def test_a_generated_q4_k_m_model_runs_with_check_on_the_sim_backend():
 def test_strata_run_generates_a_k_quant_preset_in_its_own_bytes_and_says_what_it_does_not_compute(monkeypatch,
                                                                                                    capsys):
     from strata_core.commands import run as run_cmd
-    from strata_core.config import settings_from_partial
+    from strata_core.config import LoadedSettings, settings_from_partial
     monkeypatch.setattr(run_cmd, "GENERATE_RAM_FRACTION", 1e9)  # plan the presets here; nothing is generated
-
-    class Loaded:
-        settings = settings_from_partial({})
-    spec, _, _ = run_cmd.resolve_run_model("Qwen3-30B-A3B@Q4_K_M", Loaded(), 0)
+    loaded = LoadedSettings(settings_from_partial({}), {})
+    spec, _, _ = run_cmd.resolve_run_model("Qwen3-30B-A3B@Q4_K_M", loaded, 0)
     assert spec.quant == "Q4_K_M" and spec.slot_bytes == model_from_name("Qwen3-30B-A3B@Q4_K_M").slot_bytes
-    spec, _, _ = run_cmd.resolve_run_model("Qwen3-30B-A3B@Q2_K", Loaded(), 0)
+    spec, _, _ = run_cmd.resolve_run_model("Qwen3-30B-A3B@Q2_K", loaded, 0)
     assert spec.quant == "Q8_0"
     assert "generated experts: Q8_0 (Q2_K is not computed" in capsys.readouterr().err

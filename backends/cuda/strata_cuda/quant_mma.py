@@ -96,26 +96,31 @@ def _cubin_dir() -> Path:
 
 @dataclass(frozen=True)
 class Launch:
-    """One kernel launch of a layer: its name, grid, dynamic shared bytes and the shape arguments it takes."""
+    """One kernel of a layer: its name, column tiles, input rows a block, dynamic shared bytes and the shape
+    arguments it takes."""
 
     kernel: str
-    grid: tuple[int, int]  # (column tiles, row tiles: the most any routing of the rows can need)
+    col_tiles: int
+    input_rows: int
     smem_bytes: int
     n: int                 # output columns (gate|up: ffn act columns; down: hidden)
     k: int                 # the K of the GEMM (gate|up: hidden; down: ffn)
     mat_off: int           # byte offset of the matrix's rows in a slot
     row_bytes: int
 
+    def grid(self, routed_rows: int, experts: int) -> tuple[int, int]:
+        """(column tiles, row tiles: the most any routing of routed_rows rows over `experts` experts can need)."""
+        return self.col_tiles, max_row_tiles(routed_rows, experts, self.input_rows)
+
 
 def launches(hidden: int, ffn: int, types: tuple[str, str], row_bytes: tuple[int, int], down_offset: int,
-             block_rows: tuple[int, int], input_rows: tuple[int, int], routed_rows: int,
-             experts: int) -> tuple[Launch, Launch]:
-    """(gate|up, down) launches of a layer over `experts` experts holding routed_rows rows (no device needed)."""
+             block_rows: tuple[int, int], input_rows: tuple[int, int]) -> tuple[Launch, Launch]:
+    """The (gate|up, down) kernels of a layer of this shape and types (no device needed)."""
     gu_name, dn_name = kernel_names(*types, block_rows, input_rows)
-    return (Launch(gu_name, (ffn // (block_rows[0] // 2), max_row_tiles(routed_rows, experts, input_rows[0])),
-                   smem_bytes(block_rows[0], input_rows[0]), ffn, hidden, 0, int(row_bytes[0])),
-            Launch(dn_name, (hidden // block_rows[1], max_row_tiles(routed_rows, experts, input_rows[1])),
-                   smem_bytes(block_rows[1], input_rows[1]), hidden, ffn, int(down_offset), int(row_bytes[1])))
+    return (Launch(gu_name, ffn // (block_rows[0] // 2), input_rows[0], smem_bytes(block_rows[0], input_rows[0]),
+                   ffn, hidden, 0, int(row_bytes[0])),
+            Launch(dn_name, hidden // block_rows[1], input_rows[1], smem_bytes(block_rows[1], input_rows[1]),
+                   hidden, ffn, int(down_offset), int(row_bytes[1])))
 
 
 def _load_module(cp: Any, options: tuple[str, ...]) -> Any:
@@ -161,11 +166,12 @@ class QuantMmaGEMM:
         mod = _MODULE.get(options)
         if mod is None:
             mod = _MODULE[options] = _load_module(cp, options)
-        self._gate_up, self._down = (mod.get_function(n)
-                                     for n in kernel_names(gate_up, down, self.block_rows, self.input_rows))
-        self._smem = tuple(smem_bytes(b, m) for b, m in zip(self.block_rows, self.input_rows))
-        for k, b in zip((self._gate_up, self._down), self._smem):
-            k.max_dynamic_shared_size_bytes = b
+        #: the (gate|up, down) launches' kernel names, tiles and arguments, and their functions
+        self._launches = launches(self.hidden, self.ffn, self.types, self._rows, self._down_offset, self.block_rows,
+                                  self.input_rows)
+        self._gate_up, self._down = (mod.get_function(ln.kernel) for ln in self._launches)
+        for fn, ln in zip((self._gate_up, self._down), self._launches):
+            fn.max_dynamic_shared_size_bytes = ln.smem_bytes
         self._streams: dict[int, Any] = {}
 
     def _stream(self, ptr: int) -> Any:
@@ -191,11 +197,10 @@ class QuantMmaGEMM:
         e_lo, e_hi = experts or (0, self.experts)
         if any(int(v) % 16 for v in (a, c, blob, slot_bytes)):
             raise ValueError("quant_mma: stacks, blob and slot bytes must be 16-byte aligned")
-        ln = launches(self.hidden, self.ffn, self.types, self._rows, self._down_offset, self.block_rows,
-                      self.input_rows, routed_rows, e_hi - e_lo)[which]
+        ln = self._launches[which]
         u64, i32, i64 = np.uint64, np.int32, np.int64
         with self._stream(int(stream_ptr)):
-            kernel(ln.grid, (THREADS,),
+            kernel(ln.grid(routed_rows, e_hi - e_lo), (THREADS,),
                    (u64(a), u64(blob), u64(c), *(u64(t) for t in tables), i32(ln.n), i32(ln.k), i64(slot_bytes),
                     i64(ln.mat_off), i64(ln.row_bytes), i32(e_lo), i32(e_hi)), shared_mem=ln.smem_bytes)
 
