@@ -250,7 +250,7 @@ def model_from_gguf(path: str | Path) -> ModelSpec:
         + (shared_expert_bytes_per_token(hidden) if any(n.endswith("_shexp.weight") for n in tensors) else 0),
         dense_bytes=dense, kv_bytes_per_token=_kv_bytes_per_token_f16(reader, arch, hidden),
         expert_ffn=ffn, quant=quant, vocab=int(vocab or _field(reader, f"{arch}.vocab_size") or 0),
-        source=f"gguf:{path}",
+        source=f"gguf:{path}", expert_pool=kind,
     )
     spec.validate(str(path))
     return spec

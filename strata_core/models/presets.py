@@ -79,6 +79,12 @@ def use_more_bits(layer: int, layers: int) -> bool:
     return layer < layers // 8 or layer >= 7 * layers // 8 or (layer - layers // 8) % 3 == 2
 
 
+def quant_types(quant: str) -> frozenset[str]:
+    """The expert types a quant name stores: a mix's types (Q4_K_M: Q4_K and Q6_K), else the quant itself."""
+    q = str(quant).upper()
+    return frozenset(MIXES.get(q, (q,)))
+
+
 def expert_types(quant: str, layer: int, layers: int) -> tuple[str, str]:
     """(gate and up type, down type) of one MoE layer's experts at a preset quant (a mix's per-layer choice)."""
     if quant in MIXES:

@@ -31,6 +31,7 @@ class ModelSpec:
     quant: str = "F16"
     vocab: int = 0
     source: str = "inline"          # 'preset', 'gguf:PATH', 'inline', 'tiny'
+    expert_pool: str = ""           # the pool its experts load into: 'f16', 'q8_0', 'gguf' ('': as quant implies)
 
     @property
     def experts_total(self) -> int:
@@ -75,7 +76,7 @@ class ModelSpec:
                 dense_bytes=int(d.get("dense_bytes", 0)), kv_bytes_per_token=int(d.get("kv_bytes_per_token", 0)),
                 expert_ffn=int(d.get("expert_ffn", 0)), arena_bytes=int(d.get("arena_bytes", 0)),
                 quant=str(d.get("quant", "F16")), vocab=int(d.get("vocab", 0)),
-                source=str(d.get("source", "inline")),
+                source=str(d.get("source", "inline")), expert_pool=str(d.get("expert_pool", "")),
             )
         except (TypeError, ValueError) as e:
             raise BadInput(f"{where}: {e}") from None

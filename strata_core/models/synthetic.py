@@ -51,7 +51,7 @@ def model_spec(name: str, layers: int, experts: int, top_k: int, hidden: int, ff
                      prompt_bytes_per_token=prompt_bytes_for(hidden, experts, top_k, ffn),
                      dense_bytes=device_dense_bytes(layers, experts, hidden, vocab), kv_bytes_per_token=0,
                      expert_ffn=ffn, quant={"f16": "F16", "q8_0": "Q8_0"}.get(dtype, quant or dtype.upper()),
-                     vocab=vocab, source=source)
+                     vocab=vocab, source=source, expert_pool=dtype)
 
 
 def generated_expert_formats(quant: str, layers: int, hidden: int, ffn: int) -> tuple[tuple[ExpertFormat, ...],

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from strata_core.models.presets import quant_types
 from strata_core.models.spec import ACTIVATION_BUFFERS, F32_BYTES
 
 #: A routed row's token index (int32) and routing weight (f32).
@@ -37,6 +38,17 @@ def chunk_buffer_bytes(chunk_tokens: int, hidden: int, experts: int, top_k: int,
 #: Expert quant types a 'gguf' pool keeps in the file's own bytes and a backend may compute through f16
 #: dequantization scratch (PlatformDefaults.dequant_scratch_bytes); F16, BF16 and Q8_0 need none of it here.
 SCRATCH_QUANTS = frozenset({"Q4_K", "Q5_K", "Q6_K", "MXFP4"})
+
+
+
+def uses_dequant_scratch(model) -> bool:
+    """Whether a model's experts are computed through the f16 scratch: a 'gguf' pool (a BF16 file's too), or where
+    the pool is not named, a quant in SCRATCH_QUANTS or a mix of them (Q4_K_M, Q5_K_M)."""
+    pool = str(getattr(model, "expert_pool", "") or "")
+    if pool:
+        return pool == "gguf"
+    return bool(quant_types(str(getattr(model, "quant", ""))) & SCRATCH_QUANTS)
+
 
 #: Bytes of one f16 weight.
 F16_BYTES = 2
@@ -87,10 +99,10 @@ def scratch_layout(hidden: int, ffn: int, experts: int, budget_bytes: int,
 
 def dequant_scratch_bytes(model, defaults) -> int:
     """Device bytes of a prefill's dequantization scratch, a part of the workspace line: for models whose experts
-    are in SCRATCH_QUANTS, what scratch_layout takes of the backend's budget (the budget itself where the expert
+    use it (uses_dequant_scratch), what scratch_layout takes of the backend's budget (the budget itself where the expert
     shape is unknown or the budget holds no piece); else 0."""
     budget = int(getattr(defaults, "dequant_scratch_bytes", 0) or 0)
-    if budget <= 0 or str(getattr(model, "quant", "")).upper() not in SCRATCH_QUANTS:
+    if budget <= 0 or not uses_dequant_scratch(model):
         return 0
     if model.hidden <= 0 or model.expert_ffn <= 0:
         return budget

@@ -23,6 +23,7 @@ from strata_core.runtime.devmem import Arena
 
 pytest.importorskip("cupy")  # strata_cuda.fast / layer_ops import without a GPU, but need cupy installed
 
+from strata_cuda.backend import plan_pool_dtype  # noqa: E402
 from strata_cuda.fast import CLASS_FLOOR_ROWS, FastMoE  # noqa: E402
 from strata_cuda.layer_ops import CudaLayerOps  # noqa: E402
 from strata_cuda.quant_ffn import SCRATCH_BUDGET_BYTES, scratch_layout  # noqa: E402
@@ -49,7 +50,7 @@ def _plan_ops(model):
                            gemm_mode="classes", class_floor=CLASS_FLOOR_ROWS)
     fast.stack_rows_bound = lambda t: FastMoE.stack_rows_bound(fast, t)
     fast.prefill_buffer_bytes = lambda t, d, s=0: FastMoE.prefill_buffer_bytes(fast, t, d, s)
-    return SimpleNamespace(_fast={shape: fast}, _plan_shape=shape, _plan_dtype="gguf",
+    return SimpleNamespace(_fast={shape: fast}, _plan_shape=shape, _plan_dtype=plan_pool_dtype(model),
                            _plan_slot_bytes=model.slot_bytes)
 
 
@@ -80,19 +81,21 @@ def test_the_scratch_layout_is_bounded_in_bytes_whole_experts_or_pieces():
 
 def test_the_planner_counts_the_cuda_scratch_in_the_workspace_line():
     assert SCRATCH_BUDGET_BYTES == DEQUANT_SCRATCH_BYTES  # QuantMoE's own budget is the plan's
-    for device, host, name in ((H200, HOST, "Qwen3-30B-A3B@Q4_K"), (RTX4060, HOST32, "Mixtral-8x7B@Q4_K")):
+    for device, host, name in ((H200, HOST, "Qwen3-30B-A3B@Q4_K"), (RTX4060, HOST32, "Mixtral-8x7B@Q4_K"),
+                               (H200, HOST, "Qwen3-30B-A3B@Q4_K_M"), (H200, HOST, "DeepSeek-V2-Lite@Q5_K_M")):
         plan = _plan(device, host, name)
         m = plan.model
         scratch = dequant_scratch_bytes(m, plan.defaults)
         layout = scratch_layout(m.hidden, m.expert_ffn, m.experts_per_layer, plan.defaults.dequant_scratch_bytes)
-        assert scratch == layout.nbytes <= DEQUANT_SCRATCH_BYTES, (name, scratch, layout)
+        assert 0 < scratch == layout.nbytes <= DEQUANT_SCRATCH_BYTES, (name, scratch, layout)
         assert plan.vram.workspace_bytes == plan.prompt.stream_min_tokens * m.prompt_bytes_per_token + scratch
     f16 = _plan(H200, HOST, "Qwen3-30B-A3B@F16")
     assert f16.vram.workspace_bytes == f16.prompt.stream_min_tokens * f16.model.prompt_bytes_per_token
 
 
 @pytest.mark.parametrize("device,host,name", [(H200, HOST, "Qwen3-30B-A3B@Q4_K"),
-                                              (RTX4060, HOST32, "Mixtral-8x7B@Q4_K")])
+                                              (RTX4060, HOST32, "Mixtral-8x7B@Q4_K"),
+                                              (H200, HOST, "Qwen3-30B-A3B@Q4_K_M")])
 def test_the_worst_layer_carves_with_its_scratch_fit_the_planned_workspace_and_loan(device, host, name):
     """Every planned chunk's carves, the dequantization scratch among them (worst_carves), land in the plan's
     workspace and that chunk's planned buffer slots, and a prompt just shorter than stream_min_tokens in the
@@ -108,3 +111,20 @@ def test_the_worst_layer_carves_with_its_scratch_fit_the_planned_workspace_and_l
     assert _fits(plan, owned, plan.vram.workspace_bytes, lent=False)
     short = plan.vram.workspace_bytes - dequant_scratch_bytes(plan.model, plan.defaults)
     assert not (all(_fits(plan, c, short) for c in chunks) and _fits(plan, owned, short, lent=False))
+
+
+def test_the_cuda_layer_ops_take_the_pool_the_model_loads_into():
+    """A mix preset (Q4_K_M: generated as a 'gguf' pool) and a BF16 GGUF file (a 'gguf' pool of bf16 rows) warm and
+    size 'gguf' layers, with the scratch planned; a BF16 preset (generated f16) an f16 one, without. On the H200
+    (2026-12-06) a Qwen3-30B-A3B@Q4_K_M run sized f16 layers: every layer's buffers came from outside the plan and
+    the measured peak was 2.37 GB over it."""
+    mix = model_from_name("Qwen3-30B-A3B@Q4_K_M")
+    assert plan_pool_dtype(mix) == "gguf" and dequant_scratch_bytes(mix, _plan(H200, HOST, mix.name).defaults) > 0
+    bf16 = model_from_name("Qwen3-30B-A3B@BF16")
+    assert plan_pool_dtype(bf16) == "f16"
+    defaults = _plan(H200, HOST, "Qwen3-30B-A3B@Q4_K").defaults
+    assert dequant_scratch_bytes(bf16, defaults) == 0
+    from dataclasses import replace
+    bf16_file = replace(bf16, expert_pool="gguf", source="gguf:/models/x-bf16.gguf")
+    assert plan_pool_dtype(bf16_file) == "gguf" and dequant_scratch_bytes(bf16_file, defaults) > 0
+    assert plan_pool_dtype(replace(mix, quant="Q8_0", expert_pool="")) == "q8_0"

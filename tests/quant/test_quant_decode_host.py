@@ -26,13 +26,15 @@ SHIM = FIBERS + "#define QD_HOST 1\n" + block_shim("qd")
 WRAPPERS = "extern \"C\" {\n" + "".join(rf"""
 void host_gate_up_{t}(unsigned gx, unsigned gy, const float* x, const float* logits, int E, int K,
                       const int* slot_map, int S, int H, int F, const unsigned char* blob, long long sb, long long rb,
-                      float* act, int* ids, float* w, int* slots) {{
-    qd_launch(gx, gy, [&] {{ strata_qd_gate_up_{t}(x, logits, E, K, slot_map, S, H, F, blob, sb, rb, act, ids, w,
-                                                   slots); }});
+                      const unsigned char* host, long long hb, float* act, int* ids, float* w, int* slots) {{
+    qd_launch(gx, gy, [&] {{ strata_qd_gate_up_{t}(x, logits, E, K, slot_map, S, H, F, blob, sb, rb, host, hb, act,
+                                                   ids, w, slots); }});
 }}
 void host_down_{t}(unsigned gx, const float* act, const float* w, const int* slots, int S, int K, int H, int F,
-                   const unsigned char* blob, long long sb, long long doff, long long rb, int acc, float* out) {{
-    qd_launch(gx, 1, [&] {{ strata_qd_down_{t}(act, w, slots, S, K, H, F, blob, sb, doff, rb, acc, out); }});
+                   const unsigned char* blob, long long sb, long long doff, long long rb, const unsigned char* host,
+                   long long hb, int acc, float* out) {{
+    qd_launch(gx, 1, [&] {{ strata_qd_down_{t}(act, w, slots, S, K, H, F, blob, sb, doff, rb, host, hb, acc,
+                                               out); }});
 }}
 """ for t in ("q4_k", "q5_k", "q6_k", "q8_0")) + "}\n"
 
@@ -45,9 +47,10 @@ def qd_lib(tmp_path_factory):
                               includes=[CUDA_DIR / "quants.cuh"])
 
 
-def host_decode(lib, x, logits, pool, slot_map, k, out0, pad: int = 0):
+def host_decode(lib, x, logits, pool, slot_map, k, out0, pad: int = 0, host=None):
     """One decode step through the host build, launched as QuantMoE launches it (decode_form 2): gate/up (routing
-    in every block), then down added to out0; the blob `pad` bytes off a 16-byte boundary. (out, ids, w, slots)."""
+    in every block), then down added to out0; the blob `pad` bytes off a 16-byte boundary; `host` the [E, row
+    bytes] rows a miss (slot -1) is read from, else none. (out, ids, w, slots)."""
     from strata_cuda.quant_ffn import DECODE_PAIRS, FAST_WARPS
     fmt = pool.fmt
     src = np.ascontiguousarray(pool.arrays["blob"])
@@ -61,12 +64,14 @@ def host_decode(lib, x, logits, pool, slot_map, k, out0, pad: int = 0):
     out = out0.copy()
     ll, i32, u = ctypes.c_longlong, ctypes.c_int, ctypes.c_uint
     rows = FAST_WARPS * DECODE_PAIRS
+    hp, hb = (pointer(host), ll(host.strides[0])) if host is not None else (ctypes.c_void_p(0), ll(0))
     getattr(lib, f"host_gate_up_{fmt.gate_up}")(
         u(-(-f // rows)), u(k), pointer(x), pointer(logits), i32(e), i32(k), pointer(slot_map), i32(blob.shape[0]), i32(h), i32(f),
-        pointer(blob), ll(blob.shape[1]), ll(fmt.gate_up_row_bytes), pointer(act), pointer(ids), pointer(w), pointer(slots))
+        pointer(blob), ll(blob.shape[1]), ll(fmt.gate_up_row_bytes), hp, hb, pointer(act), pointer(ids), pointer(w),
+        pointer(slots))
     getattr(lib, f"host_down_{fmt.down}")(
         u(-(-h // FAST_WARPS)), pointer(act), pointer(w), pointer(slots), i32(blob.shape[0]), i32(k), i32(h), i32(f), pointer(blob),
-        ll(blob.shape[1]), ll(fmt.down_offset), ll(fmt.down_row_bytes), i32(1), pointer(out))
+        ll(blob.shape[1]), ll(fmt.down_offset), ll(fmt.down_row_bytes), hp, hb, i32(1), pointer(out))
     return out, ids, w, slots
 
 
@@ -149,6 +154,43 @@ def test_a_routed_expert_outside_the_pool_makes_the_output_nan(qd_lib, files):
     slot_map[ids[1]] = 10_000
     out, _, _, _ = host_decode(qd_lib, x, logits, pool, slot_map, 2, out0)
     assert np.isnan(out).all()
+
+
+@pytest.mark.parametrize("case", ["q4_k-q6_k", "q8_0-q5_k"])
+def test_a_miss_is_read_from_the_host_rows_and_published_for_the_down_kernel(qd_lib, files, case):
+    """With a host base, a routed expert whose slot is -1 is read from the host rows (expert e at host + e * row
+    bytes, a stride unlike the pool's slots), its slot published as -2 - e, and the output is the reference's
+    over those rows: the decode step of a partly cached layer (CudaLayerOps._hosts gives the store's mapped rows)."""
+    kw, layer = CASES[case]
+    pool = read_moe_tensors(files[case]).experts.for_layer(layer)
+    fmt, e_n, k = pool.fmt, 8, 4
+    blob = pool.arrays["blob"]
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((1, fmt.hidden)).astype(np.float32)
+    logits = rng.standard_normal((1, e_n)).astype(np.float32)
+    want_ids, want_w = r64.route_topk(logits, k)
+    ids0 = want_ids[0]
+    # the layer's rows in expert order, 48 bytes more a row than a slot (16-byte aligned, as the wide loads need)
+    rows = np.zeros((e_n, blob.shape[1] + 48), np.uint8)
+    base = layer * e_n
+    rows[:, :blob.shape[1]] = blob[base:base + e_n]
+    slot_map = base + np.arange(e_n, dtype=np.int32)
+    slot_map[ids0[1::2]] = -1  # every other routed expert missed
+    blob_junk = blob.copy()
+    blob_junk[base + ids0[1::2]] = 0x55  # a read of a missed expert's stale slot would show
+    junk_pool = pool.with_arrays({"blob": blob_junk})
+    out0 = rng.standard_normal((1, fmt.hidden)).astype(np.float32)
+    out, ids, w, slots = host_decode(qd_lib, x, logits, junk_pool, slot_map, k, out0, host=rows)
+    assert np.array_equal(ids, ids0)
+    assert np.array_equal(slots, np.where(slot_map[ids0] < 0, -2 - ids0, slot_map[ids0]))
+    ys = r64.moe_grouped_ffn(np.repeat(x, k, 0), np.arange(k + 1), base + ids0, pool)
+    want = out0.astype(np.float64) + (want_w[0][:, None] * ys).sum(0)
+    err = r64.relative_error(out - out0, want - out0)
+    print(f"{case}: misses {ids0[1::2].tolist()} from the host rows, rel err {err:.2e}")
+    assert err <= BOUND, err
+    # without the host base the same misses are NaN, as before
+    out, _, _, slots = host_decode(qd_lib, x, logits, junk_pool, slot_map, k, out0)
+    assert np.isnan(out).all() and np.array_equal(slots, slot_map[ids0])
 
 
 def test_quant_decode_cu_compiles_with_nvrtc_and_keeps_its_loads_ahead_of_the_sums():

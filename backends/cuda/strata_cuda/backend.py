@@ -16,7 +16,7 @@ from strata_core import __version__
 from strata_core.api import (API_VERSION, Backend, DeviceCaps, DeviceInfo, DeviceSession, HostInfo, PinnedBudget,
                              PlatformDefaults, ProbeResult, hookimpl)
 from strata_core.errors import BadInput, StrataError
-from strata_core.planner.buffers import SCRATCH_QUANTS
+from strata_core.planner.buffers import uses_dequant_scratch
 
 from .cupy_device import CupyDeviceMemory, CupyPinnedAllocator
 from .kernels import CupyKernels
@@ -133,11 +133,19 @@ def cuda_layer_ops(session: DeviceSession, plan: Any = None) -> Any:
     shape, tokens = plan_shape(plan)
     model = getattr(plan, "model", None)
     layers = int(getattr(model, "moe_layers", 0) or 0)
-    quant = str(getattr(model, "quant", "")).upper()
-    dtype = "q8_0" if quant == "Q8_0" else "gguf" if quant in SCRATCH_QUANTS else "f16"
     return CudaLayerOps(session.memory, session.kernels, shape=shape, max_tokens=tokens, layers=layers,
-                        pool_dtype=dtype, slot_bytes=int(getattr(model, "slot_bytes", 0) or 0),
+                        pool_dtype=plan_pool_dtype(model), slot_bytes=int(getattr(model, "slot_bytes", 0) or 0),
                         pinned=getattr(session, "pinned", None))
+
+
+def plan_pool_dtype(model: Any) -> str:
+    """The expert pool's dtype ('f16', 'q8_0' or 'gguf') the plan's model loads into: the one it names, else what
+    its quant implies (a mix such as Q4_K_M is 'gguf': its presets once warmed and sized an f16 layer instead)."""
+    pool = str(getattr(model, "expert_pool", "") or "")
+    if pool:
+        return pool
+    quant = str(getattr(model, "quant", "")).upper()
+    return "q8_0" if quant == "Q8_0" else "gguf" if uses_dequant_scratch(model) else "f16"
 
 
 def plan_shape(plan: Any) -> tuple[tuple[int, int, int, int] | None, int]:

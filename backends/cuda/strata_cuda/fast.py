@@ -545,9 +545,12 @@ def _launcher(cupy: Any) -> Any:
 
 def _split_host(dtype: str, host: tuple[int, ...] | None) -> tuple[Any, Any]:
     """A layer's mapped host addresses as the gate/up and down kernels take them: f16 one address each, Q8_0 a
-    (quants, scales) pair each; 0 where the layer reads nothing from host memory."""
+    (quants, scales) pair each, 'gguf' (blob row 0, row bytes) each; 0 where the layer reads nothing from host
+    memory."""
     if not host:
         return 0, 0
+    if dtype == "gguf":  # one blob a row: (its address, the store's row bytes) for both kernels
+        return tuple(host), tuple(host)
     return (host[0], host[1]) if dtype != "q8_0" else ((host[0], host[1]), (host[2], host[3]))
 
 

@@ -50,7 +50,8 @@ from .fast import DECODE_HOST_ARRAYS
 EMPTY = -1
 #: The fused paths' formats (FastMoE's layouts).
 FUSED_DTYPES = ("f16", "q8_0")
-#: The formats decode_step runs as one graph replay (gguf: QuantMoE's GEMV kernels, every routed expert cached).
+#: The formats decode_step runs as one graph replay (gguf: QuantMoE's GEMV kernels, misses read from mapped host
+#: rows where quant_decode.cu's kernels take the format, else every routed expert cached).
 DECODE_DTYPES = ("f16", "q8_0", "gguf")
 #: CudaLayerOps.decode_admit_hotter's default (bench/link_trace_h200.py measures both)
 DECODE_ADMIT_HOTTER = True
@@ -520,9 +521,12 @@ class CudaLayerOps:
         none = [None] * len(works) if not has.any() else None
         store = getattr(works[0].source, "store", None)
         pinned = getattr(store, "pinned_rows", None)
-        names = DECODE_HOST_ARRAYS.get(getattr(getattr(store, "pool", None), "dtype", None))
+        dtype = getattr(getattr(store, "pool", None), "dtype", None)
+        names = DECODE_HOST_ARRAYS.get(dtype) or (("blob",) if dtype == "gguf" else None)
         if store is None or pinned is None or names is None or store.pool.dtype != works[0].pool.dtype:
-            return none  # gguf pools: the GEMV kernels read cached experts only (misses are refilled first)
+            return none
+        if dtype == "gguf" and not self._gguf_reads_host(works, store):
+            return none  # kernels that read cached experts only (misses are refilled first, or the step composed)
         pinned_here = pinned[rows].reshape(missing.shape)
         if np.any(missing & ~pinned_here):
             return None
@@ -543,9 +547,29 @@ class CudaLayerOps:
                 continue
             r0 = int(rows[i * missing.shape[1]])
             if r0 not in self._bases:
-                self._bases[r0] = tuple(int(a[r0].ctypes.data) for a in arrays)
+                # a 'gguf' blob: the address of the layer's expert 0 and the store's row bytes (the kernels' stride)
+                self._bases[r0] = ((int(arrays[0][r0].ctypes.data), int(arrays[0].strides[0])) if dtype == "gguf"
+                                   else tuple(int(a[r0].ctypes.data) for a in arrays))
             out.append(self._bases[r0])
         return out
+
+    def _gguf_reads_host(self, works: list[LayerWork], store: Any) -> bool:
+        """Whether every layer's QuantMoE reads its missed experts from the store's mapped rows (quant_decode.cu's
+        kernels for its format, the rows aligned as their loads need), decided once per set of layers."""
+        sig = tuple(id(w.router_w) for w in works)
+        got = self.__dict__.get("_gguf_host")
+        if got is None or got[0] != sig:
+            blob = store.pool.arrays["blob"]
+            ok = True
+            for w in works:
+                f = self._fast_for(w)
+                r0 = int(w.slots.row(w.layer, 0))
+                if f is None or not getattr(f, "reads_host_misses", lambda *a: False)(
+                        w.pool, int(blob[r0].ctypes.data), int(blob.strides[0])):
+                    ok = False
+                    break
+            self._gguf_host = got = (sig, ok)
+        return got[1]
 
     def _refill(self, works: list[LayerWork], maps: np.ndarray) -> bool:
         """Copy every missing expert back into a cache that can hold them all (behind a fence, on the copy stream,

@@ -1,5 +1,6 @@
 // One token's MoE layer straight from GGUF K-quant / Q8_0 expert blocks (issue 14 item 5, decode): QuantMoE's
-// decode_layer / decode_stack when every routed expert is cached. Two kernels a layer, as the f16 third forms of
+// decode_layer / decode_stack, a missed expert read from the page-locked store's mapped rows where the caller
+// gives their base (else every routed expert must be cached). Two kernels a layer, as the f16 third forms of
 // moe_fast.cu (FastMoE decode_form 6), whose ideas these port:
 //
 // - strata_qd_gate_up_<fmt>: routing once a block (every thread ranks the logits: no separate route kernel), then
@@ -15,9 +16,10 @@
 // f32 throughout; the activation is never quantized. x (and act) sits in shared memory in unit order, each unit's
 // eight 16-byte chunks XOR-swizzled by the unit's low bits, so the 8 lanes of a quarter-warp's 16-byte reads (8
 // consecutive units) hit distinct banks.
-// q4_k/q5_k read 16-byte words (the caller checks 16-byte alignment of the blob, slots and matrices; else it takes
-// quant_fast.cu's kernels); q6_k (210-byte blocks) and q8_0 (34) read aligned 4-byte words funnel-shifted into
-// place, never a word past the field's last byte. No biases (those formats take quant_fast.cu's kernels).
+// q4_k/q5_k read 16-byte words (the caller checks 16-byte alignment of the blob, slots, host rows and matrices;
+// else it takes quant_fast.cu's kernels); q6_k (210-byte blocks) and q8_0 (34) read aligned 4-byte words
+// funnel-shifted into place, never a word past the field's last byte. No biases (those formats take
+// quant_fast.cu's kernels).
 // Sizes: H <= QD_MAX_H, K * F <= QD_MAX_KF, K <= 16, E <= 256 (QuantMoE checks; else quant_fast.cu's kernels).
 
 #define STRATA_QUANTS_NO_TEST_KERNEL
@@ -377,13 +379,16 @@ __device__ __forceinline__ float qd_warp_sum(float v) {
 // act[k, f] = silu(x . Wg_f) * (x . Wu_f) for the expert of rank k = blockIdx.y (routed from logits here), a warp
 // a row pair f, the warps striding over F; H / 32 units a row, a lane taking units lane, lane + 32, ... in trips
 // of QD_GU_UNITS (units past the row re-read the last one and count zero: the same loads in every lane, no
-// branch between them). Block (0,0) writes ids, w (softmax over the K logits) and slots (slot_map[id]). A routed
-// slot outside [0, n_slots): that expert's act is NaN (decode: every routed expert must be cached).
+// branch between them). Block (0,0) writes ids, w (softmax over the K logits) and slots (slot_map[id]). A miss
+// (slot -1) with a `host` base is read from mapped host memory, expert e at host + e * host_bytes (the layer's
+// rows of the page-locked store: a miss costs the link its bytes, not a step on the composed path), and published
+// as slot -2 - e for the down kernel. A routed slot outside [0, n_slots) otherwise: that expert's act is NaN.
 template <int FMT>
 __device__ __forceinline__ void qd_gate_up(const float* __restrict__ x, const float* __restrict__ logits, int E,
                                            int K, const int* __restrict__ slot_map, int n_slots, int H, int F,
                                            const unsigned char* __restrict__ blob, long long slot_bytes,
-                                           long long rb, float* __restrict__ act, int* __restrict__ ids_out,
+                                           long long rb, const unsigned char* __restrict__ host, long long host_bytes,
+                                           float* __restrict__ act, int* __restrict__ ids_out,
                                            float* __restrict__ w_out, int* __restrict__ slots_out) {
     typedef QdFmt<FMT> Fm;
     __shared__ float s_l[QD_THREADS];
@@ -407,10 +412,12 @@ __device__ __forceinline__ void qd_gate_up(const float* __restrict__ x, const fl
         for (int q = 0; q < K; ++q) s += expf(s_lg[q] - top0);
         ids_out[r] = s_sel[r];
         w_out[r] = expf(s_lg[r] - top0) / s;
-        slots_out[r] = slot_map[s_sel[r]];
+        const int sr = slot_map[s_sel[r]];
+        slots_out[r] = sr < 0 && host != nullptr ? -2 - s_sel[r] : sr;
     }
-    const bool bad = slot < 0 || slot >= n_slots;
-    const unsigned char* w = blob + (bad ? 0 : slot) * slot_bytes;
+    const bool from_host = slot < 0 && host != nullptr;
+    const bool bad = !from_host && (slot < 0 || slot >= n_slots);
+    const unsigned char* w = from_host ? host + (long long)e * host_bytes : blob + (bad ? 0 : slot) * slot_bytes;
     for (int f = blockIdx.x * QD_WARPS + warp; f < F; f += gridDim.x * QD_WARPS) {
         if (bad) {
             if (lane == 0) act[(long long)k * F + f] = __int_as_float(0x7fc00000);
@@ -451,12 +458,14 @@ __device__ __forceinline__ void qd_gate_up(const float* __restrict__ x, const fl
 
 // out[h] = (accumulate ? out[h] : 0) + sum_k w_k (act_k . Wd[slot_k]_h), a warp a hidden row h (grid
 // ceil(H / QD_WARPS)); the K * F / 32 (expert, unit) pairs flat over the lanes, QD_DN_UNITS a trip. ids, w and
-// slots are the gate/up kernel's. A routed slot outside the pool: out[h] NaN.
+// slots are the gate/up kernel's (slot -2 - e: expert e read at host + e * host_bytes). A routed slot outside the
+// pool otherwise: out[h] NaN.
 template <int FMT>
 __device__ __forceinline__ void qd_down(const float* __restrict__ act, const float* __restrict__ wts,
                                         const int* __restrict__ slots, int n_slots, int K, int H, int F,
                                         const unsigned char* __restrict__ blob, long long slot_bytes,
-                                        long long down_off, long long rb, int accumulate, float* __restrict__ out) {
+                                        long long down_off, long long rb, const unsigned char* __restrict__ host,
+                                        long long host_bytes, int accumulate, float* __restrict__ out) {
     typedef QdFmt<FMT> Fm;
     __shared__ const unsigned char* s_base[QD_MAXK];
     __shared__ float s_w[QD_MAXK];
@@ -471,8 +480,11 @@ __device__ __forceinline__ void qd_down(const float* __restrict__ act, const flo
     __syncthreads();
     if (threadIdx.x < K) {
         const long long slot = slots[threadIdx.x];
-        if (slot < 0 || slot >= n_slots) s_bad = 1;
-        s_base[threadIdx.x] = blob + (slot < 0 || slot >= n_slots ? 0 : slot) * slot_bytes + down_off;
+        const bool from_host = slot <= -2 && host != nullptr;
+        const bool bad = !from_host && (slot < 0 || slot >= n_slots);
+        if (bad) s_bad = 1;
+        s_base[threadIdx.x] = (from_host ? host + (-2 - slot) * host_bytes : blob + (bad ? 0 : slot) * slot_bytes)
+                              + down_off;
         s_w[threadIdx.x] = wts[threadIdx.x];
     }
     __syncthreads();
@@ -513,17 +525,20 @@ __device__ __forceinline__ void qd_down(const float* __restrict__ act, const flo
     strata_qd_gate_up_##SUFFIX(const float* __restrict__ x, const float* __restrict__ logits, int E, int K,        \
                                const int* __restrict__ slot_map, int n_slots, int H, int F,                        \
                                const unsigned char* __restrict__ blob, long long slot_bytes, long long rb,         \
+                               const unsigned char* __restrict__ host, long long host_bytes,                       \
                                float* __restrict__ act, int* __restrict__ ids_out, float* __restrict__ w_out,      \
                                int* __restrict__ slots_out) {                                                      \
-        qd_gate_up<FMT>(x, logits, E, K, slot_map, n_slots, H, F, blob, slot_bytes, rb, act, ids_out, w_out,       \
-                        slots_out);                                                                                \
+        qd_gate_up<FMT>(x, logits, E, K, slot_map, n_slots, H, F, blob, slot_bytes, rb, host, host_bytes, act,     \
+                        ids_out, w_out, slots_out);                                                                \
     }                                                                                                              \
     extern "C" __global__ void __launch_bounds__(QD_THREADS, 2)                                                    \
     strata_qd_down_##SUFFIX(const float* __restrict__ act, const float* __restrict__ wts,                          \
                             const int* __restrict__ slots, int n_slots, int K, int H, int F,                       \
                             const unsigned char* __restrict__ blob, long long slot_bytes, long long down_off,      \
-                            long long rb, int accumulate, float* __restrict__ out) {                               \
-        qd_down<FMT>(act, wts, slots, n_slots, K, H, F, blob, slot_bytes, down_off, rb, accumulate, out);          \
+                            long long rb, const unsigned char* __restrict__ host, long long host_bytes,            \
+                            int accumulate, float* __restrict__ out) {                                             \
+        qd_down<FMT>(act, wts, slots, n_slots, K, H, F, blob, slot_bytes, down_off, rb, host, host_bytes,          \
+                     accumulate, out);                                                                             \
     }
 
 QD_KERNELS(q4_k, DQ_TYPE_Q4_K)

@@ -977,6 +977,13 @@ class QuantMoE(FastMoE):
         return (self.quant_decode_form == 2 and (x is None or int(x.data.ptr) % 16 == 0)
                 and decode_kernels_take(pool.fmt, self.experts, self.top_k, int(blob.data.ptr), int(blob.shape[1])))
 
+    def reads_host_misses(self, pool: ExpertPool, host_ptr: int, host_bytes: int) -> bool:
+        """Whether a decode step over this 'gguf' pool can read its missed experts from mapped host rows at
+        host_ptr, host_bytes apart (quant_decode.cu's kernels, with the 16-byte alignment their wide loads take)."""
+        if pool.dtype != "gguf" or not self._decode_two(pool):
+            return False
+        return decode_kernels_take(pool.fmt, self.experts, self.top_k, int(host_ptr), int(host_bytes))
+
     def _qd_launch(self, name: str, grid: tuple, args: tuple) -> None:
         """A quant_decode.cu kernel on the current stream: a programmatic dependent launch when decode_pdl is on."""
         if self._qd is None:
@@ -992,24 +999,29 @@ class QuantMoE(FastMoE):
 
     def _gate_up(self, x: Any, logits: Any, pool: ExpertPool, slot_map: Any, refill_from: Any, skip_missing: int,
                  host_w13: int = 0, ids_out: Any = None, w_out: Any = None, **third: Any) -> None:
-        # third: FastMoE's third-form arguments (land, host_w2), which 'gguf' pools never take (no host reads)
+        # third: FastMoE's third-form arguments (land), which 'gguf' pools never take; host_w13: (mapped host
+        # address of the layer's expert 0, row bytes) where misses are read from host memory (reads_host_misses)
         if pool.dtype != "gguf":
             return super()._gate_up(x, logits, pool, slot_map, refill_from, skip_missing, host_w13, ids_out, w_out,
                                     **third)
-        if refill_from is not None or skip_missing or host_w13:
-            raise NotImplementedError("QuantMoE decode: every routed expert must be cached (no host reads)")
+        if refill_from is not None or skip_missing:
+            raise NotImplementedError("QuantMoE decode: misses are read from mapped host rows or not at all")
         b = self.decode_buffers()
         ids, w = (b["ids"], b["w"]) if ids_out is None else (ids_out, w_out)
         fmt, blob = pool.fmt, pool.arrays["blob"]
         h, f = self.hidden, self.ffn
+        host, host_bytes = host_w13 if host_w13 else (0, 0)
         if self._decode_two(pool, x):
             # routing in every block, the routed slots published in b["slots"] for _down (read in stream order)
             rows = FAST_WARPS * DECODE_PAIRS
             self._qd_launch(f"strata_qd_gate_up_{fmt.gate_up}", ((f + rows - 1) // rows, self.top_k),
                             (x, logits, np.int32(self.experts), np.int32(self.top_k), slot_map,
                              np.int32(blob.shape[0]), np.int32(h), np.int32(f), blob, np.int64(blob.shape[1]),
-                             np.int64(fmt.gate_up_row_bytes), b["act"], ids, w, b["slots"]))
+                             np.int64(fmt.gate_up_row_bytes), np.uint64(host), np.int64(host_bytes), b["act"], ids,
+                             w, b["slots"]))
             return
+        if host:
+            raise NotImplementedError("QuantMoE decode: quant_fast.cu's kernels read cached experts only")
         self._k["strata_fast_route"]((1,), (256,), (logits, np.int32(1), np.int32(self.experts),
                                                    np.int32(self.top_k), ids, w))
         self._qk["strata_qf_gemv_gate_up"](
@@ -1023,18 +1035,22 @@ class QuantMoE(FastMoE):
         if pool.dtype != "gguf":
             return super()._down(pool, slot_map, only_missing_in, skip_missing, out, host_w2, accumulate, ids, w,
                                  **third)
-        if only_missing_in is not None or skip_missing or host_w2:
-            raise NotImplementedError("QuantMoE decode: every routed expert must be cached (no host reads)")
+        if only_missing_in is not None or skip_missing:
+            raise NotImplementedError("QuantMoE decode: misses are read from mapped host rows or not at all")
         b = self.decode_buffers()
         ids, w = (b["ids"], b["w"]) if ids is None else (ids, w)
         fmt, blob = pool.fmt, pool.arrays["blob"]
         h, f = self.hidden, self.ffn
+        host, host_bytes = host_w2 if host_w2 else (0, 0)
         if self._decode_two(pool):
             self._qd_launch(f"strata_qd_down_{fmt.down}", ((h + FAST_WARPS - 1) // FAST_WARPS,),
                             (b["act"], w, b["slots"], np.int32(blob.shape[0]), np.int32(self.top_k), np.int32(h),
                              np.int32(f), blob, np.int64(blob.shape[1]), np.int64(fmt.down_offset),
-                             np.int64(fmt.down_row_bytes), np.int32(accumulate), out))
+                             np.int64(fmt.down_row_bytes), np.uint64(host), np.int64(host_bytes),
+                             np.int32(accumulate), out))
             return
+        if host:
+            raise NotImplementedError("QuantMoE decode: quant_fast.cu's kernels read cached experts only")
         name, rows = (("strata_qf_decode_down_wide", DECODE_DOWN_ROWS) if self.decode_down_wide
                       else ("strata_qf_decode_down", FAST_WARPS))
         self._qk[name](
