@@ -161,15 +161,19 @@ WARM_DEVICE = False
 #: (0.848 at 256) but down to 0.653 (0.627 at 256; its q6_k decode spills at 128 registers), and the fused layer at
 #: 128 x 128 1.693 ms a layer back to back against 1.493 host-synced (s16_h200/call7_). Still off. Those builds had
 #: every wgmma serialized by ptxas (C7518: a wait after each), which is why the decode never overlapped; fixed since
-#: (quant_mma.cu's qm_kernel), not yet measured on the H200 (bench/calls/s17_a.sh, s17_b.sh).
+#: (quant_mma.cu's qm_kernel). Measured since on an H100 (bench/results/s19_h100/call1_quant_layer_h200.json, one
+#: call): at 128 x 128 weight rows with 256-row input blocks the fused layer took 1.516 ms (1.55x f16), 1.448 back
+#: to back (1.524x), against 1.674 / 1.635 (1.71x / 1.72x) host-synced: faster, still over issue 14's 1.5x. Still
+#: off until every GPU test runs at those defaults in one call (bench/calls/s17_b.sh, with the shapes below).
 WARM_FUSED = False
 #: The fused GEMMs of warm_fused: "mma", quant_mma.cu's tensor-core kernels (q4_k and q6_k rows: each weight decoded
 #: once per block into a shared f16 tile between the MMAs of the step before), or "triton" (triton_moe.DeviceQuantGEMM,
 #: above). Where the chosen kernels do not take the format (or cannot be built) the layer has no fused GEMMs and
 #: takes the scratch path: Triton's fused kernels measured slower than it, so "mma" does not fall back to them.
 FUSED_KERNEL = "mma"
-#: quant_mma's (gate|up, down) weight rows a block: 256 (a block an SM; every arch has it). On the H200 128 for gate|up
-#: measured faster (above), but that pair has not run through the layer's tests yet.
+#: quant_mma's (gate|up, down) weight rows a block: 256 (a block an SM; every arch has it). The fastest pair measured
+#: (above, H100) is 128 x 128 with FUSED_INPUT_ROWS (256, 256); test_quant_mma runs every shape, the layer's tests
+#: not yet at that pair as the default.
 FUSED_BLOCK_ROWS = (256, 256)
 #: quant_mma's (gate|up, down) input rows a block (quant_mma.SHAPES: 256 with 128 weight rows, sm_90a only).
 FUSED_INPUT_ROWS = (128, 128)
