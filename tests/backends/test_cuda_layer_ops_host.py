@@ -311,3 +311,34 @@ def test_a_reservation_not_landed_expires_and_a_prompt_gives_every_reservation_b
     op.prefill_layer(works[0])
     assert not op._landing and not cache.on_loan.any()
     cache.check()
+
+
+@pytest.mark.parametrize("reads", [True, False])
+def test_gguf_layers_get_the_stores_mapped_rows_only_where_their_quant_moe_reads_host_misses(op, reads):
+    """CudaLayerOps._hosts over a 'gguf' store: each layer's host base is (the address of its expert 0's row, the
+    store's row bytes), the stride quant_decode.cu reads a miss at, when every layer's QuantMoE says it reads host
+    misses (reads_host_misses, asked with that address and stride); otherwise no host rows (the step is refilled or
+    composed). The GPU run of the same is tests/gpu/test_quant_cuda.py's decode test at "half"."""
+    from strata_core.runtime.store import ExpertStore
+    row_bytes = 96
+    blob = np.zeros((L * E, row_bytes), np.uint8)
+    store = ExpertStore(ExpertPool("gguf", {"blob": blob}, ()), L, E)
+    store.pinned_rows[:] = True
+    asked = []
+    op._test_fast.reads_host_misses = lambda pool, ptr, nbytes: asked.append((ptr, nbytes)) or reads
+    op._test_fast.host_mapping_report = lambda ptrs: [{"host_ptr": p, "device_ptr": p} for p in ptrs]
+    cache = ExpertCache(L * E // 2, L, E)
+    works = step_works(cache, Dev(np.zeros((1, H), np.float32)))
+    dev_pool = ExpertPool("gguf", {"blob": Dev(np.zeros((cache.slots, row_bytes), np.uint8))}, ())
+    for w in works:
+        w.pool, w.source = dev_pool, SimpleNamespace(store=store)
+    rows = np.concatenate([cache.row(w.layer, np.arange(E)) for w in works])
+    missing = np.zeros((L, E), bool)
+    missing[0, 1] = True
+    got = op._hosts(works, op._test_fast, rows, missing)
+    base = blob.ctypes.data
+    assert asked[0] == (base + int(cache.row(0, 0)) * row_bytes, row_bytes)
+    if reads:
+        assert got == [(base + int(cache.row(w.layer, 0)) * row_bytes, row_bytes) for w in works]
+    else:
+        assert got is None  # a miss the kernels cannot read from host memory
