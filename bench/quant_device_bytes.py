@@ -43,6 +43,7 @@ def main() -> int:
     cp.zeros(1)  # the context, before the baseline (a session has one before it plans)
     steps: list[dict] = []
     errors: list[str] = []
+    keep: list = []  # what each step built, alive to the end (a freed module or buffer would not be counted)
 
     def step(name: str, fn) -> None:
         before = used_bytes(cp)
@@ -55,7 +56,6 @@ def main() -> int:
         steps.append({"step": name, "device_bytes": after - before})
         print(f"{name}: {after - before:,} bytes", flush=True)
 
-    keep: list = []
     step("quant_fast.cu module", lambda: quant_ffn.fast_kernels(cp))
     step("quant_decode.cu module", lambda: quant_ffn.decode_kernels(cp))
     step("quant_mma.cu module (sm_90a)", lambda: quant_mma._load_module(cp, ()))

@@ -115,8 +115,8 @@ def test_the_worst_layer_carves_with_its_scratch_fit_the_planned_workspace_and_l
 
 def test_the_cuda_layer_ops_take_the_pool_the_model_loads_into():
     """A mix preset (Q4_K_M: generated as a 'gguf' pool) and a BF16 GGUF file (a 'gguf' pool of bf16 rows) warm and
-    size 'gguf' layers, with the scratch planned; a BF16 preset (generated f16) an f16 one, without. On the H200
-    (2026-12-06) a Qwen3-30B-A3B@Q4_K_M run sized f16 layers: every layer's buffers came from outside the plan and
+    size 'gguf' layers, with the scratch planned; a BF16 preset (generated f16) an f16 one, without. On an H100
+    (2026-12-06, bench/results/s19_h100/call2_) a Qwen3-30B-A3B@Q4_K_M run sized f16 layers: every layer's buffers came from outside the plan and
     the measured peak was 2.37 GB over it."""
     mix = model_from_name("Qwen3-30B-A3B@Q4_K_M")
     assert plan_pool_dtype(mix) == "gguf" and dequant_scratch_bytes(mix, _plan(H200, HOST, mix.name).defaults) > 0

@@ -15,7 +15,7 @@ import pytest
 from strata_core.models.gguf import q4_k_m_down_types, read_moe_tensors, write_moe_gguf
 from strata_core.testing import reference64 as r64
 
-from .test_fast_paths import workspace
+from .test_fast_paths import pinned, workspace
 
 pytestmark = [pytest.mark.gpu, pytest.mark.requires_cuda]
 
@@ -126,8 +126,7 @@ def test_quant_moe_layer_warm_cold_and_decode_match_the_float64_reference(tmp_pa
     dev_blob = cp.full((ring0 + ring_n, blob_h.shape[1]), 255, cp.uint8)
     dev_blob[:ring0] = cp.asarray(blob_h)
     pool = lp.with_arrays({"blob": dev_blob})
-    mem = cp.cuda.alloc_pinned_memory(e_n * blob_h.shape[1])
-    host_blob = np.frombuffer(mem, np.uint8, e_n * blob_h.shape[1]).reshape(e_n, -1)
+    host_blob = pinned(cp, (e_n, blob_h.shape[1]), np.uint8)
     host_blob[:] = blob_h[layer * e_n:(layer + 1) * e_n]
     host_pool = ExpertPool("gguf", {"blob": host_blob})
     rng = np.random.default_rng(21)
@@ -193,17 +192,16 @@ def test_cuda_layer_ops_run_a_gguf_prefill_on_the_quant_moe_path(tmp_path):
     host_file = read_moe_tensors(path).experts
     layers, e_n, k = 3, 8, 2
     blob_h = host_file.arrays["blob"]
-    mem = cp.cuda.alloc_pinned_memory(blob_h.nbytes)
-    pinned = np.frombuffer(mem, np.uint8, blob_h.size).reshape(blob_h.shape)
-    pinned[:] = blob_h
-    host = host_file.with_arrays({"blob": pinned})
+    blob_p = pinned(cp, blob_h.shape, np.uint8)
+    blob_p[:] = blob_h
+    host = host_file.with_arrays({"blob": blob_p})
     n_slots = layers * e_n // 2 + 8
     cache = ExpertCache(n_slots, layers, e_n)
     dev = host.with_arrays({"blob": cp.full((n_slots, blob_h.shape[1]), 255, cp.uint8)})
     rng = np.random.default_rng(31)
     placed = rng.permutation(layers * e_n)[: layers * e_n // 2]
     got = cache.place(placed)
-    dev.arrays["blob"][cp.asarray(got)] = cp.asarray(pinned[placed[: got.size]])
+    dev.arrays["blob"][cp.asarray(got)] = cp.asarray(blob_p[placed[: got.size]])
     store = ExpertStore(host, layers, e_n)
     store.pinned_rows[:] = True
     dm = CupyDeviceMemory(0)
@@ -266,8 +264,7 @@ def test_cuda_layer_ops_decode_a_gguf_model_as_graph_replays_per_format(tmp_path
     host_file = read_moe_tensors(path).experts
     layers, e_n, k = 3, 8, 2
     blob_h = host_file.arrays["blob"]
-    mem = cp.cuda.alloc_pinned_memory(blob_h.nbytes)
-    blob_p = np.frombuffer(mem, np.uint8, blob_h.size).reshape(blob_h.shape)
+    blob_p = pinned(cp, blob_h.shape, np.uint8)
     blob_p[:] = blob_h
     host = host_file.with_arrays({"blob": blob_p})
     rng = np.random.default_rng(41)

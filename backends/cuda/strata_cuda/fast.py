@@ -550,7 +550,7 @@ def _split_host(dtype: str, host: tuple[int, ...] | None) -> tuple[Any, Any]:
     if not host:
         return 0, 0
     if dtype == "gguf":  # one blob a row: (its address, the store's row bytes) for both kernels
-        return tuple(host), tuple(host)
+        return host, host
     return (host[0], host[1]) if dtype != "q8_0" else ((host[0], host[1]), (host[2], host[3]))
 
 

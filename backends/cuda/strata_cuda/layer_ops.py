@@ -554,20 +554,19 @@ class CudaLayerOps:
         return out
 
     def _gguf_reads_host(self, works: list[LayerWork], store: Any) -> bool:
-        """Whether every layer's QuantMoE reads its missed experts from the store's mapped rows (quant_decode.cu's
-        kernels for its format, the rows aligned as their loads need), decided once per set of layers."""
+        """Whether every layer's QuantMoE (its run of _decode_runs) reads its missed experts from the store's mapped
+        rows (quant_decode.cu's kernels for its format, the rows aligned as their loads need), decided once per set
+        of layers."""
         sig = tuple(id(w.router_w) for w in works)
         got = self.__dict__.get("_gguf_host")
         if got is None or got[0] != sig:
             blob = store.pool.arrays["blob"]
-            ok = True
-            for w in works:
-                f = self._fast_for(w)
-                r0 = int(w.slots.row(w.layer, 0))
-                if f is None or not getattr(f, "reads_host_misses", lambda *a: False)(
-                        w.pool, int(blob[r0].ctypes.data), int(blob.strides[0])):
-                    ok = False
-                    break
+            runs = self._decode_runs(works) or ()
+            ok = bool(runs)
+            for f, a, b in runs:
+                for w in works[a:b]:
+                    r0 = int(w.slots.row(w.layer, 0))
+                    ok = ok and f.reads_host_misses(w.pool, int(blob[r0].ctypes.data), int(blob.strides[0]))
             self._gguf_host = got = (sig, ok)
         return got[1]
 
